@@ -1,0 +1,182 @@
+//! Commands (the payload of a Raft log entry) and what applying one returns.
+//!
+//! A command carries `now_ms`, the leader's wall-clock time when it proposed the entry. The table stores it
+//! only for display (granted-at, opened-at); no decision in the table depends on it, so a clock jump on a
+//! leader can make a display odd but can never change who holds a lock.
+
+use crate::types::{FencingToken, LockName, RequestId, SessionId};
+use serde::{Deserialize, Serialize};
+
+/// How an acquire behaves when the lock is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AcquireMode {
+    /// Refuse at once, describing the current holder.
+    Try,
+    /// Join the lock's FIFO queue. The server removes the waiter with [`Command::CancelWait`] when the
+    /// client's deadline passes.
+    Wait,
+}
+
+/// One state change. Every variant is one log entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Open a session. `nonce` is chosen by the client so a retried open returns the same session.
+    OpenSession {
+        nonce: u128,
+        ttl_ms: u64,
+        now_ms: u64,
+    },
+    /// The client closes its session: its locks are released and its waits removed.
+    CloseSession { session: SessionId, now_ms: u64 },
+    /// The leader saw no keepalive for a full TTL: same effect as a close.
+    ExpireSession { session: SessionId, now_ms: u64 },
+    Acquire {
+        session: SessionId,
+        request: RequestId,
+        name: LockName,
+        mode: AcquireMode,
+        now_ms: u64,
+    },
+    /// Release requires the token of the current grant, so a late release from an old grant changes nothing.
+    Release {
+        session: SessionId,
+        request: RequestId,
+        name: LockName,
+        token: FencingToken,
+        now_ms: u64,
+    },
+    /// Remove the waiter that `request` (the acquire's request id) created. If the waiter was granted the
+    /// lock before this entry, the outcome is that grant: the log order decides the race.
+    CancelWait {
+        session: SessionId,
+        request: RequestId,
+        name: LockName,
+        now_ms: u64,
+    },
+}
+
+impl Command {
+    pub fn now_ms(&self) -> u64 {
+        match self {
+            Command::OpenSession { now_ms, .. }
+            | Command::CloseSession { now_ms, .. }
+            | Command::ExpireSession { now_ms, .. }
+            | Command::Acquire { now_ms, .. }
+            | Command::Release { now_ms, .. }
+            | Command::CancelWait { now_ms, .. } => *now_ms,
+        }
+    }
+}
+
+/// The result of applying a command. Refusals are normal values, not errors: they are replicated outcomes
+/// that every replica computes identically.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    SessionOpened {
+        session: SessionId,
+        ttl_ms: u64,
+    },
+    /// The session ended; `released` locks passed to their next waiter or became free.
+    SessionClosed {
+        released: u32,
+    },
+    Granted {
+        token: FencingToken,
+    },
+    /// Waiting in the FIFO queue at `position` (1 = next).
+    Queued {
+        position: u32,
+    },
+    Released,
+    /// The waiter was removed before it was granted.
+    Cancelled,
+    Refused(Refusal),
+}
+
+/// Why a command changed nothing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Refusal {
+    /// The session does not exist: never opened, closed, or expired.
+    UnknownSession,
+    /// A try-acquire found the lock held.
+    Held {
+        holder: SessionId,
+        token: FencingToken,
+    },
+    /// The session already holds this lock (under another request id).
+    AlreadyHolder {
+        token: FencingToken,
+    },
+    /// The session already waits for this lock (under another request id).
+    AlreadyWaiting,
+    /// A release by a session that does not hold the lock.
+    NotHolder,
+    /// A release with a token that is not the current grant's.
+    StaleToken {
+        current: FencingToken,
+    },
+    /// A cancel for a wait that does not exist.
+    NotWaiting,
+    /// A session TTL outside the limits.
+    InvalidTtl {
+        ttl_ms: u64,
+    },
+    LimitExceeded(Limit),
+    /// The request id is older than the session's deduplication window: its first outcome is forgotten,
+    /// so it is refused rather than executed a second time.
+    RequestIdTooOld,
+}
+
+/// A limit from [`crate::limits`], named in a refusal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Limit {
+    LocksPerSession,
+    WaitersPerLock,
+    Sessions,
+    Locks,
+}
+
+impl Limit {
+    /// The name used in error messages and docs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Limit::LocksPerSession => "max_locks_per_session",
+            Limit::WaitersPerLock => "max_waiters_per_lock",
+            Limit::Sessions => "max_sessions",
+            Limit::Locks => "max_locks",
+        }
+    }
+
+    pub fn value(self) -> usize {
+        use crate::limits::*;
+        match self {
+            Limit::LocksPerSession => MAX_LOCKS_PER_SESSION,
+            Limit::WaitersPerLock => MAX_WAITERS_PER_LOCK,
+            Limit::Sessions => MAX_SESSIONS,
+            Limit::Locks => MAX_LOCKS,
+        }
+    }
+}
+
+/// Side effects of an apply that the server reacts to (wake a waiting acquire, stop a session's timer).
+/// Drained with [`crate::LockTable::take_events`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A waiter was promoted to holder.
+    Granted {
+        name: LockName,
+        session: SessionId,
+        request: RequestId,
+        token: FencingToken,
+    },
+    /// A waiter left its queue without being granted (cancelled, or its session ended).
+    WaiterRemoved {
+        name: LockName,
+        session: SessionId,
+        request: RequestId,
+    },
+    /// A session was opened.
+    SessionOpened { session: SessionId, ttl_ms: u64 },
+    /// A session was closed or expired.
+    SessionEnded { session: SessionId },
+}

@@ -1,0 +1,36 @@
+//! The Holdfast lock table: a pure, deterministic state machine.
+//!
+//! Every replica applies the same committed log entries, in the same order, to a [`LockTable`], so every
+//! replica holds the same table (property P2). To make that true by construction this crate has
+//! **no clock, no randomness, no I/O and no async runtime**: time enters only as `now_ms`, a value the
+//! leader stamped into the [`Command`] before proposing it, and fencing tokens and session ids are the
+//! Raft log index of the entry that created them, which the caller passes to [`LockTable::apply`].
+//!
+//! Layout:
+//! - [`types`]: newtypes for identities (`SessionId`, `LockName`, `FencingToken`, `GroupId`, `RequestId`).
+//! - [`limits`]: every bound the table enforces, with the reason for each number.
+//! - [`command`]: the commands (log entry payloads) and their outcomes.
+//! - [`table`]: the state and `apply`, plus read-only views for describe/list.
+//! - [`snapshot`]: a versioned, checksummed encoding of the whole table and its digest.
+//! - [`name`]: lock-name rules and the stable name → group hash.
+//!
+//! Invariants (checked by `LockTable::check_invariants`, used by tests and simulations):
+//! - a lock has at most one holder, and the holder's session exists and lists the lock as held;
+//! - a session never both holds and waits for the same lock, and never waits twice in one queue;
+//! - tokens are log indexes, so they strictly increase per lock and are never 0.
+
+pub mod command;
+pub mod limits;
+pub mod name;
+pub mod snapshot;
+pub mod table;
+pub mod types;
+
+pub use command::{AcquireMode, Command, Event, Outcome, Refusal};
+pub use name::{group_for, validate_name, NameError};
+pub use snapshot::SnapshotError;
+pub use table::{HolderView, LockTable, LockView, SessionView, WaiterView};
+pub use types::{FencingToken, GroupId, LockName, RequestId, SessionId};
+
+#[cfg(test)]
+mod tests;

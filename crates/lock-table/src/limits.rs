@@ -1,0 +1,42 @@
+//! Every bound the lock table enforces. Exceeding one gives a [`crate::Refusal::LimitExceeded`] naming it
+//! and changes nothing. The server enforces the request-level limits (request size, batch size) before a
+//! command reaches the log.
+
+/// Longest lock name in bytes. Lock names are identifiers, not payloads; 256 bytes fits any path-like name
+/// and keeps a lock entry near the design's ~100 bytes for typical names.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// Shortest session TTL. Below 2 s a keepalive every TTL/3 is under 700 ms and a single GC pause or a
+/// leader election (about 1 s here) would expire healthy sessions.
+pub const MIN_TTL_MS: u64 = 2_000;
+
+/// Longest session TTL. A crashed holder's locks stay taken for up to TTL (plus one more TTL after a
+/// failover); five minutes is the most an operator should ever wait for that.
+pub const MAX_TTL_MS: u64 = 300_000;
+
+/// TTL used when a client asks for none (the design's 10 s: two heartbeats at 3 s may be lost).
+pub const DEFAULT_TTL_MS: u64 = 10_000;
+
+/// Locks a session may hold plus wait for at once. Bounds the work of expiring one session (one log
+/// entry releases them all) and stops one client from filling the table.
+pub const MAX_LOCKS_PER_SESSION: usize = 10_000;
+
+/// Waiters in one lock's FIFO queue. Beyond this a lock is badly contended and queuing longer only
+/// grows latency; the client gets a clear error and can back off.
+pub const MAX_WAITERS_PER_LOCK: usize = 1_000;
+
+/// Live sessions per group. The design holds 100,000 sessions; twice that leaves headroom.
+pub const MAX_SESSIONS: usize = 200_000;
+
+/// Locks (held or with waiters) per group. The design holds 1,000,000 at ~100 B each; four times that is
+/// still under 1 GiB of memory per server.
+pub const MAX_LOCKS: usize = 4_000_000;
+
+/// Outcomes remembered per session for request-id deduplication. A client with at most this many
+/// requests in flight per session always gets its first outcome back on retry. 16 keeps the memory of
+/// 100,000 sessions' windows under 40 MB.
+pub const DEDUP_WINDOW: usize = 16;
+
+/// Open-session nonces are remembered for this many sessions, so a retried `OpenSession` returns the
+/// same session instead of opening a second one.
+pub const OPEN_NONCE_WINDOW: usize = 4_096;

@@ -1,0 +1,578 @@
+//! The lock table state and [`LockTable::apply`].
+//!
+//! Ordered maps (`BTreeMap`) everywhere, so iteration order, snapshots and digests are identical on every
+//! replica and listings by prefix are range scans.
+
+use crate::command::{AcquireMode, Command, Event, Limit, Outcome, Refusal};
+use crate::limits::{
+    DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK,
+    MIN_TTL_MS, OPEN_NONCE_WINDOW,
+};
+use crate::types::{FencingToken, LockName, RequestId, SessionId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Bound;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Session {
+    pub(crate) ttl_ms: u64,
+    pub(crate) opened_at_ms: u64,
+    pub(crate) held: BTreeSet<LockName>,
+    /// Locks this session waits for, with the request id of the acquire that queued it.
+    pub(crate) waiting: BTreeMap<LockName, RequestId>,
+    /// The last [`DEDUP_WINDOW`] outcomes by request id, oldest first.
+    pub(crate) dedup: VecDeque<(RequestId, Outcome)>,
+    /// The largest request id that fell out of `dedup`; ids at or below it not in `dedup` are refused.
+    pub(crate) dedup_evicted_max: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Holder {
+    pub(crate) session: SessionId,
+    pub(crate) token: FencingToken,
+    pub(crate) request: RequestId,
+    pub(crate) granted_at_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Waiter {
+    pub(crate) session: SessionId,
+    pub(crate) request: RequestId,
+    pub(crate) enqueued_at_ms: u64,
+}
+
+/// A lock exists in the table exactly while it has a holder; waiters exist only behind a holder.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Lock {
+    pub(crate) holder: Holder,
+    pub(crate) waiters: VecDeque<Waiter>,
+}
+
+/// The replicated state of one group.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockTable {
+    pub(crate) sessions: BTreeMap<SessionId, Session>,
+    pub(crate) locks: BTreeMap<LockName, Lock>,
+    /// Recent `OpenSession` nonces, so a retried open returns the session it opened the first time.
+    pub(crate) open_nonces: BTreeMap<u128, (SessionId, u64)>,
+    pub(crate) open_nonce_order: VecDeque<u128>,
+    pub(crate) waiter_count: u64,
+    #[serde(skip)]
+    pub(crate) events: Vec<Event>,
+}
+
+/// Read-only view of a lock's holder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HolderView {
+    pub session: SessionId,
+    pub token: FencingToken,
+    pub granted_at_ms: u64,
+}
+
+/// Read-only view of a waiter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaiterView {
+    pub session: SessionId,
+    pub enqueued_at_ms: u64,
+}
+
+/// Read-only view of a lock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockView {
+    pub name: LockName,
+    pub holder: HolderView,
+    pub waiters: Vec<WaiterView>,
+}
+
+/// Read-only view of a session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionView {
+    pub session: SessionId,
+    pub ttl_ms: u64,
+    pub opened_at_ms: u64,
+    pub held: u32,
+    pub waiting: u32,
+}
+
+impl LockTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies the command of the log entry at `index`. `index` becomes the session id of an opened session
+    /// and the fencing token of every grant this entry makes, which is what makes tokens strictly increase
+    /// per lock: log indexes only grow, and one entry grants a given lock at most once.
+    pub fn apply(&mut self, index: u64, command: &Command) -> Outcome {
+        assert!(
+            index > 0,
+            "log indexes start at 1, so token 0 is never issued"
+        );
+        match command {
+            Command::OpenSession {
+                nonce,
+                ttl_ms,
+                now_ms,
+            } => self.open_session(index, *nonce, *ttl_ms, *now_ms),
+            Command::CloseSession { session, now_ms }
+            | Command::ExpireSession { session, now_ms } => {
+                self.end_session(index, *session, *now_ms)
+            }
+            Command::Acquire {
+                session,
+                request,
+                name,
+                mode,
+                now_ms,
+            } => self.acquire(index, *session, *request, name, *mode, *now_ms),
+            Command::Release {
+                session,
+                request,
+                name,
+                token,
+                now_ms,
+            } => self.release(index, *session, *request, name, *token, *now_ms),
+            Command::CancelWait {
+                session,
+                request,
+                name,
+                now_ms,
+            } => self.cancel_wait(index, *session, *request, name, *now_ms),
+        }
+    }
+
+    /// Side effects of the applies since the last call, in apply order.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn open_session(&mut self, index: u64, nonce: u128, ttl_ms: u64, now_ms: u64) -> Outcome {
+        if let Some(&(session, ttl_ms)) = self.open_nonces.get(&nonce) {
+            return Outcome::SessionOpened { session, ttl_ms };
+        }
+        if !(MIN_TTL_MS..=MAX_TTL_MS).contains(&ttl_ms) {
+            return Outcome::Refused(Refusal::InvalidTtl { ttl_ms });
+        }
+        if self.sessions.len() >= MAX_SESSIONS {
+            return Outcome::Refused(Refusal::LimitExceeded(Limit::Sessions));
+        }
+        let session = SessionId(index);
+        self.sessions.insert(
+            session,
+            Session {
+                ttl_ms,
+                opened_at_ms: now_ms,
+                ..Session::default()
+            },
+        );
+        self.open_nonces.insert(nonce, (session, ttl_ms));
+        self.open_nonce_order.push_back(nonce);
+        if self.open_nonce_order.len() > OPEN_NONCE_WINDOW {
+            if let Some(old) = self.open_nonce_order.pop_front() {
+                self.open_nonces.remove(&old);
+            }
+        }
+        self.events.push(Event::SessionOpened { session, ttl_ms });
+        Outcome::SessionOpened { session, ttl_ms }
+    }
+
+    fn end_session(&mut self, index: u64, session: SessionId, now_ms: u64) -> Outcome {
+        let Some(ended) = self.sessions.remove(&session) else {
+            return Outcome::Refused(Refusal::UnknownSession);
+        };
+        // Waits go first, so a lock this session holds is never handed to this same session's waiter.
+        for (name, request) in &ended.waiting {
+            let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
+            let before = lock.waiters.len();
+            lock.waiters.retain(|w| w.session != session);
+            assert_eq!(
+                before,
+                lock.waiters.len() + 1,
+                "a session waits at most once per lock"
+            );
+            self.waiter_count -= 1;
+            self.events.push(Event::WaiterRemoved {
+                name: name.clone(),
+                session,
+                request: *request,
+            });
+        }
+        let released = ended.held.len() as u32;
+        for name in &ended.held {
+            self.hand_over(index, name, now_ms);
+        }
+        self.events.push(Event::SessionEnded { session });
+        Outcome::SessionClosed { released }
+    }
+
+    /// The outcome a retried request gets, if `request` was seen before; `None` for a new request.
+    fn replay(&self, session: &Session, request: RequestId) -> Option<Outcome> {
+        if let Some((_, outcome)) = session.dedup.iter().find(|(r, _)| *r == request) {
+            return Some(outcome.clone());
+        }
+        if request.0 <= session.dedup_evicted_max {
+            return Some(Outcome::Refused(Refusal::RequestIdTooOld));
+        }
+        None
+    }
+
+    fn acquire(
+        &mut self,
+        index: u64,
+        session_id: SessionId,
+        request: RequestId,
+        name: &LockName,
+        mode: AcquireMode,
+        now_ms: u64,
+    ) -> Outcome {
+        let Some(session) = self.sessions.get(&session_id) else {
+            return Outcome::Refused(Refusal::UnknownSession);
+        };
+        // A retry sees the current state of its own request first: a queued acquire may have been granted.
+        let lock = self.locks.get(name);
+        if let Some(lock) = lock {
+            if lock.holder.session == session_id && lock.holder.request == request {
+                return Outcome::Granted {
+                    token: lock.holder.token,
+                };
+            }
+            if session.waiting.get(name) == Some(&request) {
+                return Outcome::Queued {
+                    position: position(lock, session_id),
+                };
+            }
+        }
+        if let Some(outcome) = self.replay(session, request) {
+            return outcome;
+        }
+        let outcome = match lock {
+            Some(lock) if lock.holder.session == session_id => {
+                Outcome::Refused(Refusal::AlreadyHolder {
+                    token: lock.holder.token,
+                })
+            }
+            _ if session.waiting.contains_key(name) => Outcome::Refused(Refusal::AlreadyWaiting),
+            _ if session.held.len() + session.waiting.len() >= MAX_LOCKS_PER_SESSION => {
+                Outcome::Refused(Refusal::LimitExceeded(Limit::LocksPerSession))
+            }
+            None if self.locks.len() >= MAX_LOCKS => {
+                Outcome::Refused(Refusal::LimitExceeded(Limit::Locks))
+            }
+            None => {
+                let token = FencingToken(index);
+                let holder = Holder {
+                    session: session_id,
+                    token,
+                    request,
+                    granted_at_ms: now_ms,
+                };
+                self.locks.insert(
+                    name.clone(),
+                    Lock {
+                        holder,
+                        waiters: VecDeque::new(),
+                    },
+                );
+                self.session_mut(session_id).held.insert(name.clone());
+                Outcome::Granted { token }
+            }
+            Some(lock) if mode == AcquireMode::Try => Outcome::Refused(Refusal::Held {
+                holder: lock.holder.session,
+                token: lock.holder.token,
+            }),
+            Some(lock) if lock.waiters.len() >= MAX_WAITERS_PER_LOCK => {
+                Outcome::Refused(Refusal::LimitExceeded(Limit::WaitersPerLock))
+            }
+            Some(_) => {
+                let lock = self.locks.get_mut(name).expect("matched above");
+                lock.waiters.push_back(Waiter {
+                    session: session_id,
+                    request,
+                    enqueued_at_ms: now_ms,
+                });
+                let position = lock.waiters.len() as u32;
+                self.waiter_count += 1;
+                self.session_mut(session_id)
+                    .waiting
+                    .insert(name.clone(), request);
+                Outcome::Queued { position }
+            }
+        };
+        self.remember(session_id, request, &outcome);
+        outcome
+    }
+
+    fn release(
+        &mut self,
+        index: u64,
+        session_id: SessionId,
+        request: RequestId,
+        name: &LockName,
+        token: FencingToken,
+        now_ms: u64,
+    ) -> Outcome {
+        let Some(session) = self.sessions.get(&session_id) else {
+            return Outcome::Refused(Refusal::UnknownSession);
+        };
+        if let Some(outcome) = self.replay(session, request) {
+            return outcome;
+        }
+        let outcome = match self.locks.get(name) {
+            Some(lock) if lock.holder.session == session_id && lock.holder.token == token => {
+                self.session_mut(session_id).held.remove(name);
+                self.hand_over(index, name, now_ms);
+                Outcome::Released
+            }
+            Some(lock) if lock.holder.session == session_id => {
+                Outcome::Refused(Refusal::StaleToken {
+                    current: lock.holder.token,
+                })
+            }
+            _ => Outcome::Refused(Refusal::NotHolder),
+        };
+        self.remember(session_id, request, &outcome);
+        outcome
+    }
+
+    fn cancel_wait(
+        &mut self,
+        _index: u64,
+        session_id: SessionId,
+        request: RequestId,
+        name: &LockName,
+        _now_ms: u64,
+    ) -> Outcome {
+        let Some(session) = self.sessions.get_mut(&session_id) else {
+            return Outcome::Refused(Refusal::UnknownSession);
+        };
+        if session.waiting.get(name) == Some(&request) {
+            session.waiting.remove(name);
+            let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
+            lock.waiters.retain(|w| w.session != session_id);
+            self.waiter_count -= 1;
+            self.events.push(Event::WaiterRemoved {
+                name: name.clone(),
+                session: session_id,
+                request,
+            });
+            // A retry of the acquire must now learn that it was cancelled, not that it is queued.
+            self.update_remembered(session_id, request, Outcome::Cancelled);
+            return Outcome::Cancelled;
+        }
+        match self.locks.get(name) {
+            Some(lock) if lock.holder.session == session_id && lock.holder.request == request => {
+                Outcome::Granted {
+                    token: lock.holder.token,
+                }
+            }
+            _ => Outcome::Refused(Refusal::NotWaiting),
+        }
+    }
+
+    /// The holder of `name` is gone (its session already forgot the lock): grant the next waiter with token
+    /// `index`, or delete the lock.
+    fn hand_over(&mut self, index: u64, name: &LockName, now_ms: u64) {
+        let lock = self.locks.get_mut(name).expect("a held lock exists");
+        let Some(next) = lock.waiters.pop_front() else {
+            self.locks.remove(name);
+            return;
+        };
+        let token = FencingToken(index);
+        assert!(
+            token > lock.holder.token,
+            "tokens strictly increase per lock"
+        );
+        lock.holder = Holder {
+            session: next.session,
+            token,
+            request: next.request,
+            granted_at_ms: now_ms,
+        };
+        self.waiter_count -= 1;
+        let session = self.session_mut(next.session);
+        let queued_for = session.waiting.remove(name);
+        assert_eq!(
+            queued_for,
+            Some(next.request),
+            "a waiter's session records its wait"
+        );
+        session.held.insert(name.clone());
+        self.update_remembered(next.session, next.request, Outcome::Granted { token });
+        self.events.push(Event::Granted {
+            name: name.clone(),
+            session: next.session,
+            request: next.request,
+            token,
+        });
+    }
+
+    fn remember(&mut self, session_id: SessionId, request: RequestId, outcome: &Outcome) {
+        let session = self.session_mut(session_id);
+        session.dedup.push_back((request, outcome.clone()));
+        if session.dedup.len() > DEDUP_WINDOW {
+            if let Some((old, _)) = session.dedup.pop_front() {
+                session.dedup_evicted_max = session.dedup_evicted_max.max(old.0);
+            }
+        }
+    }
+
+    fn update_remembered(&mut self, session_id: SessionId, request: RequestId, outcome: Outcome) {
+        let session = self.session_mut(session_id);
+        if let Some(entry) = session.dedup.iter_mut().find(|(r, _)| *r == request) {
+            entry.1 = outcome;
+        }
+    }
+
+    fn session_mut(&mut self, session: SessionId) -> &mut Session {
+        self.sessions.get_mut(&session).expect("the session exists")
+    }
+
+    // ---- reads ----
+
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    pub fn lock_count(&self) -> usize {
+        self.locks.len()
+    }
+
+    pub fn waiter_count(&self) -> u64 {
+        self.waiter_count
+    }
+
+    pub fn session(&self, id: SessionId) -> Option<SessionView> {
+        self.sessions.get(&id).map(|s| session_view(id, s))
+    }
+
+    /// Every live session and its TTL, for a new leader to start its timers.
+    pub fn session_ttls(&self) -> impl Iterator<Item = (SessionId, u64)> + '_ {
+        self.sessions.iter().map(|(id, s)| (*id, s.ttl_ms))
+    }
+
+    pub fn describe(&self, name: &LockName) -> Option<LockView> {
+        self.locks.get(name).map(|lock| lock_view(name, lock))
+    }
+
+    /// Locks whose name starts with `prefix`, in name order, after `after` (exclusive), at most `limit`.
+    pub fn list_locks(&self, prefix: &str, after: Option<&str>, limit: usize) -> Vec<LockView> {
+        let start = match after {
+            Some(after) if after >= prefix => Bound::Excluded(after),
+            _ => Bound::Included(prefix),
+        };
+        self.locks
+            .range::<str, _>((start, Bound::Unbounded))
+            .take_while(|(name, _)| name.as_str().starts_with(prefix))
+            .take(limit)
+            .map(|(name, lock)| lock_view(name, lock))
+            .collect()
+    }
+
+    /// Sessions in id order after `after` (exclusive), at most `limit`.
+    pub fn list_sessions(&self, after: Option<SessionId>, limit: usize) -> Vec<SessionView> {
+        let start = after.map_or(Bound::Unbounded, Bound::Excluded);
+        self.sessions
+            .range((start, Bound::Unbounded))
+            .take(limit)
+            .map(|(id, s)| session_view(*id, s))
+            .collect()
+    }
+
+    /// Names of the locks `session` holds.
+    pub fn held_by(&self, session: SessionId) -> Vec<LockName> {
+        self.sessions
+            .get(&session)
+            .map(|s| s.held.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Checks every structural invariant; panics with a description on the first violation. O(size).
+    pub fn check_invariants(&self) {
+        let mut waiters = 0u64;
+        for (name, lock) in &self.locks {
+            let holder = self
+                .sessions
+                .get(&lock.holder.session)
+                .expect("holder session exists");
+            assert!(
+                holder.held.contains(name),
+                "holder's session lists {name} as held"
+            );
+            assert!(lock.holder.token.0 > 0, "token 0 is never issued");
+            let mut seen = BTreeSet::new();
+            for w in &lock.waiters {
+                assert!(seen.insert(w.session), "session waits twice for {name}");
+                assert_ne!(
+                    w.session, lock.holder.session,
+                    "holder also waits for {name}"
+                );
+                let s = self
+                    .sessions
+                    .get(&w.session)
+                    .expect("waiter session exists");
+                assert_eq!(
+                    s.waiting.get(name),
+                    Some(&w.request),
+                    "waiter's session lists its wait"
+                );
+                waiters += 1;
+            }
+        }
+        assert_eq!(waiters, self.waiter_count, "waiter count");
+        for (id, s) in &self.sessions {
+            for name in &s.held {
+                assert_eq!(
+                    self.locks.get(name).map(|l| l.holder.session),
+                    Some(*id),
+                    "held lock {name} names its holder"
+                );
+            }
+            for name in s.waiting.keys() {
+                assert!(
+                    !s.held.contains(name),
+                    "session both holds and waits for {name}"
+                );
+                assert!(self
+                    .locks
+                    .get(name)
+                    .is_some_and(|l| l.waiters.iter().any(|w| w.session == *id)));
+            }
+            assert!(s.dedup.len() <= DEDUP_WINDOW);
+        }
+    }
+}
+
+fn position(lock: &Lock, session: SessionId) -> u32 {
+    lock.waiters
+        .iter()
+        .position(|w| w.session == session)
+        .map_or(0, |p| p as u32 + 1)
+}
+
+fn lock_view(name: &LockName, lock: &Lock) -> LockView {
+    LockView {
+        name: name.clone(),
+        holder: HolderView {
+            session: lock.holder.session,
+            token: lock.holder.token,
+            granted_at_ms: lock.holder.granted_at_ms,
+        },
+        waiters: lock
+            .waiters
+            .iter()
+            .map(|w| WaiterView {
+                session: w.session,
+                enqueued_at_ms: w.enqueued_at_ms,
+            })
+            .collect(),
+    }
+}
+
+fn session_view(id: SessionId, s: &Session) -> SessionView {
+    SessionView {
+        session: id,
+        ttl_ms: s.ttl_ms,
+        opened_at_ms: s.opened_at_ms,
+        held: s.held.len() as u32,
+        waiting: s.waiting.len() as u32,
+    }
+}

@@ -1,0 +1,607 @@
+//! Lock table tests: spec cases as data, then a property test against a simple reference model.
+
+use crate::command::{AcquireMode::*, Command, Event, Limit, Outcome, Outcome::*, Refusal};
+use crate::limits::*;
+use crate::{FencingToken, LockName, LockTable, RequestId, SessionId};
+use proptest::prelude::*;
+
+fn name(s: &str) -> LockName {
+    LockName::new(s).unwrap()
+}
+fn open(nonce: u128) -> Command {
+    Command::OpenSession {
+        nonce,
+        ttl_ms: DEFAULT_TTL_MS,
+        now_ms: 0,
+    }
+}
+fn acq(s: u64, r: u64, n: &str, mode: crate::AcquireMode) -> Command {
+    Command::Acquire {
+        session: SessionId(s),
+        request: RequestId(r),
+        name: name(n),
+        mode,
+        now_ms: 0,
+    }
+}
+fn rel(s: u64, r: u64, n: &str, t: u64) -> Command {
+    Command::Release {
+        session: SessionId(s),
+        request: RequestId(r),
+        name: name(n),
+        token: FencingToken(t),
+        now_ms: 0,
+    }
+}
+fn cancel(s: u64, r: u64, n: &str) -> Command {
+    Command::CancelWait {
+        session: SessionId(s),
+        request: RequestId(r),
+        name: name(n),
+        now_ms: 0,
+    }
+}
+fn expire(s: u64) -> Command {
+    Command::ExpireSession {
+        session: SessionId(s),
+        now_ms: 0,
+    }
+}
+fn close(s: u64) -> Command {
+    Command::CloseSession {
+        session: SessionId(s),
+        now_ms: 0,
+    }
+}
+fn opened(s: u64) -> Outcome {
+    SessionOpened {
+        session: SessionId(s),
+        ttl_ms: DEFAULT_TTL_MS,
+    }
+}
+fn granted(t: u64) -> Outcome {
+    Granted {
+        token: FencingToken(t),
+    }
+}
+fn refused(r: Refusal) -> Outcome {
+    Refused(r)
+}
+
+/// Each case: a name, and the commands applied at log indexes 1, 2, 3, ... with the outcome each must give.
+fn spec_cases() -> Vec<(&'static str, Vec<(Command, Outcome)>)> {
+    vec![
+        (
+            "grant a free lock; token is the log index",
+            vec![(open(1), opened(1)), (acq(1, 1, "a", Try), granted(2))],
+        ),
+        (
+            "try-acquire of a held lock names the holder",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (acq(1, 1, "a", Try), granted(3)),
+                (
+                    acq(2, 1, "a", Try),
+                    refused(Refusal::Held {
+                        holder: SessionId(1),
+                        token: FencingToken(3),
+                    }),
+                ),
+            ],
+        ),
+        (
+            "waiters are granted in FIFO order with increasing tokens",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (open(3), opened(3)),
+                (acq(1, 1, "a", Wait), granted(4)),
+                (acq(3, 1, "a", Wait), Queued { position: 1 }),
+                (acq(2, 1, "a", Wait), Queued { position: 2 }),
+                (rel(1, 2, "a", 4), Released),
+                (
+                    acq(1, 3, "a", Try),
+                    refused(Refusal::Held {
+                        holder: SessionId(3),
+                        token: FencingToken(7),
+                    }),
+                ),
+                (rel(3, 2, "a", 7), Released),
+                (
+                    acq(1, 4, "a", Try),
+                    refused(Refusal::Held {
+                        holder: SessionId(2),
+                        token: FencingToken(9),
+                    }),
+                ),
+            ],
+        ),
+        (
+            "release with a stale token changes nothing",
+            vec![
+                (open(1), opened(1)),
+                (acq(1, 1, "a", Try), granted(2)),
+                (
+                    rel(1, 2, "a", 1),
+                    refused(Refusal::StaleToken {
+                        current: FencingToken(2),
+                    }),
+                ),
+                (
+                    acq(1, 3, "a", Try),
+                    refused(Refusal::AlreadyHolder {
+                        token: FencingToken(2),
+                    }),
+                ),
+            ],
+        ),
+        (
+            "releasing a lock you do not hold is refused",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (acq(1, 1, "a", Try), granted(3)),
+                (rel(2, 1, "a", 3), refused(Refusal::NotHolder)),
+                (rel(2, 2, "free", 3), refused(Refusal::NotHolder)),
+            ],
+        ),
+        (
+            "unknown sessions are refused everywhere",
+            vec![
+                (acq(9, 1, "a", Try), refused(Refusal::UnknownSession)),
+                (rel(9, 1, "a", 1), refused(Refusal::UnknownSession)),
+                (expire(9), refused(Refusal::UnknownSession)),
+                (close(9), refused(Refusal::UnknownSession)),
+                (cancel(9, 1, "a"), refused(Refusal::UnknownSession)),
+            ],
+        ),
+        (
+            "expiry releases every lock and wait of the session, granting the next waiters",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (acq(1, 1, "a", Try), granted(3)),
+                (acq(1, 2, "b", Try), granted(4)),
+                (acq(2, 1, "a", Wait), Queued { position: 1 }),
+                (acq(2, 2, "c", Try), granted(6)),
+                (acq(1, 3, "c", Wait), Queued { position: 1 }),
+                (expire(1), SessionClosed { released: 2 }),
+                (
+                    acq(2, 3, "a", Try),
+                    refused(Refusal::AlreadyHolder {
+                        token: FencingToken(8),
+                    }),
+                ),
+                (acq(1, 4, "b", Try), refused(Refusal::UnknownSession)),
+                (rel(2, 4, "c", 6), Released),
+            ],
+        ),
+        (
+            "a retried request returns its first outcome",
+            vec![
+                (open(1), opened(1)),
+                (open(1), opened(1)),
+                (open(2), opened(3)),
+                (acq(1, 7, "a", Try), granted(4)),
+                (acq(1, 7, "a", Try), granted(4)),
+                (acq(3, 1, "a", Wait), Queued { position: 1 }),
+                (acq(3, 1, "a", Wait), Queued { position: 1 }),
+                (rel(1, 8, "a", 4), Released),
+                (rel(1, 8, "a", 4), Released),
+                (acq(3, 1, "a", Wait), granted(8)),
+            ],
+        ),
+        (
+            "a cancelled wait leaves the queue; a cancel after the grant returns the grant",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (open(3), opened(3)),
+                (acq(1, 1, "a", Try), granted(4)),
+                (acq(2, 1, "a", Wait), Queued { position: 1 }),
+                (acq(3, 1, "a", Wait), Queued { position: 2 }),
+                (cancel(2, 1, "a"), Cancelled),
+                (acq(2, 1, "a", Wait), Cancelled),
+                (rel(1, 2, "a", 4), Released),
+                (cancel(3, 1, "a"), granted(9)),
+                (cancel(3, 5, "a"), refused(Refusal::NotWaiting)),
+            ],
+        ),
+        (
+            "TTL bounds",
+            vec![
+                (
+                    Command::OpenSession {
+                        nonce: 1,
+                        ttl_ms: MIN_TTL_MS - 1,
+                        now_ms: 0,
+                    },
+                    refused(Refusal::InvalidTtl {
+                        ttl_ms: MIN_TTL_MS - 1,
+                    }),
+                ),
+                (
+                    Command::OpenSession {
+                        nonce: 2,
+                        ttl_ms: MAX_TTL_MS + 1,
+                        now_ms: 0,
+                    },
+                    refused(Refusal::InvalidTtl {
+                        ttl_ms: MAX_TTL_MS + 1,
+                    }),
+                ),
+                (
+                    Command::OpenSession {
+                        nonce: 3,
+                        ttl_ms: MAX_TTL_MS,
+                        now_ms: 0,
+                    },
+                    SessionOpened {
+                        session: SessionId(3),
+                        ttl_ms: MAX_TTL_MS,
+                    },
+                ),
+            ],
+        ),
+        (
+            "close releases like expiry",
+            vec![
+                (open(1), opened(1)),
+                (acq(1, 1, "a", Try), granted(2)),
+                (close(1), SessionClosed { released: 1 }),
+                (open(2), opened(4)),
+                (acq(4, 1, "a", Try), granted(5)),
+            ],
+        ),
+    ]
+}
+
+#[test]
+fn spec() {
+    for (title, steps) in spec_cases() {
+        let mut table = LockTable::new();
+        for (i, (command, expected)) in steps.into_iter().enumerate() {
+            let index = i as u64 + 1;
+            let got = table.apply(index, &command);
+            assert_eq!(got, expected, "case {title:?}, step {index}: {command:?}");
+            table.check_invariants();
+            table.take_events();
+        }
+        let restored = LockTable::decode_snapshot(&table.encode_snapshot()).unwrap();
+        assert_eq!(
+            restored.digest(),
+            table.digest(),
+            "case {title:?}: snapshot round trip"
+        );
+    }
+}
+
+#[test]
+fn events_report_grants_and_ends() {
+    let mut t = LockTable::new();
+    for (i, c) in [open(1), open(2), acq(1, 1, "a", Try), acq(2, 1, "a", Wait)]
+        .iter()
+        .enumerate()
+    {
+        t.apply(i as u64 + 1, c);
+    }
+    t.take_events();
+    t.apply(5, &expire(1));
+    assert_eq!(
+        t.take_events(),
+        vec![
+            Event::Granted {
+                name: name("a"),
+                session: SessionId(2),
+                request: RequestId(1),
+                token: FencingToken(5)
+            },
+            Event::SessionEnded {
+                session: SessionId(1)
+            },
+        ]
+    );
+}
+
+#[test]
+fn limits_refuse_and_change_nothing() {
+    let mut t = LockTable::new();
+    t.apply(1, &open(1));
+    let mut index = 2;
+    for i in 0..MAX_LOCKS_PER_SESSION {
+        assert!(matches!(
+            t.apply(index, &acq(1, i as u64 + 1, &format!("l{i}"), Try)),
+            Granted { .. }
+        ));
+        index += 1;
+    }
+    let digest = t.digest();
+    let got = t.apply(index, &acq(1, 1_000_000, "one-more", Try));
+    assert_eq!(got, refused(Refusal::LimitExceeded(Limit::LocksPerSession)));
+    // The refusal is remembered for dedup but the lock set is unchanged.
+    assert_eq!(t.lock_count(), MAX_LOCKS_PER_SESSION);
+    assert!(t.describe(&name("one-more")).is_none());
+    assert_ne!(digest, 0);
+
+    let mut t = LockTable::new();
+    t.apply(1, &open(0));
+    t.apply(2, &acq(1, 1, "hot", Try));
+    let mut index = 3;
+    for s in 0..MAX_WAITERS_PER_LOCK as u128 {
+        let SessionOpened { session, .. } = t.apply(index, &open(s + 10)) else {
+            panic!()
+        };
+        index += 1;
+        assert!(matches!(
+            t.apply(index, &acq(session.0, 1, "hot", Wait)),
+            Queued { .. }
+        ));
+        index += 1;
+    }
+    let SessionOpened { session, .. } = t.apply(index, &open(99_999)) else {
+        panic!()
+    };
+    index += 1;
+    assert_eq!(
+        t.apply(index, &acq(session.0, 1, "hot", Wait)),
+        refused(Refusal::LimitExceeded(Limit::WaitersPerLock))
+    );
+    assert_eq!(t.waiter_count(), MAX_WAITERS_PER_LOCK as u64);
+    t.check_invariants();
+}
+
+#[test]
+fn dedup_window_refuses_forgotten_requests() {
+    let mut t = LockTable::new();
+    t.apply(1, &open(1));
+    let mut index = 2;
+    for r in 1..=(DEDUP_WINDOW as u64 + 1) {
+        t.apply(index, &acq(1, r, &format!("l{r}"), Try));
+        index += 1;
+    }
+    // Request 1 fell out of the window: a retry must not acquire a second time.
+    assert_eq!(
+        t.apply(index, &acq(1, 1, "other", Try)),
+        refused(Refusal::RequestIdTooOld)
+    );
+    assert_eq!(t.apply(index + 1, &acq(1, 2, "l2", Try)), granted(3));
+}
+
+#[test]
+fn names_are_checked() {
+    use crate::NameError;
+    assert_eq!(LockName::new(""), Err(NameError::Empty));
+    assert_eq!(
+        LockName::new("x".repeat(MAX_NAME_BYTES + 1)),
+        Err(NameError::TooLong {
+            len: MAX_NAME_BYTES + 1
+        })
+    );
+    assert!(LockName::new("x".repeat(MAX_NAME_BYTES)).is_ok());
+    assert_eq!(
+        LockName::new("a\nb"),
+        Err(NameError::ControlCharacter { at: 1 })
+    );
+    assert_eq!(LockName::new(" a"), Err(NameError::OuterWhitespace));
+    assert!(LockName::new("jobs/nightly report/éé").is_ok());
+}
+
+#[test]
+fn group_hash_is_stable() {
+    // These values are part of the client contract; changing them moves every lock.
+    assert_eq!(crate::name::fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+    assert_eq!(crate::name::fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    assert_eq!(crate::group_for("a", 1).0, 0);
+    assert_eq!(
+        crate::group_for("a", 7).0,
+        (0xaf63_dc4c_8601_ec8cu64 % 7) as u32
+    );
+}
+
+#[test]
+fn corrupt_snapshots_are_refused() {
+    let mut t = LockTable::new();
+    t.apply(1, &open(1));
+    t.apply(2, &acq(1, 1, "a", Try));
+    let bytes = t.encode_snapshot();
+    for i in 0..bytes.len() {
+        let mut bad = bytes.clone();
+        bad[i] ^= 0x40;
+        assert!(
+            LockTable::decode_snapshot(&bad).is_err(),
+            "flipped byte {i} went unnoticed"
+        );
+    }
+    for len in 0..bytes.len() {
+        assert!(LockTable::decode_snapshot(&bytes[..len]).is_err());
+    }
+}
+
+// ---- property test against a reference model ----
+
+/// The model: who holds each lock, with token, and each lock's queue; sessions are a set.
+#[derive(Default, Clone)]
+struct Model {
+    sessions: std::collections::BTreeSet<u64>,
+    holders: std::collections::BTreeMap<String, (u64, u64, u64)>, // name -> (session, token, request)
+    queues: std::collections::BTreeMap<String, Vec<(u64, u64)>>,  // name -> [(session, request)]
+    last_token: std::collections::BTreeMap<String, u64>,
+}
+
+impl Model {
+    fn end(&mut self, s: u64, index: u64) {
+        self.sessions.remove(&s);
+        for q in self.queues.values_mut() {
+            q.retain(|(ws, _)| *ws != s);
+        }
+        let held: Vec<String> = self
+            .holders
+            .iter()
+            .filter(|(_, h)| h.0 == s)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in held {
+            self.hand_over(&n, index);
+        }
+    }
+    fn hand_over(&mut self, n: &str, index: u64) {
+        self.holders.remove(n);
+        let q = self.queues.entry(n.to_string()).or_default();
+        if !q.is_empty() {
+            let (ws, wr) = q.remove(0);
+            self.holders.insert(n.to_string(), (ws, index, wr));
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Open,
+    Close(usize),
+    Expire(usize),
+    Acquire(usize, usize, bool),
+    Release(usize, usize, bool),
+    Cancel(usize, usize),
+    Retry,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => Just(Op::Open),
+        1 => (0..6usize).prop_map(Op::Close),
+        1 => (0..6usize).prop_map(Op::Expire),
+        6 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, w)| Op::Acquire(s, n, w)),
+        4 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, stale)| Op::Release(s, n, stale)),
+        1 => (0..6usize, 0..4usize).prop_map(|(s, n)| Op::Cancel(s, n)),
+        2 => Just(Op::Retry),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #[test]
+    fn table_matches_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let names = ["a", "b", "c", "dir/d"];
+        let mut table = LockTable::new();
+        let mut model = Model::default();
+        let mut opened: Vec<u64> = Vec::new();
+        let mut next_request = 1u64;
+        let mut last: Option<(Command, Outcome)> = None;
+        let mut tokens_seen: std::collections::BTreeMap<String, u64> = Default::default();
+        for (i, op) in ops.into_iter().enumerate() {
+            let index = i as u64 + 1;
+            let sess = |k: usize| opened.get(k % opened.len().max(1)).copied().unwrap_or(999);
+            let command = match op {
+                Op::Open => open(index as u128),
+                Op::Close(k) => close(sess(k)),
+                Op::Expire(k) => expire(sess(k)),
+                Op::Acquire(k, n, wait) => { next_request += 1; acq(sess(k), next_request, names[n], if wait { Wait } else { Try }) }
+                Op::Release(k, n, stale) => {
+                    next_request += 1;
+                    let token = model.holders.get(names[n]).map_or(1, |h| h.1) - u64::from(stale);
+                    rel(sess(k), next_request, names[n], token)
+                }
+                Op::Cancel(k, n) => {
+                    let s = sess(k);
+                    let r = model.queues.get(names[n]).and_then(|q| q.iter().find(|w| w.0 == s)).map_or(1, |w| w.1);
+                    cancel(s, r, names[n])
+                }
+                Op::Retry => match &last { Some((c, _)) => c.clone(), None => continue },
+            };
+            let got = table.apply(index, &command);
+            table.take_events();
+            table.check_invariants();
+            // Retrying an acquire, release or open returns the first outcome, unless the state moved on
+            // (a queued acquire that was granted or cancelled meanwhile reports that).
+            if let (Op::Retry, Some((_, first))) = (&op, &last) {
+                match (&command, first, &got) {
+                    (Command::Acquire { .. }, Queued { .. }, Granted { .. } | Cancelled) => {}
+                    (Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. }, _, _) => {}
+                    (Command::Acquire { .. }, Queued { .. }, Queued { .. }) => {}
+                    _ => prop_assert_eq!(first, &got, "retry of {:?}", command),
+                }
+                last = None;
+                // The model ignores retries of deduplicated requests; ends and cancels are recomputed.
+                if !matches!(command, Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. }) {
+                    continue;
+                }
+            }
+            // Step the model.
+            match &command {
+                Command::OpenSession { .. } => {
+                    if let SessionOpened { session, .. } = got { if !opened.contains(&session.0) { opened.push(session.0); model.sessions.insert(session.0); } }
+                }
+                Command::CloseSession { session, .. } | Command::ExpireSession { session, .. } => {
+                    let live = model.sessions.contains(&session.0);
+                    prop_assert_eq!(live, matches!(got, SessionClosed { .. }));
+                    if live { model.end(session.0, index); }
+                }
+                Command::Acquire { session, request, name, mode, .. } => {
+                    let s = session.0;
+                    let n = name.as_str().to_string();
+                    if !model.sessions.contains(&s) {
+                        prop_assert_eq!(&got, &refused(Refusal::UnknownSession));
+                    } else {
+                        match model.holders.get(&n).copied() {
+                            None => { prop_assert_eq!(&got, &granted(index)); model.holders.insert(n.clone(), (s, index, request.0)); }
+                            Some((hs, ht, _)) if hs == s => prop_assert_eq!(&got, &refused(Refusal::AlreadyHolder { token: FencingToken(ht) })),
+                            Some(_) if model.queues.get(&n).is_some_and(|q| q.iter().any(|w| w.0 == s)) => prop_assert_eq!(&got, &refused(Refusal::AlreadyWaiting)),
+                            Some((hs, ht, _)) if *mode == Try => prop_assert_eq!(&got, &refused(Refusal::Held { holder: SessionId(hs), token: FencingToken(ht) })),
+                            Some(_) => {
+                                let q = model.queues.entry(n.clone()).or_default();
+                                q.push((s, request.0));
+                                prop_assert_eq!(&got, &Queued { position: q.len() as u32 });
+                            }
+                        }
+                    }
+                }
+                Command::Release { session, name, token, .. } => {
+                    let s = session.0;
+                    let n = name.as_str();
+                    if !model.sessions.contains(&s) {
+                        prop_assert_eq!(&got, &refused(Refusal::UnknownSession));
+                    } else {
+                        match model.holders.get(n).copied() {
+                            Some((hs, ht, _)) if hs == s && ht == token.0 => { prop_assert_eq!(&got, &Released); model.hand_over(n, index); }
+                            Some((hs, ht, _)) if hs == s => prop_assert_eq!(&got, &refused(Refusal::StaleToken { current: FencingToken(ht) })),
+                            _ => prop_assert_eq!(&got, &refused(Refusal::NotHolder)),
+                        }
+                    }
+                }
+                Command::CancelWait { session, request, name, .. } => {
+                    let s = session.0;
+                    let n = name.as_str();
+                    if !model.sessions.contains(&s) {
+                        prop_assert_eq!(&got, &refused(Refusal::UnknownSession));
+                    } else if let Some(pos) = model.queues.get(n).and_then(|q| q.iter().position(|w| *w == (s, request.0))) {
+                        prop_assert_eq!(&got, &Cancelled);
+                        model.queues.get_mut(n).unwrap().remove(pos);
+                    } else if let Some((hs, ht, hr)) = model.holders.get(n).copied().filter(|h| h.0 == s && h.2 == request.0) {
+                        let _ = (hs, hr);
+                        prop_assert_eq!(&got, &granted(ht));
+                    } else {
+                        prop_assert_eq!(&got, &refused(Refusal::NotWaiting));
+                    }
+                }
+            }
+            last = Some((command, got));
+            // Mutual exclusion and token monotonicity, checked against the table's own view.
+            for n in names {
+                let view = table.describe(&name(n));
+                let m = model.holders.get(n);
+                prop_assert_eq!(view.as_ref().map(|v| (v.holder.session.0, v.holder.token.0)), m.map(|h| (h.0, h.1)));
+                if let Some(v) = view {
+                    let prev = tokens_seen.insert(n.to_string(), v.holder.token.0).unwrap_or(0);
+                    prop_assert!(v.holder.token.0 >= prev, "token for {} went backwards", n);
+                    let waiters: Vec<u64> = v.waiters.iter().map(|w| w.session.0).collect();
+                    let mq: Vec<u64> = model.queues.get(n).map(|q| q.iter().map(|w| w.0).collect()).unwrap_or_default();
+                    prop_assert_eq!(waiters, mq, "FIFO order of {}", n);
+                }
+            }
+            let _ = &model.last_token;
+            let restored = LockTable::decode_snapshot(&table.encode_snapshot()).unwrap();
+            prop_assert_eq!(restored.digest(), table.digest());
+        }
+    }
+}
