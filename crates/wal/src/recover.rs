@@ -1,0 +1,153 @@
+//! Recovery: read every segment in order, cut a torn tail, refuse real corruption.
+
+use crate::format::{
+    check_frame, decode_records, parse_segment_name, FrameCheck, Record, FRAME_MAGIC,
+    SEGMENT_HEADER_BYTES, SEGMENT_MAGIC,
+};
+use crate::WalError;
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// What [`crate::Wal::open`] found on disk.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Every record of every complete frame, in append order.
+    pub records: Vec<Record>,
+    /// A torn tail that was cut: the segment, the offset it was cut at, and where the cut bytes were saved.
+    pub torn: Option<TornTail>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TornTail {
+    pub segment: PathBuf,
+    pub offset: u64,
+    pub bytes: u64,
+    pub saved_to: PathBuf,
+}
+
+/// Per segment: the largest non-sticky record index per group, so the writer knows when it may delete it.
+pub(crate) struct SegmentInfo {
+    pub(crate) seq: u64,
+    pub(crate) path: PathBuf,
+    pub(crate) max_index: BTreeMap<u32, u64>,
+}
+
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WalError + '_ {
+    move |source| WalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+pub(crate) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, WalError> {
+    let mut segments = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        if let Some(seq) = entry.file_name().to_str().and_then(parse_segment_name) {
+            segments.push((seq, entry.path()));
+        }
+    }
+    segments.sort();
+    Ok(segments)
+}
+
+pub(crate) fn recover(dir: &Path) -> Result<(Recovered, Vec<SegmentInfo>), WalError> {
+    let segments = list_segments(dir)?;
+    let mut recovered = Recovered::default();
+    let mut infos = Vec::new();
+    let last = segments.len().saturating_sub(1);
+    for (i, (seq, path)) in segments.iter().enumerate() {
+        let buf = fs::read(path).map_err(io_err(path))?;
+        let is_last = i == last;
+        let start = recovered.records.len();
+        let header_ok = buf.len() as u64 >= SEGMENT_HEADER_BYTES && &buf[..8] == SEGMENT_MAGIC;
+        let mut at = SEGMENT_HEADER_BYTES as usize;
+        let mut bad: Option<(usize, String)> = None;
+        if !header_ok {
+            bad = Some((0, "bad segment header".to_string()));
+        } else {
+            while at < buf.len() {
+                match check_frame(&buf, at) {
+                    FrameCheck::Valid { body, next } => {
+                        decode_records(body, &mut recovered.records).map_err(|reason| {
+                            WalError::Corrupt {
+                                path: path.clone(),
+                                offset: at as u64,
+                                reason,
+                            }
+                        })?;
+                        at = next;
+                    }
+                    FrameCheck::Invalid(reason) => {
+                        bad = Some((at, reason));
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some((offset, reason)) = bad {
+            // A crash can only tear the frame being written when it struck, which is the last one in the
+            // last segment: so a bad frame is torn only if no valid frame follows it.
+            let valid_later = (offset + 1..buf.len().saturating_sub(3)).any(|o| {
+                buf[o..o + 4] == FRAME_MAGIC.to_le_bytes()
+                    && matches!(check_frame(&buf, o), FrameCheck::Valid { .. })
+            });
+            if !is_last || valid_later {
+                return Err(WalError::Corrupt {
+                    path: path.clone(),
+                    offset: offset as u64,
+                    reason,
+                });
+            }
+            let saved_to = path.with_extension(format!("log.torn-{offset}"));
+            save_and_cut(path, &buf, offset, &saved_to)?;
+            recovered.torn = Some(TornTail {
+                segment: path.clone(),
+                offset: offset as u64,
+                bytes: (buf.len() - offset) as u64,
+                saved_to,
+            });
+        }
+        let mut max_index = BTreeMap::new();
+        for r in recovered.records[start..].iter().filter(|r| !r.sticky) {
+            let m = max_index.entry(r.group).or_insert(0);
+            *m = r.index.max(*m);
+        }
+        infos.push(SegmentInfo {
+            seq: *seq,
+            path: path.clone(),
+            max_index,
+        });
+    }
+    Ok((recovered, infos))
+}
+
+/// Keeps a copy of the torn bytes for post-mortems, then truncates the segment. A segment whose header was
+/// torn is removed entirely (it holds nothing).
+fn save_and_cut(path: &Path, buf: &[u8], offset: usize, saved_to: &Path) -> Result<(), WalError> {
+    let mut copy = fs::File::create(saved_to).map_err(io_err(saved_to))?;
+    copy.write_all(&buf[offset..]).map_err(io_err(saved_to))?;
+    copy.sync_all().map_err(io_err(saved_to))?;
+    if offset == 0 {
+        fs::remove_file(path).map_err(io_err(path))?;
+    } else {
+        let file = fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(io_err(path))?;
+        file.set_len(offset as u64).map_err(io_err(path))?;
+        file.sync_all().map_err(io_err(path))?;
+    }
+    if let Some(dir) = path.parent() {
+        sync_dir(dir)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), WalError> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}

@@ -1,0 +1,353 @@
+//! The writer thread: group commit, segment rotation and deletion, fail-stop on I/O errors.
+
+use crate::format::{
+    encode_frame, encode_record, segment_header, segment_name, Record, MAX_RECORD_BYTES,
+};
+use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo};
+use crate::WalError;
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Called after every sync with what it covered; used for the fsync latency and batch size metrics.
+pub type SyncObserver = Arc<dyn Fn(SyncStats) + Send + Sync>;
+
+/// A test hook run just before each `fdatasync`; an error is treated exactly like a failed sync.
+pub type SyncFault = Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>;
+
+/// A completion callback: runs on the writer thread once the append is durable (or has failed).
+pub type Done = Box<dyn FnOnce(Result<(), WalError>) + Send>;
+
+#[derive(Clone, Copy, Debug)]
+pub struct SyncStats {
+    pub records: usize,
+    pub bytes: usize,
+    pub sync_duration: Duration,
+}
+
+#[derive(Clone)]
+pub struct WalOptions {
+    /// A segment is closed and a new one started once it reaches this size. Smaller segments are
+    /// deleted sooner after a purge; larger ones mean fewer files. 64 MiB holds ~500,000 lock entries.
+    pub segment_bytes: u64,
+    /// Most bytes one group commit gathers before it writes and syncs. Bounds the latency one batch adds
+    /// to the appends behind it.
+    pub max_batch_bytes: usize,
+    pub observer: Option<SyncObserver>,
+    pub sync_fault: Option<SyncFault>,
+}
+
+impl Default for WalOptions {
+    fn default() -> Self {
+        WalOptions {
+            segment_bytes: 64 << 20,
+            max_batch_bytes: 4 << 20,
+            observer: None,
+            sync_fault: None,
+        }
+    }
+}
+
+enum Op {
+    Append(Vec<Record>, Done),
+    Release(u32, u64),
+}
+
+/// A handle to the log. Cheap to share behind an `Arc`; all writes go through one writer thread.
+pub struct Wal {
+    tx: Mutex<Option<mpsc::Sender<Op>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Wal {
+    /// Recovers the log in `dir` (created if missing) and starts the writer on a fresh segment.
+    pub fn open(dir: &Path, options: WalOptions) -> Result<(Wal, Recovered), WalError> {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let (recovered, segments) = recover(dir)?;
+        let mut sticky = BTreeMap::new();
+        for r in recovered.records.iter().filter(|r| r.sticky) {
+            sticky.insert((r.group, r.kind), r.clone());
+        }
+        let next_seq = segments.last().map_or(1, |s| s.seq + 1);
+        let mut writer = Writer {
+            dir: dir.to_path_buf(),
+            options,
+            segments: segments.into(),
+            active: None,
+            next_seq,
+            sticky,
+            released: BTreeMap::new(),
+            poisoned: None,
+        };
+        writer.rotate()?;
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("holdfast-wal".into())
+            .spawn(move || writer.run(rx))
+            .map_err(io_err(dir))?;
+        Ok((
+            Wal {
+                tx: Mutex::new(Some(tx)),
+                thread: Mutex::new(Some(thread)),
+            },
+            recovered,
+        ))
+    }
+
+    /// Queues `records` to be written in order after everything queued before; `done` runs once they are
+    /// durable. Records over [`MAX_RECORD_BYTES`] fail the whole append without writing any of it.
+    pub fn append(&self, records: Vec<Record>, done: Done) {
+        if let Some(r) = records.iter().find(|r| r.payload.len() > MAX_RECORD_BYTES) {
+            done(Err(WalError::RecordTooLarge {
+                len: r.payload.len(),
+            }));
+            return;
+        }
+        let tx = self.tx.lock().expect("wal sender lock");
+        match tx.as_ref() {
+            Some(tx) => {
+                if let Err(mpsc::SendError(Op::Append(_, done))) =
+                    tx.send(Op::Append(records, done))
+                {
+                    done(Err(WalError::Closed));
+                }
+            }
+            None => done(Err(WalError::Closed)),
+        }
+    }
+
+    /// Appends and blocks until durable. For callers that are not latency-critical (votes, tests).
+    pub fn append_blocking(&self, records: Vec<Record>) -> Result<(), WalError> {
+        let (tx, rx) = mpsc::channel();
+        self.append(records, Box::new(move |r| drop(tx.send(r))));
+        rx.recv().unwrap_or(Err(WalError::Closed))
+    }
+
+    /// Says that records of `group` with `index <= index` are no longer needed (they are in a snapshot).
+    /// Whole segments whose records are all released, oldest first, are deleted.
+    pub fn release(&self, group: u32, index: u64) {
+        if let Some(tx) = self.tx.lock().expect("wal sender lock").as_ref() {
+            let _ = tx.send(Op::Release(group, index));
+        }
+    }
+
+    /// Stops the writer after it has finished everything queued.
+    pub fn close(&self) {
+        self.tx.lock().expect("wal sender lock").take();
+        if let Some(thread) = self.thread.lock().expect("wal thread lock").take() {
+            let _ = thread.join();
+        }
+    }
+
+    /// Paths of the live segment files, oldest first (for tests and `holdfast status`).
+    pub fn segment_paths(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
+        Ok(crate::recover::list_segments(dir)?
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect())
+    }
+}
+
+impl Drop for Wal {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+struct Active {
+    file: File,
+    path: PathBuf,
+    len: u64,
+    seq: u64,
+    max_index: BTreeMap<u32, u64>,
+}
+
+struct Writer {
+    dir: PathBuf,
+    options: WalOptions,
+    /// Closed segments, oldest first.
+    segments: VecDeque<SegmentInfo>,
+    active: Option<Active>,
+    next_seq: u64,
+    /// The latest sticky record per (group, kind), rewritten at the head of each new segment.
+    sticky: BTreeMap<(u32, u8), Record>,
+    released: BTreeMap<u32, u64>,
+    poisoned: Option<String>,
+}
+
+impl Writer {
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
+        while let Ok(first) = rx.recv() {
+            let mut ops = vec![first];
+            let mut bytes = 0usize;
+            while bytes < self.options.max_batch_bytes {
+                match rx.try_recv() {
+                    Ok(op) => {
+                        if let Op::Append(records, _) = &op {
+                            bytes += records.iter().map(|r| r.payload.len() + 18).sum::<usize>();
+                        }
+                        ops.push(op);
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.commit(ops);
+        }
+    }
+
+    fn commit(&mut self, ops: Vec<Op>) {
+        let mut body = Vec::new();
+        let mut dones = Vec::new();
+        let mut releases = Vec::new();
+        let mut batch_sticky = Vec::new();
+        let mut batch_index: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut records = 0;
+        for op in ops {
+            match op {
+                Op::Append(rs, done) => {
+                    for r in &rs {
+                        encode_record(&mut body, r);
+                        if r.sticky {
+                            batch_sticky.push(r.clone());
+                        } else {
+                            let m = batch_index.entry(r.group).or_insert(0);
+                            *m = r.index.max(*m);
+                        }
+                    }
+                    records += rs.len();
+                    dones.push(done);
+                }
+                Op::Release(group, index) => releases.push((group, index)),
+            }
+        }
+        if !dones.is_empty() {
+            let result = self.write_frame(&body, records);
+            match result {
+                Ok(()) => {
+                    for r in batch_sticky {
+                        self.sticky.insert((r.group, r.kind), r);
+                    }
+                    let active = self.active.as_mut().expect("an active segment");
+                    for (g, i) in batch_index {
+                        let m = active.max_index.entry(g).or_insert(0);
+                        *m = i.max(*m);
+                    }
+                    for done in dones {
+                        done(Ok(()));
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    tracing::error!(error = %msg, "wal write failed; the log is stopped and will not retry");
+                    self.poisoned.get_or_insert(msg.clone());
+                    for done in dones {
+                        done(Err(WalError::Poisoned(msg.clone())));
+                    }
+                }
+            }
+        }
+        for (group, index) in releases {
+            let r = self.released.entry(group).or_insert(0);
+            *r = index.max(*r);
+        }
+        if let Err(e) = self.delete_released() {
+            tracing::warn!(error = %e, "could not delete a released wal segment; will retry on the next release");
+        }
+    }
+
+    fn write_frame(&mut self, body: &[u8], records: usize) -> Result<(), WalError> {
+        if let Some(p) = &self.poisoned {
+            return Err(WalError::Poisoned(p.clone()));
+        }
+        let mut frame = Vec::with_capacity(body.len() + 12);
+        encode_frame(&mut frame, body);
+        let full = self
+            .active
+            .as_ref()
+            .is_some_and(|a| a.len + frame.len() as u64 > self.options.segment_bytes);
+        if full {
+            self.rotate()?;
+        }
+        let active = self.active.as_mut().expect("an active segment");
+        active
+            .file
+            .write_all(&frame)
+            .map_err(io_err(&active.path))?;
+        let started = Instant::now();
+        if let Some(fault) = &self.options.sync_fault {
+            fault().map_err(io_err(&active.path))?;
+        }
+        active.file.sync_data().map_err(io_err(&active.path))?;
+        active.len += frame.len() as u64;
+        if let Some(observer) = &self.options.observer {
+            observer(SyncStats {
+                records,
+                bytes: frame.len(),
+                sync_duration: started.elapsed(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Closes the active segment and starts the next, beginning with the latest sticky records.
+    fn rotate(&mut self) -> Result<(), WalError> {
+        let seq = self.next_seq;
+        let path = self.dir.join(segment_name(seq));
+        let mut bytes = segment_header(seq);
+        if !self.sticky.is_empty() {
+            let mut body = Vec::new();
+            for r in self.sticky.values() {
+                encode_record(&mut body, r);
+            }
+            encode_frame(&mut bytes, &body);
+        }
+        let mut file = OpenOptions::new()
+            .create_new(true)
+            .append(true)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        file.write_all(&bytes).map_err(io_err(&path))?;
+        file.sync_all().map_err(io_err(&path))?;
+        sync_dir(&self.dir)?;
+        if let Some(old) = self.active.take() {
+            self.segments.push_back(SegmentInfo {
+                seq: old.seq,
+                path: old.path,
+                max_index: old.max_index,
+            });
+        }
+        self.active = Some(Active {
+            file,
+            path,
+            len: bytes.len() as u64,
+            seq,
+            max_index: BTreeMap::new(),
+        });
+        self.next_seq = seq + 1;
+        Ok(())
+    }
+
+    fn delete_released(&mut self) -> Result<(), WalError> {
+        let mut deleted = false;
+        while let Some(oldest) = self.segments.front() {
+            let releasable = oldest
+                .max_index
+                .iter()
+                .all(|(g, max)| self.released.get(g).is_some_and(|r| max <= r));
+            if !releasable {
+                break;
+            }
+            std::fs::remove_file(&oldest.path).map_err(io_err(&oldest.path))?;
+            self.segments.pop_front();
+            deleted = true;
+        }
+        if deleted {
+            sync_dir(&self.dir)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,310 @@
+//! WAL integration tests on real files: order, group commit, torn tails, corruption, fail-stop, rotation.
+
+use holdfast_wal::{Record, Wal, WalError, WalOptions};
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+fn rec(group: u32, index: u64, payload: &[u8]) -> Record {
+    Record {
+        group,
+        kind: 1,
+        sticky: false,
+        index,
+        payload: payload.to_vec(),
+    }
+}
+
+fn only_segment(dir: &Path) -> std::path::PathBuf {
+    let segs = Wal::segment_paths(dir).unwrap();
+    assert_eq!(segs.len(), 1, "{segs:?}");
+    segs[0].clone()
+}
+
+#[test]
+fn records_come_back_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, rec0) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert!(rec0.records.is_empty());
+    for i in 1..=100u64 {
+        wal.append_blocking(vec![rec((i % 3) as u32, i, &i.to_le_bytes())])
+            .unwrap();
+    }
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let indexes: Vec<u64> = recovered.records.iter().map(|r| r.index).collect();
+    assert_eq!(indexes, (1..=100).collect::<Vec<_>>());
+    assert!(recovered.torn.is_none());
+}
+
+#[test]
+fn concurrent_appends_share_syncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let syncs = Arc::new(AtomicUsize::new(0));
+    let s2 = syncs.clone();
+    let options = WalOptions {
+        observer: Some(Arc::new(move |_| {
+            s2.fetch_add(1, Ordering::Relaxed);
+        })),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    let wal = Arc::new(wal);
+    let done = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let n = 2_000;
+    for i in 0..n {
+        let done = done.clone();
+        let tx = tx.clone();
+        wal.append(
+            vec![rec(0, i, b"x")],
+            Box::new(move |r| {
+                r.unwrap();
+                if done.fetch_add(1, Ordering::Relaxed) + 1 == n as usize {
+                    tx.send(()).unwrap();
+                }
+            }),
+        );
+    }
+    rx.recv().unwrap();
+    let syncs = syncs.load(Ordering::Relaxed);
+    assert!(
+        syncs < n as usize,
+        "{syncs} syncs for {n} appends: no group commit"
+    );
+}
+
+/// Writes `batches` frames and returns the file offset where each frame ends.
+fn write_batches(dir: &Path, batches: usize) -> (Vec<u64>, Vec<Vec<Record>>) {
+    let (wal, _) = Wal::open(dir, WalOptions::default()).unwrap();
+    let seg = only_segment(dir);
+    let mut ends = Vec::new();
+    let mut all = Vec::new();
+    let mut index = 0;
+    for b in 0..batches {
+        let records: Vec<Record> = (0..(b % 4 + 1))
+            .map(|_| {
+                index += 1;
+                rec(0, index, &vec![b as u8; 10 + (index as usize * 7) % 50])
+            })
+            .collect();
+        wal.append_blocking(records.clone()).unwrap();
+        all.push(records);
+        ends.push(std::fs::metadata(&seg).unwrap().len());
+    }
+    drop(wal);
+    (ends, all)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn cut_at_random_offsets_keeps_exactly_the_whole_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ends, batches) = write_batches(dir.path(), 40);
+    let seg = only_segment(dir.path());
+    let name = seg.file_name().unwrap().to_owned();
+    let len = *ends.last().unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for round in 0..500 {
+        let cut = rng.random_range(0..len);
+        let work = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), work.path());
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(work.path().join(&name))
+            .unwrap();
+        file.set_len(cut).unwrap();
+        drop(file);
+        let (_wal, recovered) = Wal::open(work.path(), WalOptions::default())
+            .unwrap_or_else(|e| panic!("round {round}: cut at {cut} refused: {e}"));
+        let whole = ends.iter().filter(|&&end| end <= cut).count();
+        let expected: Vec<Record> = batches[..whole].iter().flatten().cloned().collect();
+        assert_eq!(recovered.records, expected, "round {round}: cut at {cut}");
+        let clean_cut = cut == 16 || ends.contains(&cut);
+        assert_eq!(
+            recovered.torn.is_some(),
+            !clean_cut,
+            "round {round}: cut at {cut}"
+        );
+        // The torn bytes are kept beside the segment.
+        if let Some(t) = &recovered.torn {
+            assert_eq!(std::fs::metadata(&t.saved_to).unwrap().len(), t.bytes);
+        }
+    }
+}
+
+#[test]
+fn flipped_bytes_are_torn_in_the_last_frame_and_corrupt_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ends, batches) = write_batches(dir.path(), 30);
+    let seg = only_segment(dir.path());
+    let name = seg.file_name().unwrap().to_owned();
+    let len = *ends.last().unwrap();
+    let last_start = ends[ends.len() - 2];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for round in 0..500 {
+        let at = rng.random_range(0..len);
+        let work = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), work.path());
+        let path = work.path().join(&name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[at as usize] ^= 1 << rng.random_range(0..8);
+        std::fs::write(&path, &bytes).unwrap();
+        match Wal::open(work.path(), WalOptions::default()) {
+            Ok((_wal, recovered)) => {
+                assert!(
+                    at >= last_start,
+                    "round {round}: flip at {at} before the last frame was accepted"
+                );
+                let expected: Vec<Record> = batches[..batches.len() - 1]
+                    .iter()
+                    .flatten()
+                    .cloned()
+                    .collect();
+                assert_eq!(recovered.records, expected);
+            }
+            Err(WalError::Corrupt {
+                path: p,
+                offset,
+                reason,
+            }) => {
+                assert!(
+                    at < last_start,
+                    "round {round}: flip at {at} in the last frame refused: {reason}"
+                );
+                assert_eq!(p, path);
+                assert!(
+                    offset <= at,
+                    "corruption reported at {offset}, flip was at {at}"
+                );
+            }
+            Err(e) => panic!("round {round}: unexpected {e}"),
+        }
+    }
+}
+
+#[test]
+fn corruption_in_an_older_segment_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+        wal.append_blocking(vec![rec(0, 1, b"hello world")])
+            .unwrap();
+    }
+    // A second open starts a second segment, so the first is no longer the tail.
+    drop(Wal::open(dir.path(), WalOptions::default()).unwrap());
+    let first = Wal::segment_paths(dir.path()).unwrap()[0].clone();
+    let mut bytes = std::fs::read(&first).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0xff;
+    std::fs::write(&first, &bytes).unwrap();
+    let err = Wal::open(dir.path(), WalOptions::default())
+        .err()
+        .expect("must refuse");
+    let msg = err.to_string();
+    assert!(matches!(err, WalError::Corrupt { .. }), "{msg}");
+    assert!(
+        msg.contains(first.file_name().unwrap().to_str().unwrap()),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_failed_fsync_stops_the_writer_for_good() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = calls.clone();
+    let options = WalOptions {
+        sync_fault: Some(Arc::new(move || {
+            if c2.fetch_add(1, Ordering::Relaxed) >= 3 {
+                Err(std::io::Error::other("injected EIO"))
+            } else {
+                Ok(())
+            }
+        })),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    for i in 1..=3 {
+        wal.append_blocking(vec![rec(0, i, b"ok")]).unwrap();
+    }
+    let err = wal.append_blocking(vec![rec(0, 4, b"fails")]).unwrap_err();
+    assert!(err.to_string().contains("injected EIO"), "{err}");
+    // No retry: later appends fail without syncing again.
+    let err = wal.append_blocking(vec![rec(0, 5, b"after")]).unwrap_err();
+    assert!(matches!(err, WalError::Poisoned(_)), "{err}");
+    assert_eq!(calls.load(Ordering::Relaxed), 4);
+}
+
+#[test]
+fn oversized_records_are_refused_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let big = vec![0u8; holdfast_wal::MAX_RECORD_BYTES + 1];
+    let err = wal
+        .append_blocking(vec![rec(0, 1, b"small"), rec(0, 2, &big)])
+        .unwrap_err();
+    assert!(matches!(err, WalError::RecordTooLarge { .. }));
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert!(recovered.records.is_empty());
+}
+
+#[test]
+fn rotation_keeps_sticky_records_and_release_deletes_old_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4096,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options.clone()).unwrap();
+    let vote = Record {
+        group: 0,
+        kind: 9,
+        sticky: true,
+        index: 0,
+        payload: b"vote-term-3".to_vec(),
+    };
+    wal.append_blocking(vec![vote.clone()]).unwrap();
+    for i in 1..=200u64 {
+        wal.append_blocking(vec![rec(0, i, &[7u8; 100])]).unwrap();
+    }
+    let before = Wal::segment_paths(dir.path()).unwrap().len();
+    assert!(before > 3, "expected rotation, got {before} segments");
+    wal.release(0, 150);
+    // A release is processed by the writer in order, so one more durable append means it is done.
+    wal.append_blocking(vec![rec(0, 201, b"x")]).unwrap();
+    let after = Wal::segment_paths(dir.path()).unwrap().len();
+    assert!(
+        after < before,
+        "release deleted nothing ({before} -> {after})"
+    );
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), options).unwrap();
+    assert!(
+        recovered.records.contains(&vote),
+        "the vote survived deletion of its segment"
+    );
+    let indexes: Vec<u64> = recovered
+        .records
+        .iter()
+        .filter(|r| !r.sticky)
+        .map(|r| r.index)
+        .collect();
+    assert!(
+        indexes.first().unwrap() <= &151,
+        "entries after the release point are kept: {:?}",
+        &indexes[..3]
+    );
+    assert_eq!(*indexes.last().unwrap(), 201);
+    let mut sorted = indexes.clone();
+    sorted.dedup();
+    assert_eq!(sorted, indexes);
+}
