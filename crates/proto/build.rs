@@ -1,1 +1,15 @@
-fn main() {}
+//! Compiles `proto/holdfast/v1/*.proto` with protox (pure Rust: no `protoc` on the build machine).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let files = [
+        root.join("holdfast/v1/lock.proto"),
+        root.join("holdfast/v1/raft.proto"),
+    ];
+    for f in &files {
+        println!("cargo:rerun-if-changed={}", f.display());
+    }
+    let fds = protox::compile(&files, [&root])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}

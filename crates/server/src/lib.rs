@@ -1,1 +1,37 @@
-//! placeholder
+//! A Holdfast server: every Raft group of the cluster on one process.
+//!
+//! Layout (each module's header says its role and invariant):
+//! - [`config`]: flags/TOML configuration and its validation.
+//! - [`node`]: starts and stops everything below in order.
+//! - [`group`]: one Raft group: proposals, linearizable reads, the leader's become-ready and expiry tasks.
+//! - [`lease`]: session deadlines on the leader's monotonic clock, the **only** clock that decides anything.
+//! - [`state_machine`], [`snapshot_store`]: apply committed entries to the pure lock table; snapshot files.
+//! - [`log_store`]: openraft's log storage on top of the shared WAL (`holdfast-wal`).
+//! - [`peer`]: Raft traffic between servers over gRPC.
+//! - [`service`], [`errors`]: the client gRPC API and how refusals become statuses.
+//! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
+
+pub mod config;
+pub mod errors;
+pub mod group;
+pub mod http;
+pub mod lease;
+pub mod log_store;
+pub mod metrics;
+pub mod node;
+pub mod peer;
+pub mod raft_types;
+pub mod service;
+pub mod snapshot_store;
+pub mod state_machine;
+
+pub use config::{Member, ServerConfig};
+pub use node::Node;
+
+/// Wall-clock milliseconds since the Unix epoch, stamped into commands for display (granted-at). No
+/// decision depends on it.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

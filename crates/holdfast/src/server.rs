@@ -1,0 +1,121 @@
+//! `holdfast server`: one server process, configured by a TOML file and/or flags (flags win).
+
+use anyhow::{anyhow, Context};
+use clap::Args;
+use holdfast_server::{Node, ServerConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Args, Debug)]
+pub struct ServerArgs {
+    /// TOML config file with the same keys as these flags (node_id, members = [{id, client, peer}], ...).
+    #[arg(long, env = "HOLDFAST_CONFIG")]
+    config: Option<PathBuf>,
+    /// This server's id (one of the members).
+    #[arg(long)]
+    node_id: Option<u64>,
+    /// Every server: `id=client_host:port/peer_host:port,...`.
+    #[arg(long)]
+    members: Option<String>,
+    /// Directory for the WAL and snapshots.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Listen address for clients (default: this member's client address).
+    #[arg(long)]
+    client_listen: Option<SocketAddr>,
+    /// Listen address for peers (default: this member's peer address).
+    #[arg(long)]
+    peer_listen: Option<SocketAddr>,
+    /// Listen address for HTTP /metrics, /healthz, /readyz (default: off).
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
+    /// Raft groups lock names are hashed over (fixed at creation; default 1).
+    #[arg(long)]
+    groups: Option<u32>,
+    /// Leader heartbeat interval (default 100).
+    #[arg(long)]
+    heartbeat_interval_ms: Option<u64>,
+    /// Election timeout range (default 500..1000). The max is also the leader lease.
+    #[arg(long)]
+    election_timeout_min_ms: Option<u64>,
+    #[arg(long)]
+    election_timeout_max_ms: Option<u64>,
+    /// Snapshot and purge the log every this many entries (default 20000).
+    #[arg(long)]
+    snapshot_every_entries: Option<u64>,
+    /// TTL for sessions that ask for 0 (default 10000).
+    #[arg(long)]
+    default_ttl_ms: Option<u64>,
+    /// Smallest TTL accepted (default 2000; at least 2 × election_timeout_max_ms).
+    #[arg(long)]
+    min_ttl_ms: Option<u64>,
+    /// Largest TTL accepted (default 300000).
+    #[arg(long)]
+    max_ttl_ms: Option<u64>,
+}
+
+impl ServerArgs {
+    pub fn into_config(self) -> anyhow::Result<ServerConfig> {
+        let mut c = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                ServerConfig::from_toml(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?
+            }
+            None => ServerConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = self.$field { c.$field = v; } )* };
+        }
+        set!(
+            node_id,
+            data_dir,
+            groups,
+            heartbeat_interval_ms,
+            election_timeout_min_ms,
+            election_timeout_max_ms,
+            snapshot_every_entries,
+            default_ttl_ms,
+            min_ttl_ms,
+            max_ttl_ms
+        );
+        if let Some(a) = self.client_listen {
+            c.client_listen = Some(a);
+        }
+        if let Some(a) = self.peer_listen {
+            c.peer_listen = Some(a);
+        }
+        if let Some(a) = self.http_listen {
+            c.http_listen = Some(a);
+        }
+        if let Some(m) = &self.members {
+            c.members = ServerConfig::parse_members(m).map_err(|e| anyhow!(e))?;
+        }
+        c.validate().map_err(|e| anyhow!(e))?;
+        Ok(c)
+    }
+}
+
+pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HOLDFAST_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+    let config = args.into_config()?;
+    let node = Node::start(config).await?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let code = tokio::select! {
+        _ = tokio::signal::ctrl_c() => ExitCode::SUCCESS,
+        _ = term.recv() => ExitCode::SUCCESS,
+        reason = node.fatal() => {
+            tracing::error!(%reason, "raft stopped after a storage failure; exiting so the server restarts and recovers from disk");
+            ExitCode::from(2)
+        }
+    };
+    node.shutdown().await;
+    Ok(code)
+}

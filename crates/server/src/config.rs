@@ -1,0 +1,161 @@
+//! Server configuration: from a TOML file, overridden by command-line flags (see `holdfast server --help`
+//! and `docs/operations.md`).
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// One server of the cluster as every other server knows it.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Member {
+    pub id: u64,
+    /// Where clients reach this server (gRPC `holdfast.v1.Holdfast`), as `host:port`.
+    pub client: String,
+    /// Where peers reach this server (gRPC `holdfast.v1.RaftPeer`), as `host:port`.
+    pub peer: String,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// This server's id; must be one of `members`.
+    pub node_id: u64,
+    /// Listen address for clients. Defaults to this member's `client`.
+    pub client_listen: Option<SocketAddr>,
+    /// Listen address for peers. Defaults to this member's `peer`.
+    pub peer_listen: Option<SocketAddr>,
+    /// Listen address for `/metrics`, `/healthz` and `/readyz` (HTTP). None disables it.
+    pub http_listen: Option<SocketAddr>,
+    /// Where the WAL and snapshots live.
+    pub data_dir: PathBuf,
+    /// Every server of the cluster (3 or 5 for real use). Fixed at creation.
+    pub members: Vec<Member>,
+    /// Number of Raft groups lock names are spread over. Fixed at creation.
+    pub groups: u32,
+    /// Leader heartbeat interval.
+    pub heartbeat_interval_ms: u64,
+    /// A follower that hears no leader for a random time in [min, max) starts an election. The leader
+    /// lease (how long a leader may answer keepalives without fresh quorum contact) is the max.
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+    /// Build a snapshot and purge the log after this many entries.
+    pub snapshot_every_entries: u64,
+    /// Session TTL used when a client asks for 0.
+    pub default_ttl_ms: u64,
+    /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
+    pub min_ttl_ms: u64,
+    pub max_ttl_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            node_id: 1,
+            client_listen: None,
+            peer_listen: None,
+            http_listen: None,
+            data_dir: PathBuf::from("holdfast-data"),
+            members: Vec::new(),
+            groups: 1,
+            heartbeat_interval_ms: 100,
+            election_timeout_min_ms: 500,
+            election_timeout_max_ms: 1_000,
+            snapshot_every_entries: 20_000,
+            default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
+            min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
+            max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,
+        }
+    }
+}
+
+/// Largest number of groups; each costs a Raft instance (tasks, timers, heartbeats) on every server.
+pub const MAX_GROUPS: u32 = 64;
+
+impl ServerConfig {
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| format!("bad config file: {e}"))
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        use holdfast_lock_table::limits::{MAX_TTL_MS, MIN_TTL_MS};
+        if self.members.is_empty() {
+            return Err(
+                "no members configured (give --members or members in the config file)".into(),
+            );
+        }
+        if !self.members.iter().any(|m| m.id == self.node_id) {
+            return Err(format!("node id {} is not among the members", self.node_id));
+        }
+        let mut ids: Vec<u64> = self.members.iter().map(|m| m.id).collect();
+        ids.sort();
+        ids.dedup();
+        if ids.len() != self.members.len() || ids.contains(&0) {
+            return Err("member ids must be unique and non-zero".into());
+        }
+        if self.groups == 0 || self.groups > MAX_GROUPS {
+            return Err(format!(
+                "groups must be 1..={MAX_GROUPS}, got {}",
+                self.groups
+            ));
+        }
+        if self.election_timeout_min_ms <= self.heartbeat_interval_ms * 3 {
+            return Err("election_timeout_min_ms must exceed 3 × heartbeat_interval_ms".into());
+        }
+        if self.election_timeout_max_ms <= self.election_timeout_min_ms {
+            return Err("election_timeout_max_ms must exceed election_timeout_min_ms".into());
+        }
+        if !(MIN_TTL_MS <= self.min_ttl_ms
+            && self.min_ttl_ms <= self.default_ttl_ms
+            && self.default_ttl_ms <= self.max_ttl_ms
+            && self.max_ttl_ms <= MAX_TTL_MS)
+        {
+            return Err(format!(
+                "ttl bounds must satisfy {MIN_TTL_MS} <= min_ttl_ms <= default_ttl_ms <= max_ttl_ms <= {MAX_TTL_MS}"
+            ));
+        }
+        // A session must outlive a leader election, or every failover would expire healthy sessions.
+        if self.min_ttl_ms < 2 * self.election_timeout_max_ms {
+            return Err("min_ttl_ms must be at least 2 × election_timeout_max_ms".into());
+        }
+        if self.snapshot_every_entries < 100 {
+            return Err("snapshot_every_entries must be at least 100".into());
+        }
+        Ok(())
+    }
+
+    pub fn me(&self) -> &Member {
+        self.members
+            .iter()
+            .find(|m| m.id == self.node_id)
+            .expect("validated: node id is a member")
+    }
+
+    pub fn member(&self, id: u64) -> Option<&Member> {
+        self.members.iter().find(|m| m.id == id)
+    }
+
+    /// Parses `--members 1=127.0.0.1:7001/127.0.0.1:7101,2=...` (id=client/peer).
+    pub fn parse_members(spec: &str) -> Result<Vec<Member>, String> {
+        spec.split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|item| {
+                let (id, addrs) = item
+                    .trim()
+                    .split_once('=')
+                    .ok_or(format!("bad member {item:?}: want id=client/peer"))?;
+                let (client, peer) = addrs
+                    .split_once('/')
+                    .ok_or(format!("bad member {item:?}: want id=client/peer"))?;
+                let id = id
+                    .parse()
+                    .map_err(|_| format!("bad member id in {item:?}"))?;
+                Ok(Member {
+                    id,
+                    client: client.to_string(),
+                    peer: peer.to_string(),
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,170 @@
+//! How refusals become gRPC statuses: a code, a lowercase message naming the thing and the limit, and an
+//! [`ErrorDetail`] with a machine-readable [`Reason`] in the status details (and `holdfast-reason` metadata).
+
+use holdfast_lock_table::{command::Limit, NameError, Refusal};
+use holdfast_proto::v1::{ErrorDetail, Reason};
+use prost::Message;
+use tonic::{Code, Status};
+
+pub fn status(
+    code: Code,
+    reason: Reason,
+    message: impl Into<String>,
+    detail: ErrorDetail,
+) -> Status {
+    let detail = ErrorDetail {
+        reason: reason as i32,
+        ..detail
+    };
+    let mut status = Status::with_details(code, message.into(), detail.encode_to_vec().into());
+    if let Ok(v) = reason.as_str_name().parse() {
+        status
+            .metadata_mut()
+            .insert(holdfast_proto::REASON_METADATA_KEY, v);
+    }
+    status
+}
+
+pub fn invalid(message: impl Into<String>) -> Status {
+    status(
+        Code::InvalidArgument,
+        Reason::InvalidArgument,
+        message,
+        ErrorDetail::default(),
+    )
+}
+
+pub fn limit(name: &str, value: u64, message: impl Into<String>) -> Status {
+    status(
+        Code::ResourceExhausted,
+        Reason::LimitExceeded,
+        message,
+        ErrorDetail {
+            limit: name.into(),
+            limit_value: value,
+            ..Default::default()
+        },
+    )
+}
+
+pub fn not_leader(leader_id: Option<u64>, leader_endpoint: Option<&str>) -> Status {
+    let msg = match leader_endpoint {
+        Some(ep) => format!(
+            "not the leader; the leader is node {} at {ep}",
+            leader_id.unwrap_or(0)
+        ),
+        None => {
+            "not the leader, and no leader is known yet (an election is under way); retry shortly"
+                .into()
+        }
+    };
+    status(
+        Code::Unavailable,
+        Reason::NotLeader,
+        msg,
+        ErrorDetail {
+            leader_id: leader_id.unwrap_or(0),
+            leader_endpoint: leader_endpoint.unwrap_or_default().into(),
+            ..Default::default()
+        },
+    )
+}
+
+pub fn unavailable(message: impl Into<String>) -> Status {
+    status(
+        Code::Unavailable,
+        Reason::Unavailable,
+        message,
+        ErrorDetail::default(),
+    )
+}
+
+pub fn session_unknown(session: u64) -> Status {
+    status(
+        Code::NotFound,
+        Reason::SessionUnknown,
+        format!("session {session} does not exist (never opened, closed, or expired)"),
+        ErrorDetail::default(),
+    )
+}
+
+pub fn name_error(e: NameError) -> Status {
+    match e {
+        NameError::TooLong { len } => limit(
+            "max_name_bytes",
+            holdfast_lock_table::limits::MAX_NAME_BYTES as u64,
+            format!(
+                "lock name is {len} bytes, over the limit of {} bytes (max_name_bytes)",
+                holdfast_lock_table::limits::MAX_NAME_BYTES
+            ),
+        ),
+        other => invalid(other.to_string()),
+    }
+}
+
+/// Maps a replicated refusal to a status. `session` and `name` are for the message.
+pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
+    match r {
+        Refusal::UnknownSession => session_unknown(session),
+        Refusal::Held { holder, token } => status(
+            Code::Aborted,
+            Reason::LockHeld,
+            format!("lock {name:?} is held by session {holder} with token {token}"),
+            ErrorDetail { holder_session_id: holder.0, current_token: token.0, ..Default::default() },
+        ),
+        Refusal::AlreadyHolder { token } => status(
+            Code::AlreadyExists,
+            Reason::AlreadyHeld,
+            format!("session {session} already holds lock {name:?} with token {token}"),
+            ErrorDetail { holder_session_id: session, current_token: token.0, ..Default::default() },
+        ),
+        Refusal::AlreadyWaiting => status(
+            Code::AlreadyExists,
+            Reason::AlreadyHeld,
+            format!("session {session} already waits for lock {name:?} under another request id"),
+            ErrorDetail::default(),
+        ),
+        Refusal::NotHolder => status(
+            Code::FailedPrecondition,
+            Reason::NotHolder,
+            format!("session {session} does not hold lock {name:?}"),
+            ErrorDetail::default(),
+        ),
+        Refusal::StaleToken { current } => status(
+            Code::FailedPrecondition,
+            Reason::StaleToken,
+            format!("stale token for lock {name:?}: the current grant's token is {current}"),
+            ErrorDetail { current_token: current.0, ..Default::default() },
+        ),
+        Refusal::NotWaiting => status(
+            Code::FailedPrecondition,
+            Reason::NotHolder,
+            format!("session {session} is not waiting for lock {name:?}"),
+            ErrorDetail::default(),
+        ),
+        Refusal::InvalidTtl { ttl_ms } => invalid(format!("ttl {ttl_ms} ms is outside the allowed range")),
+        Refusal::LimitExceeded(l) => limit_exceeded(l),
+        Refusal::RequestIdTooOld => status(
+            Code::FailedPrecondition,
+            Reason::RequestIdTooOld,
+            format!(
+                "request id is older than the last {} requests of session {session} (dedup_window); use a new request id",
+                holdfast_lock_table::limits::DEDUP_WINDOW
+            ),
+            ErrorDetail::default(),
+        ),
+    }
+}
+
+pub fn limit_exceeded(l: Limit) -> Status {
+    limit(
+        l.name(),
+        l.value() as u64,
+        format!("limit exceeded: {} is {}", l.name(), l.value()),
+    )
+}
+
+/// Decodes the [`ErrorDetail`] of a status (for clients and tests).
+pub fn detail(status: &Status) -> Option<ErrorDetail> {
+    ErrorDetail::decode(status.details()).ok()
+}

@@ -1,0 +1,332 @@
+//! One Raft group on this server: its Raft handle, applied state, session leases and waiting acquires,
+//! plus the two background tasks a leader runs (become-ready and expire-sessions).
+
+use crate::config::ServerConfig;
+use crate::lease::Leases;
+use crate::metrics::GroupMetrics;
+use crate::raft_types::{Raft, Request, Response, TypeConfig};
+use crate::state_machine::SmState;
+use holdfast_lock_table::{Command, Event, FencingToken, Outcome, RequestId, SessionId};
+use openraft::async_runtime::WatchReceiver;
+use openraft::errors::{ClientWriteError, ForwardReason, LinearizableReadError, RaftError};
+use openraft::raft::ReadPolicy;
+use openraft::{Instant as _, RaftMetrics, ServerState};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+/// How long the server keeps retrying a write that a just-elected leader refuses (LeaseExpired) before it
+/// gives the client an UNAVAILABLE to retry.
+const NEW_LEADER_RETRY: Duration = Duration::from_secs(3);
+
+/// Why a proposal or read did not produce an outcome.
+#[derive(Debug)]
+pub enum ProposeError {
+    /// This server is not the leader; the leader's id if known.
+    NotLeader(Option<u64>),
+    /// The outcome is unknown (leader changed mid-way, timeout): retry with the same request id.
+    Unknown(String),
+    /// Raft on this server has stopped (storage failure or shutdown).
+    Stopped(String),
+}
+
+/// How a waiting acquire ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitEnd {
+    Granted(FencingToken),
+    /// The waiter left the queue without a grant (its session ended, or it was cancelled).
+    Removed,
+}
+
+/// Acquire calls waiting for a grant, keyed by (session, request id); woken from the applied log.
+#[derive(Default)]
+pub struct Waiters {
+    map: Mutex<HashMap<(SessionId, RequestId), Vec<oneshot::Sender<WaitEnd>>>>,
+}
+
+impl Waiters {
+    pub fn register(&self, session: SessionId, request: RequestId) -> oneshot::Receiver<WaitEnd> {
+        let (tx, rx) = oneshot::channel();
+        self.map
+            .lock()
+            .expect("waiters lock")
+            .entry((session, request))
+            .or_default()
+            .push(tx);
+        rx
+    }
+
+    /// Drops registrations whose caller went away.
+    pub fn forget(&self, session: SessionId, request: RequestId) {
+        let mut map = self.map.lock().expect("waiters lock");
+        if let Some(list) = map.get_mut(&(session, request)) {
+            list.retain(|tx| !tx.is_closed());
+            if list.is_empty() {
+                map.remove(&(session, request));
+            }
+        }
+    }
+
+    fn on_events(&self, events: &[Event]) {
+        let mut map = self.map.lock().expect("waiters lock");
+        if map.is_empty() {
+            return;
+        }
+        for event in events {
+            let (key, end) = match event {
+                Event::Granted {
+                    session,
+                    request,
+                    token,
+                    ..
+                } => ((*session, *request), WaitEnd::Granted(*token)),
+                Event::WaiterRemoved {
+                    session, request, ..
+                } => ((*session, *request), WaitEnd::Removed),
+                _ => continue,
+            };
+            for tx in map.remove(&key).into_iter().flatten() {
+                let _ = tx.send(end);
+            }
+        }
+    }
+}
+
+pub struct Group {
+    pub id: u32,
+    pub raft: Raft,
+    pub state: Arc<RwLock<SmState>>,
+    pub leases: Arc<Leases>,
+    pub waiters: Arc<Waiters>,
+    pub metrics: Arc<GroupMetrics>,
+    metrics_rx: openraft::alias::WatchReceiverOf<TypeConfig, RaftMetrics<TypeConfig>>,
+    /// How long after its last quorum contact a leader may still renew sessions (see [`Group::can_renew`]).
+    renew_guard: Duration,
+}
+
+/// The state-machine event sink for a group: follows the log into the leases and the waiting acquires.
+pub fn event_sink(leases: Arc<Leases>, waiters: Arc<Waiters>) -> crate::state_machine::EventSink {
+    Arc::new(move |_state: &SmState, events: Vec<Event>| {
+        leases.on_events(&events, Instant::now());
+        waiters.on_events(&events);
+    })
+}
+
+impl Group {
+    pub fn new(
+        id: u32,
+        raft: Raft,
+        state: Arc<RwLock<SmState>>,
+        leases: Arc<Leases>,
+        waiters: Arc<Waiters>,
+        config: &ServerConfig,
+    ) -> Self {
+        let metrics_rx = raft.metrics();
+        // Followers refuse to vote for a new leader until election_timeout_max after they last heard the
+        // leader, and the leader's last quorum contact is the *send* time of a heartbeat a quorum acked. So
+        // no other leader can exist before last_quorum_acked + election_timeout_max; renewing only within 3/4
+        // of that leaves a quarter for clock-rate differences between servers.
+        let renew_guard = Duration::from_millis(config.election_timeout_max_ms * 3 / 4);
+        Group {
+            id,
+            raft,
+            state,
+            leases,
+            waiters,
+            metrics: Arc::new(GroupMetrics::default()),
+            metrics_rx,
+            renew_guard,
+        }
+    }
+
+    pub fn raft_metrics(&self) -> RaftMetrics<TypeConfig> {
+        self.metrics_rx.borrow_watched().clone()
+    }
+
+    pub fn current_leader(&self) -> Option<u64> {
+        self.metrics_rx.borrow_watched().current_leader
+    }
+
+    /// True if this server may acknowledge keepalives now: it leads, has started timing sessions for this
+    /// term, and heard from a quorum recently enough that no newer leader can exist.
+    pub fn can_renew(&self) -> bool {
+        let m = self.metrics_rx.borrow_watched();
+        m.state == ServerState::Leader
+            && self.leases.leading_term() == Some(m.current_term)
+            && m.last_quorum_acked
+                .as_ref()
+                .is_some_and(|t| t.elapsed() < self.renew_guard)
+    }
+
+    /// Proposes `command` and waits until it is committed and applied here.
+    pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
+        let give_up = Instant::now() + NEW_LEADER_RETRY;
+        loop {
+            let started = Instant::now();
+            self.metrics.proposals.fetch_add(1, Relaxed);
+            match self.raft.client_write(Request(command.clone())).await {
+                Ok(resp) => {
+                    self.metrics.commit.observe(started.elapsed());
+                    return match resp.data {
+                        Response::Outcome(o) => Ok(o),
+                        Response::None => Err(ProposeError::Unknown(
+                            "entry applied without an outcome".into(),
+                        )),
+                    };
+                }
+                Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+                    // A new leader refuses writes until a quorum has acknowledged it; that is not a
+                    // reason to send the client elsewhere. Retrying is safe: the entry was not appended.
+                    if f.reason == ForwardReason::LeaseExpired
+                        && f.leader_id.is_none()
+                        && Instant::now() < give_up
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                    return Err(ProposeError::NotLeader(f.leader_id));
+                }
+                Err(RaftError::APIError(ClientWriteError::LogEntryDiscarded(_))) => {
+                    return Err(ProposeError::Unknown(
+                        "leadership changed before the entry committed".into(),
+                    ))
+                }
+                Err(RaftError::APIError(other)) => {
+                    return Err(ProposeError::Unknown(other.to_string()))
+                }
+                Err(RaftError::Fatal(f)) => return Err(ProposeError::Stopped(f.to_string())),
+            }
+        }
+    }
+
+    /// Waits until this server may serve a linearizable read of the state machine: it is the leader, a
+    /// quorum has confirmed it (ReadIndex), and it has applied everything committed before the read.
+    pub async fn linearizable_read(&self) -> Result<(), ProposeError> {
+        let give_up = Instant::now() + NEW_LEADER_RETRY;
+        loop {
+            match self.raft.ensure_linearizable(ReadPolicy::ReadIndex).await {
+                Ok(_) => return Ok(()),
+                Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => {
+                    if f.reason == ForwardReason::LeaseExpired
+                        && f.leader_id.is_none()
+                        && Instant::now() < give_up
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                    return Err(ProposeError::NotLeader(f.leader_id));
+                }
+                Err(RaftError::APIError(LinearizableReadError::QuorumNotEnough(q))) => {
+                    if Instant::now() < give_up {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    return Err(ProposeError::Unknown(format!(
+                        "no quorum confirmed this leader: {q}"
+                    )));
+                }
+                Err(RaftError::Fatal(f)) => return Err(ProposeError::Stopped(f.to_string())),
+            }
+        }
+    }
+
+    /// Runs until Raft shuts down: follows this server's role, starting session timers (after a
+    /// linearizable barrier, so every entry of earlier terms is applied) when it becomes leader, and
+    /// dropping them when it stops leading.
+    pub async fn run_leadership(self: Arc<Self>) {
+        let mut rx = self.raft.metrics();
+        let mut last_leader = None;
+        loop {
+            let (state, term, leader) = {
+                let m = rx.borrow_watched();
+                (m.state, m.current_term, m.current_leader)
+            };
+            if leader != last_leader {
+                self.metrics.leader_changes.fetch_add(1, Relaxed);
+                last_leader = leader;
+            }
+            if state == ServerState::Leader {
+                if self.leases.leading_term() != Some(term) {
+                    self.leases.stop_leading();
+                    // The barrier makes sure an ExpireSession proposed by an earlier leader is either applied
+                    // (the session is gone) or will never commit, before any keepalive is acknowledged.
+                    if self.linearizable_read().await.is_ok() {
+                        let s = self.state.read().expect("state machine lock poisoned");
+                        let still = rx.borrow_watched();
+                        if still.state == ServerState::Leader && still.current_term == term {
+                            self.leases
+                                .start_leading(term, s.table.session_ttls(), Instant::now());
+                            tracing::info!(
+                                group = self.id,
+                                term,
+                                sessions = s.table.session_count(),
+                                "leading: session timers started with a fresh TTL"
+                            );
+                        }
+                        continue;
+                    }
+                }
+            } else if self.leases.leading_term().is_some() {
+                self.leases.stop_leading();
+                tracing::info!(
+                    group = self.id,
+                    term,
+                    "no longer leading: session timers stopped"
+                );
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Runs until Raft shuts down: proposes `ExpireSession` for every session whose deadline passed.
+    pub async fn run_expiry(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            let next = self
+                .leases
+                .next_deadline()
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                _ = self.leases.wake.notified() => continue,
+                _ = shutdown.changed() => return,
+            }
+            for session in self.leases.take_due(Instant::now()) {
+                let group = self.clone();
+                tokio::spawn(async move {
+                    let command = Command::ExpireSession {
+                        session,
+                        now_ms: crate::now_ms(),
+                    };
+                    match group.propose(command).await {
+                        Ok(outcome) => {
+                            group.metrics.expiries.fetch_add(1, Relaxed);
+                            tracing::info!(
+                                group = group.id,
+                                session = session.0,
+                                ?outcome,
+                                "session expired"
+                            );
+                        }
+                        Err(ProposeError::NotLeader(_)) => {}
+                        Err(e) => {
+                            tracing::warn!(
+                                group = group.id,
+                                session = session.0,
+                                ?e,
+                                "expiry not committed; will retry"
+                            );
+                            group
+                                .leases
+                                .retry_expiry(session, Instant::now() + Duration::from_millis(500));
+                        }
+                    }
+                });
+            }
+        }
+    }
+}

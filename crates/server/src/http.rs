@@ -1,0 +1,57 @@
+//! A minimal HTTP/1.1 endpoint for operators: `GET /metrics` (Prometheus text), `/healthz` (the process
+//! serves), `/readyz` (every group knows a leader). One request per connection; requests over 8 KiB or
+//! slower than 5 s are dropped.
+
+use crate::node::NodeShared;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const MAX_REQUEST_BYTES: usize = 8 << 10;
+
+pub async fn serve(
+    listener: TcpListener,
+    node: Arc<NodeShared>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
+            _ = shutdown.changed() => return,
+        };
+        let node = node.clone();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(5), handle(stream, node)).await;
+        });
+    }
+}
+
+async fn handle(mut stream: TcpStream, node: Arc<NodeShared>) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 || buf.len() + n > MAX_REQUEST_BYTES {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let line = String::from_utf8_lossy(&buf);
+    let path = line.split_whitespace().nth(1).unwrap_or("/");
+    let (status, content_type, body) = match path {
+        "/metrics" => ("200 OK", "text/plain; version=0.0.4", node.render_metrics()),
+        "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+        "/readyz" if node.ready() => ("200 OK", "text/plain", "ready\n".to_string()),
+        "/readyz" => (
+            "503 Service Unavailable",
+            "text/plain",
+            "no leader known for some group\n".to_string(),
+        ),
+        _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+    };
+    let head = format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}

@@ -1,0 +1,305 @@
+//! Session leases on the leader's monotonic clock.
+//!
+//! This is the one place in Holdfast that reads a clock to decide anything, and it decides only *when to
+//! propose* an `ExpireSession` entry; the expiry itself happens when that entry is applied, identically on
+//! every replica. Keepalives are not log entries: they only move a deadline in this in-memory map.
+//!
+//! Rules (DESIGN.md §4):
+//! - Only a leader keeps timers. [`Leases::start_leading`] gives every live session a full fresh TTL from
+//!   that moment, which can only delay an expiry, never hasten it. [`Leases::stop_leading`] drops them all.
+//! - A session whose expiry has been proposed is answered "not alive" from then on, so a keepalive is
+//!   never acknowledged for a session that an in-flight entry is about to expire.
+//! - Time is `tokio::time::Instant`, so tests drive it with paused time.
+
+use holdfast_lock_table::{Event, SessionId};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+struct Timer {
+    ttl: Duration,
+    deadline: Instant,
+    expiring: bool,
+}
+
+#[derive(Default)]
+struct State {
+    /// The term this server leads in, once it is ready to time sessions.
+    leading: Option<u64>,
+    timers: HashMap<SessionId, Timer>,
+    /// Deadlines, possibly stale (a keepalive pushes a new one without removing the old): each popped
+    /// entry is checked against `timers`. Compacted when it grows past 4× the live sessions.
+    heap: BinaryHeap<Reverse<(Instant, SessionId)>>,
+}
+
+/// The answer to one session's keepalive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeepAlive {
+    /// Alive; the TTL restarted now.
+    Alive { ttl_ms: u64 },
+    /// Unknown, closed, or its expiry is already proposed.
+    Gone,
+}
+
+#[derive(Default)]
+pub struct Leases {
+    state: Mutex<State>,
+    /// Woken when a deadline earlier than the ones the expiry task sleeps on may have appeared.
+    pub wake: Notify,
+}
+
+impl Leases {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("lease lock poisoned")
+    }
+
+    /// Starts timing every live session with a full TTL from `now`. The caller holds the state machine's
+    /// read lock, so no session can open or end between the listing and this call.
+    pub fn start_leading(
+        &self,
+        term: u64,
+        sessions: impl Iterator<Item = (SessionId, u64)>,
+        now: Instant,
+    ) {
+        let mut s = self.lock();
+        s.leading = Some(term);
+        s.timers.clear();
+        s.heap.clear();
+        for (id, ttl_ms) in sessions {
+            let ttl = Duration::from_millis(ttl_ms);
+            s.timers.insert(
+                id,
+                Timer {
+                    ttl,
+                    deadline: now + ttl,
+                    expiring: false,
+                },
+            );
+            s.heap.push(Reverse((now + ttl, id)));
+        }
+        drop(s);
+        self.wake.notify_one();
+    }
+
+    pub fn stop_leading(&self) {
+        let mut s = self.lock();
+        *s = State::default();
+    }
+
+    /// The term this server is timing sessions for, if it leads.
+    pub fn leading_term(&self) -> Option<u64> {
+        self.lock().leading
+    }
+
+    /// Restarts the TTL of each session in `ids`. `None` if this server is not timing sessions.
+    pub fn keepalive(&self, ids: &[u64], now: Instant, out: &mut Vec<KeepAlive>) -> Option<()> {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        s.leading?;
+        for &id in ids {
+            let id = SessionId(id);
+            match s.timers.get_mut(&id) {
+                Some(t) if !t.expiring => {
+                    t.deadline = now + t.ttl;
+                    s.heap.push(Reverse((t.deadline, id)));
+                    out.push(KeepAlive::Alive {
+                        ttl_ms: t.ttl.as_millis() as u64,
+                    });
+                }
+                _ => out.push(KeepAlive::Gone),
+            }
+        }
+        if s.heap.len() > 4 * s.timers.len() + 1024 {
+            s.heap = s
+                .timers
+                .iter()
+                .filter(|(_, t)| !t.expiring)
+                .map(|(id, t)| Reverse((t.deadline, *id)))
+                .collect();
+        }
+        Some(())
+    }
+
+    /// Follows the applied log: new sessions start their TTL now, ended ones stop.
+    pub fn on_events(&self, events: &[Event], now: Instant) {
+        let mut s = self.lock();
+        if s.leading.is_none() {
+            return;
+        }
+        let mut earlier = false;
+        for event in events {
+            match event {
+                Event::SessionOpened { session, ttl_ms } => {
+                    let ttl = Duration::from_millis(*ttl_ms);
+                    s.timers.insert(
+                        *session,
+                        Timer {
+                            ttl,
+                            deadline: now + ttl,
+                            expiring: false,
+                        },
+                    );
+                    s.heap.push(Reverse((now + ttl, *session)));
+                    earlier = true;
+                }
+                Event::SessionEnded { session } => {
+                    s.timers.remove(session);
+                }
+                _ => {}
+            }
+        }
+        drop(s);
+        if earlier {
+            self.wake.notify_one();
+        }
+    }
+
+    /// The remaining TTL of a session on this leader's clock.
+    pub fn remaining(&self, id: SessionId, now: Instant) -> Option<Duration> {
+        self.lock()
+            .timers
+            .get(&id)
+            .map(|t| t.deadline.saturating_duration_since(now))
+    }
+
+    /// Sessions whose deadline has passed; each is marked as expiring and returned once.
+    pub fn take_due(&self, now: Instant) -> Vec<SessionId> {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        let mut due = Vec::new();
+        while let Some(Reverse((deadline, id))) = s.heap.peek().copied() {
+            if deadline > now {
+                break;
+            }
+            s.heap.pop();
+            if let Some(t) = s.timers.get_mut(&id) {
+                if !t.expiring && t.deadline <= now {
+                    t.expiring = true;
+                    due.push(id);
+                }
+            }
+        }
+        due
+    }
+
+    /// An expiry proposal failed for a reason other than losing leadership: try again at `at`.
+    pub fn retry_expiry(&self, id: SessionId, at: Instant) {
+        let mut s = self.lock();
+        if let Some(t) = s.timers.get_mut(&id) {
+            t.expiring = false;
+            t.deadline = at;
+            s.heap.push(Reverse((at, id)));
+        }
+    }
+
+    /// When the expiry task should next look.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.lock().heap.peek().map(|Reverse((d, _))| *d)
+    }
+
+    pub fn session_count(&self) -> usize {
+        self.lock().timers.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alive(leases: &Leases, id: u64, now: Instant) -> Option<KeepAlive> {
+        let mut out = Vec::new();
+        leases.keepalive(&[id], now, &mut out)?;
+        out.pop()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_expires_one_ttl_after_its_last_keepalive() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(1, [(SessionId(7), 10_000)].into_iter(), t0);
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert_eq!(
+            alive(&leases, 7, Instant::now()),
+            Some(KeepAlive::Alive { ttl_ms: 10_000 })
+        );
+        tokio::time::advance(Duration::from_millis(9_999)).await;
+        assert!(
+            leases.take_due(Instant::now()).is_empty(),
+            "expired before its TTL"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(leases.take_due(Instant::now()), vec![SessionId(7)]);
+        // Once proposed, the session is not renewed and not proposed twice.
+        assert_eq!(alive(&leases, 7, Instant::now()), Some(KeepAlive::Gone));
+        assert!(leases
+            .take_due(Instant::now() + Duration::from_secs(60))
+            .is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_leader_gives_a_full_fresh_ttl() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(1, [(SessionId(1), 5_000)].into_iter(), t0);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        leases.stop_leading();
+        assert_eq!(
+            alive(&leases, 1, Instant::now()),
+            None,
+            "a follower does not renew"
+        );
+        let t1 = Instant::now();
+        leases.start_leading(2, [(SessionId(1), 5_000)].into_iter(), t1);
+        assert!(leases
+            .take_due(t1 + Duration::from_millis(4_999))
+            .is_empty());
+        assert_eq!(
+            leases.take_due(t1 + Duration::from_millis(5_000)),
+            vec![SessionId(1)]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opened_and_ended_sessions_follow_the_log() {
+        let leases = Leases::default();
+        let now = Instant::now();
+        leases.start_leading(1, std::iter::empty(), now);
+        leases.on_events(
+            &[Event::SessionOpened {
+                session: SessionId(3),
+                ttl_ms: 2_000,
+            }],
+            now,
+        );
+        assert_eq!(
+            leases.remaining(SessionId(3), now),
+            Some(Duration::from_secs(2))
+        );
+        leases.on_events(
+            &[Event::SessionEnded {
+                session: SessionId(3),
+            }],
+            now,
+        );
+        assert_eq!(alive(&leases, 3, now), Some(KeepAlive::Gone));
+        assert!(leases.take_due(now + Duration::from_secs(10)).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_keepalives_keep_the_heap_bounded() {
+        let leases = Leases::default();
+        let now = Instant::now();
+        leases.start_leading(1, (1..=100).map(|i| (SessionId(i), 10_000)), now);
+        for round in 0..1_000u64 {
+            let t = now + Duration::from_millis(round);
+            let mut out = Vec::new();
+            leases
+                .keepalive(&(1..=100).collect::<Vec<_>>(), t, &mut out)
+                .unwrap();
+        }
+        assert!(leases.lock().heap.len() <= 4 * 100 + 1024 + 100);
+    }
+}

@@ -1,0 +1,120 @@
+//! Prometheus metrics, rendered in the text exposition format by hand (no metrics dependency).
+//!
+//! Counters and histograms are atomics updated on the hot paths; gauges (sessions, locks, term, ...) are
+//! read from the groups at scrape time.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// A fixed-bucket histogram of durations.
+pub struct Histogram {
+    bounds_us: &'static [u64],
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+/// 100 µs .. 10 s, roughly ×2.5 per step: covers an fsync on tmpfs up to a stalled disk.
+pub const LATENCY_BUCKETS_US: &[u64] = &[
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+    10_000_000,
+];
+/// Records per group commit.
+pub const BATCH_BUCKETS: &[u64] = &[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096];
+
+impl Histogram {
+    pub fn new(bounds_us: &'static [u64]) -> Self {
+        Histogram {
+            bounds_us,
+            counts: (0..bounds_us.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        self.observe_value(d.as_micros() as u64);
+    }
+
+    pub fn observe_value(&self, v: u64) {
+        if let Some(i) = self.bounds_us.iter().position(|&b| v <= b) {
+            self.counts[i].fetch_add(1, Relaxed);
+        }
+        self.sum_us.fetch_add(v, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    /// Renders as seconds (`scale` = 1e-6) or as plain values (`scale` = 1).
+    pub fn render(&self, out: &mut String, name: &str, help: &str, labels: &str, scale: f64) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (b, c) in self.bounds_us.iter().zip(&self.counts) {
+            cumulative += c.load(Relaxed);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{}\"}} {cumulative}",
+                *b as f64 * scale
+            );
+        }
+        let count = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum{{{labels}}} {}",
+            self.sum_us.load(Relaxed) as f64 * scale
+        );
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// Server-wide metrics.
+pub struct ServerMetrics {
+    pub fsync: Histogram,
+    pub fsync_batch_records: Histogram,
+    pub keepalives: AtomicU64,
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        ServerMetrics {
+            fsync: Histogram::new(LATENCY_BUCKETS_US),
+            fsync_batch_records: Histogram::new(BATCH_BUCKETS),
+            keepalives: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Per-group metrics.
+pub struct GroupMetrics {
+    pub commit: Histogram,
+    pub proposals: AtomicU64,
+    pub leader_changes: AtomicU64,
+    pub expiries: AtomicU64,
+}
+
+impl Default for GroupMetrics {
+    fn default() -> Self {
+        GroupMetrics {
+            commit: Histogram::new(LATENCY_BUCKETS_US),
+            proposals: AtomicU64::new(0),
+            leader_changes: AtomicU64::new(0),
+            expiries: AtomicU64::new(0),
+        }
+    }
+}
+
+pub fn counter(out: &mut String, name: &str, help: &str, values: &[(String, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for (labels, v) in values {
+        let _ = writeln!(out, "{name}{{{labels}}} {v}");
+    }
+}
+
+pub fn gauge(out: &mut String, name: &str, help: &str, values: &[(String, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    for (labels, v) in values {
+        let _ = writeln!(out, "{name}{{{labels}}} {v}");
+    }
+}

@@ -1,0 +1,501 @@
+//! A Holdfast server process: opens the WAL, restores every group, starts Raft, the gRPC servers (clients
+//! and peers), the HTTP endpoint, and each group's leader tasks; shuts them down in order.
+
+use crate::config::ServerConfig;
+use crate::group::{event_sink, Group, Waiters};
+use crate::lease::Leases;
+use crate::log_store::{GroupLog, LogStore};
+use crate::metrics::{self, ServerMetrics};
+use crate::peer::{PeerNetwork, PeerService, Peers, RaftLookup, MAX_PEER_MESSAGE_BYTES};
+use crate::raft_types::Raft;
+use crate::service::{ClientService, MAX_REQUEST_BYTES};
+use crate::snapshot_store::SnapshotStore;
+use crate::state_machine::StateMachine;
+use anyhow::{anyhow, bail, Context};
+use holdfast_proto::v1 as pb;
+use holdfast_wal::{Wal, WalOptions};
+use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::server::TcpIncoming;
+
+/// What the gRPC and HTTP handlers share.
+pub struct NodeShared {
+    pub config: Arc<ServerConfig>,
+    pub groups: Vec<Arc<Group>>,
+    pub metrics: Arc<ServerMetrics>,
+}
+
+impl RaftLookup for NodeShared {
+    fn raft(&self, group: u32) -> Option<&Raft> {
+        self.groups.get(group as usize).map(|g| &g.raft)
+    }
+}
+
+pub struct Node {
+    pub shared: Arc<NodeShared>,
+    wal: Arc<Wal>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    pub client_addr: SocketAddr,
+    pub peer_addr: SocketAddr,
+    pub http_addr: Option<SocketAddr>,
+    /// Holds the data directory's lock for the life of the server.
+    _dir_lock: std::fs::File,
+}
+
+fn parse_addr(s: &str) -> anyhow::Result<SocketAddr> {
+    s.parse()
+        .with_context(|| format!("{s:?} is not an ip:port address"))
+}
+
+impl Node {
+    pub async fn start(config: ServerConfig) -> anyhow::Result<Node> {
+        config.validate().map_err(|e| anyhow!(e))?;
+        let config = Arc::new(config);
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
+        let dir_lock = lock_data_dir(&config)?;
+        check_identity(&config)?;
+
+        let metrics = Arc::new(ServerMetrics::default());
+        let m = metrics.clone();
+        let wal_options = WalOptions {
+            observer: Some(Arc::new(move |s: holdfast_wal::SyncStats| {
+                m.fsync.observe(s.sync_duration);
+                m.fsync_batch_records.observe_value(s.records as u64);
+            })),
+            ..WalOptions::default()
+        };
+        let (wal, recovered) = Wal::open(&config.data_dir.join("wal"), wal_options)?;
+        if let Some(t) = &recovered.torn {
+            tracing::warn!(segment = %t.segment.display(), offset = t.offset, bytes = t.bytes, saved_to = %t.saved_to.display(),
+                "cut a torn write at the end of the log (a crash interrupted it before it was acknowledged)");
+        }
+        let wal = Arc::new(wal);
+
+        let peers = Peers::default();
+        let raft_config = Arc::new(
+            openraft::Config {
+                cluster_name: "holdfast".into(),
+                heartbeat_interval: config.heartbeat_interval_ms,
+                election_timeout_min: config.election_timeout_min_ms,
+                election_timeout_max: config.election_timeout_max_ms,
+                enable_pre_vote: Some(true),
+                snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every_entries),
+                // Keep some log behind a snapshot so a briefly lagging follower catches up by log.
+                max_in_snapshot_log_to_keep: 1_000,
+                purge_batch_size: 256,
+                install_snapshot_timeout: 30_000,
+                ..Default::default()
+            }
+            .validate()
+            .context("invalid raft timing")?,
+        );
+        let members: BTreeMap<u64, BasicNode> = config
+            .members
+            .iter()
+            .map(|m| (m.id, BasicNode::new(m.peer.clone())))
+            .collect();
+
+        let mut groups = Vec::new();
+        for g in 0..config.groups {
+            let log = GroupLog::replay(recovered.records.iter().filter(|r| r.group == g))
+                .map_err(|e| anyhow!("group {g}: {e}"))?;
+            let log_store = LogStore::new(g, log, wal.clone());
+            let snapshots =
+                SnapshotStore::open(config.data_dir.join("snapshots").join(format!("g{g}")))?;
+            let leases = Arc::new(Leases::default());
+            let waiters = Arc::new(Waiters::default());
+            let (sm, state) =
+                StateMachine::open(snapshots, event_sink(leases.clone(), waiters.clone()))
+                    .map_err(|e| anyhow!("group {g}: {e}"))?;
+            let network = PeerNetwork {
+                group: g,
+                peers: peers.clone(),
+            };
+            let raft = Raft::new(config.node_id, raft_config.clone(), network, log_store, sm)
+                .await
+                .map_err(|e| anyhow!("group {g}: raft did not start: {e}"))?;
+            // Every server initializes with the same membership; openraft makes that safe, and it means
+            // the cluster forms whichever servers start first.
+            if !raft.is_initialized().await.map_err(|e| anyhow!("{e}"))? {
+                if let Err(e) = raft.initialize(members.clone()).await {
+                    tracing::debug!(group = g, %e, "initialize skipped");
+                }
+            }
+            groups.push(Arc::new(Group::new(
+                g, raft, state, leases, waiters, &config,
+            )));
+        }
+        drop(recovered);
+
+        let shared = Arc::new(NodeShared {
+            config: config.clone(),
+            groups,
+            metrics,
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        let me = config.me();
+        let client_listen = match config.client_listen {
+            Some(a) => a,
+            None => parse_addr(&me.client)?,
+        };
+        let peer_listen = match config.peer_listen {
+            Some(a) => a,
+            None => parse_addr(&me.peer)?,
+        };
+        let peer_listener = TcpListener::bind(peer_listen)
+            .await
+            .with_context(|| format!("cannot listen for peers on {peer_listen}"))?;
+        let client_listener = TcpListener::bind(client_listen)
+            .await
+            .with_context(|| format!("cannot listen for clients on {client_listen}"))?;
+        let peer_addr = peer_listener.local_addr()?;
+        let client_addr = client_listener.local_addr()?;
+
+        let peer_service = holdfast_proto::v1::raft_peer_server::RaftPeerServer::new(PeerService {
+            lookup: shared.clone(),
+        })
+        .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
+        let mut rx = shutdown_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let incoming = TcpIncoming::from(peer_listener).with_nodelay(Some(true));
+            let stop = async move {
+                let _ = rx.changed().await;
+            };
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(peer_service)
+                .serve_with_incoming_shutdown(incoming, stop)
+                .await
+            {
+                tracing::error!(%e, "peer server failed");
+            }
+        }));
+
+        let client_service =
+            holdfast_proto::v1::holdfast_server::HoldfastServer::new(ClientService {
+                node: shared.clone(),
+            })
+            .max_decoding_message_size(MAX_REQUEST_BYTES);
+        let mut rx = shutdown_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let incoming = TcpIncoming::from(client_listener).with_nodelay(Some(true));
+            let stop = async move {
+                let _ = rx.changed().await;
+            };
+            if let Err(e) = tonic::transport::Server::builder()
+                .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                .add_service(client_service)
+                .serve_with_incoming_shutdown(incoming, stop)
+                .await
+            {
+                tracing::error!(%e, "client server failed");
+            }
+        }));
+
+        let http_addr = match config.http_listen {
+            Some(addr) => {
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen for http on {addr}"))?;
+                let local = listener.local_addr()?;
+                tasks.push(tokio::spawn(crate::http::serve(
+                    listener,
+                    shared.clone(),
+                    shutdown_rx.clone(),
+                )));
+                Some(local)
+            }
+            None => None,
+        };
+
+        for group in &shared.groups {
+            tasks.push(tokio::spawn(group.clone().run_leadership()));
+            tasks.push(tokio::spawn(group.clone().run_expiry(shutdown_rx.clone())));
+        }
+        tracing::info!(node = config.node_id, %client_addr, %peer_addr, groups = config.groups, "holdfast server started");
+        Ok(Node {
+            shared,
+            wal,
+            shutdown,
+            tasks,
+            client_addr,
+            peer_addr,
+            http_addr,
+            _dir_lock: dir_lock,
+        })
+    }
+
+    /// Resolves when Raft in any group has stopped on its own (a storage failure): the process must exit.
+    pub async fn fatal(&self) -> String {
+        let mut waits = Vec::new();
+        for g in &self.shared.groups {
+            let mut rx = g.raft.metrics();
+            waits.push(Box::pin(async move {
+                use openraft::async_runtime::WatchReceiver;
+                loop {
+                    if let Err(e) = &rx.borrow_watched().running_state {
+                        return format!("group {}: {e}", g.id);
+                    }
+                    if rx.changed().await.is_err() {
+                        return format!("group {}: raft stopped", g.id);
+                    }
+                }
+            }));
+        }
+        futures::future::select_all(waits).await.0
+    }
+
+    /// Stops serving, stops Raft in every group, then flushes and closes the WAL.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for g in &self.shared.groups {
+            if let Err(e) = g.raft.shutdown().await {
+                tracing::warn!(group = g.id, %e, "raft shutdown");
+            }
+        }
+        for t in self.tasks {
+            t.abort();
+        }
+        let wal = self.wal.clone();
+        let _ = tokio::task::spawn_blocking(move || wal.close()).await;
+        tracing::info!("holdfast server stopped");
+    }
+}
+
+impl NodeShared {
+    pub fn status(&self) -> pb::StatusResponse {
+        let groups = self
+            .groups
+            .iter()
+            .map(|g| {
+                let m = g.raft_metrics();
+                let leader_endpoint = m
+                    .current_leader
+                    .and_then(|l| self.config.member(l))
+                    .map(|m| m.client.clone())
+                    .unwrap_or_default();
+                let s = g.state.read().expect("state lock");
+                pb::GroupStatus {
+                    group: g.id,
+                    role: role(m.state).into(),
+                    term: m.current_term,
+                    leader_id: m.current_leader.unwrap_or(0),
+                    leader_endpoint,
+                    last_log_index: m.last_log_index.unwrap_or(0),
+                    committed_index: m.local_committed.map_or(0, |l| l.index),
+                    applied_index: s.last_applied.map_or(0, |l| l.index),
+                    snapshot_index: m.snapshot.map_or(0, |l| l.index),
+                    sessions: s.table.session_count() as u64,
+                    locks: s.table.lock_count() as u64,
+                    waiters: s.table.waiter_count(),
+                    digest: s.table.digest(),
+                }
+            })
+            .collect();
+        pb::StatusResponse {
+            node_id: self.config.node_id,
+            group_count: self.config.groups,
+            groups,
+            members: self
+                .config
+                .members
+                .iter()
+                .map(|m| pb::Member {
+                    node_id: m.id,
+                    client_endpoint: m.client.clone(),
+                    peer_endpoint: m.peer.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Ready when every group knows a leader (so requests here will be served or redirected).
+    pub fn ready(&self) -> bool {
+        self.groups.iter().all(|g| g.current_leader().is_some())
+    }
+
+    pub fn render_metrics(&self) -> String {
+        let mut out = String::with_capacity(8192);
+        self.metrics.fsync.render(
+            &mut out,
+            "holdfast_wal_fsync_seconds",
+            "WAL fdatasync latency.",
+            "",
+            1e-6,
+        );
+        self.metrics.fsync_batch_records.render(
+            &mut out,
+            "holdfast_wal_batch_records",
+            "Records per group commit (one fsync).",
+            "",
+            1.0,
+        );
+        metrics::counter(
+            &mut out,
+            "holdfast_keepalives_total",
+            "Session keepalives answered as leader.",
+            &[(String::new(), self.metrics.keepalives.load(Relaxed))],
+        );
+        let label = |g: &Group| format!("group=\"{}\"", g.id);
+        for g in &self.groups {
+            g.metrics.commit.render(
+                &mut out,
+                "holdfast_commit_seconds",
+                "Time from proposal to applied outcome on the leader.",
+                &label(g),
+                1e-6,
+            );
+        }
+        let per_group = |f: &dyn Fn(&Group) -> u64| {
+            self.groups
+                .iter()
+                .map(|g| (label(g), f(g)))
+                .collect::<Vec<_>>()
+        };
+        metrics::counter(
+            &mut out,
+            "holdfast_proposals_total",
+            "Log entries proposed by this server.",
+            &per_group(&|g| g.metrics.proposals.load(Relaxed)),
+        );
+        metrics::counter(
+            &mut out,
+            "holdfast_leader_changes_total",
+            "Leader changes seen by this server.",
+            &per_group(&|g| g.metrics.leader_changes.load(Relaxed)),
+        );
+        metrics::counter(
+            &mut out,
+            "holdfast_session_expiries_total",
+            "Sessions expired by this server as leader.",
+            &per_group(&|g| g.metrics.expiries.load(Relaxed)),
+        );
+        let stats: Vec<(String, u64, u64, u64, u64, u64, bool)> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let m = g.raft_metrics();
+                let s = g.state.read().expect("state lock");
+                (
+                    label(g),
+                    s.table.session_count() as u64,
+                    s.table.lock_count() as u64,
+                    s.table.waiter_count(),
+                    m.current_term,
+                    s.last_applied.map_or(0, |l| l.index),
+                    m.state == ServerState::Leader,
+                )
+            })
+            .collect();
+        let col = |f: &dyn Fn(&(String, u64, u64, u64, u64, u64, bool)) -> u64| {
+            stats
+                .iter()
+                .map(|s| (s.0.clone(), f(s)))
+                .collect::<Vec<_>>()
+        };
+        metrics::gauge(
+            &mut out,
+            "holdfast_sessions",
+            "Live sessions.",
+            &col(&|s| s.1),
+        );
+        metrics::gauge(&mut out, "holdfast_locks", "Held locks.", &col(&|s| s.2));
+        metrics::gauge(
+            &mut out,
+            "holdfast_waiters",
+            "Queued waiters.",
+            &col(&|s| s.3),
+        );
+        metrics::gauge(
+            &mut out,
+            "holdfast_raft_term",
+            "Current Raft term.",
+            &col(&|s| s.4),
+        );
+        metrics::gauge(
+            &mut out,
+            "holdfast_applied_index",
+            "Last applied log index.",
+            &col(&|s| s.5),
+        );
+        metrics::gauge(
+            &mut out,
+            "holdfast_is_leader",
+            "1 if this server leads the group.",
+            &col(&|s| u64::from(s.6)),
+        );
+        out
+    }
+}
+
+fn role(s: ServerState) -> &'static str {
+    match s {
+        ServerState::Leader => "leader",
+        ServerState::Follower => "follower",
+        ServerState::Candidate => "candidate",
+        ServerState::Learner => "learner",
+        ServerState::Shutdown => "shutdown",
+    }
+}
+
+/// Refuses to run two servers on one data directory (they would interleave WAL writes).
+fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<std::fs::File> {
+    let path = config.data_dir.join("LOCK");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(_) => bail!(
+            "data dir {} is in use by another holdfast server",
+            config.data_dir.display()
+        ),
+    }
+}
+
+/// The node id, group count and members are fixed when a data directory is created; starting it with
+/// others would silently move locks between groups or merge clusters, so it is refused.
+fn check_identity(config: &ServerConfig) -> anyhow::Result<()> {
+    let path = config.data_dir.join("IDENTITY");
+    let members: Vec<String> = config
+        .members
+        .iter()
+        .map(|m| format!("{}={}/{}", m.id, m.client, m.peer))
+        .collect();
+    let identity = format!(
+        "node_id={}\ngroups={}\nmembers={}\n",
+        config.node_id,
+        config.groups,
+        members.join(",")
+    );
+    match std::fs::read_to_string(&path) {
+        Ok(existing) if existing == identity => Ok(()),
+        Ok(existing) => bail!(
+            "data dir {} belongs to another configuration:\n{existing}this server was started with:\n{identity}(node id, groups and members are fixed at creation)",
+            config.data_dir.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, &identity)?;
+            std::fs::File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&config.data_dir)?.sync_all()?;
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+}

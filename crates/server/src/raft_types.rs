@@ -1,0 +1,41 @@
+//! The openraft type configuration: what a Holdfast log entry and its response are.
+
+use holdfast_lock_table::{Command, Outcome};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The payload of a normal log entry: one lock table command.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request(pub Command);
+
+impl fmt::Display for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// What applying an entry returned. Blank and membership entries have no outcome.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    #[default]
+    None,
+    Outcome(Outcome),
+}
+
+openraft::declare_raft_types!(
+    pub TypeConfig:
+        D = Request,
+        R = Response,
+        NodeId = u64,
+        Node = openraft::BasicNode,
+);
+
+pub type NodeId = u64;
+pub type Raft = openraft::Raft<TypeConfig, crate::state_machine::StateMachine>;
+pub type LogId = openraft::alias::LogIdOf<TypeConfig>;
+pub type Vote = openraft::alias::VoteOf<TypeConfig>;
+pub type Entry = openraft::alias::EntryOf<TypeConfig>;
+pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
+pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
+pub type SnapshotData = std::io::Cursor<Vec<u8>>;
+pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, SnapshotData>;

@@ -1,0 +1,525 @@
+//! The client-facing gRPC service (`holdfast.v1.Holdfast`): validates requests, turns them into lock
+//! table commands or linearizable reads, and maps outcomes to responses and statuses.
+//!
+//! Invariant: nothing reaches the log unless it passed validation here (name rules, group, TTL bounds,
+//! request id, sizes), so the lock table only ever sees well-formed commands. Protobuf types stop here.
+
+use crate::errors::{self, invalid, limit, not_leader, refusal, session_unknown};
+use crate::group::{Group, ProposeError, WaitEnd};
+use crate::lease::KeepAlive;
+use crate::node::NodeShared;
+use crate::now_ms;
+use holdfast_lock_table::{
+    group_for, AcquireMode, Command, FencingToken, LockName, LockView, Outcome, Refusal, RequestId,
+    SessionId,
+};
+use holdfast_proto::v1 as pb;
+use holdfast_proto::v1::holdfast_server::Holdfast;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// Longest an acquire may wait in a queue; a client wanting longer re-issues the acquire.
+pub const MAX_WAIT_MS: u64 = 300_000;
+/// Most session ids in one keepalive message: 10,000 × 8 bytes stays far under the request size limit.
+pub const MAX_KEEPALIVE_BATCH: usize = 10_000;
+/// Largest page of a listing.
+pub const MAX_PAGE: u32 = 1_000;
+/// Page size when the client asks for 0.
+pub const DEFAULT_PAGE: u32 = 100;
+/// Largest client request message. A lock name is at most 256 bytes; a keepalive batch at most ~90 KiB.
+pub const MAX_REQUEST_BYTES: usize = 256 << 10;
+/// Keepalive messages queued per stream before the server stops reading more from it.
+const KEEPALIVE_STREAM_BUFFER: usize = 64;
+
+#[derive(Clone)]
+pub struct ClientService {
+    pub node: Arc<NodeShared>,
+}
+
+type KeepAliveStream = Pin<Box<dyn Stream<Item = Result<pb::KeepAliveResponse, Status>> + Send>>;
+
+impl ClientService {
+    fn group(&self, g: u32) -> Result<&Arc<Group>, Status> {
+        self.node.groups.get(g as usize).ok_or_else(|| {
+            invalid(format!(
+                "group {g} does not exist (the cluster has {} groups)",
+                self.node.groups.len()
+            ))
+        })
+    }
+
+    fn lock_name(&self, name: String, group: u32) -> Result<LockName, Status> {
+        let name = LockName::new(name).map_err(errors::name_error)?;
+        let owner = group_for(name.as_str(), self.node.groups.len() as u32);
+        if owner.0 != group {
+            return Err(errors::status(
+                tonic::Code::InvalidArgument,
+                pb::Reason::WrongGroup,
+                format!(
+                    "lock {:?} belongs to group {}, not group {group}",
+                    name.as_str(),
+                    owner.0
+                ),
+                pb::ErrorDetail::default(),
+            ));
+        }
+        Ok(name)
+    }
+
+    fn propose_error(&self, e: ProposeError) -> Status {
+        match e {
+            ProposeError::NotLeader(id) => self.not_leader(id),
+            ProposeError::Unknown(msg) => errors::unavailable(format!(
+                "outcome unknown, retry with the same request id: {msg}"
+            )),
+            ProposeError::Stopped(msg) => {
+                errors::unavailable(format!("this server is stopping: {msg}"))
+            }
+        }
+    }
+
+    fn not_leader(&self, id: Option<u64>) -> Status {
+        let endpoint = id
+            .and_then(|id| self.node.config.member(id))
+            .map(|m| m.client.as_str());
+        not_leader(id, endpoint)
+    }
+
+    fn lock_info(&self, group: &Group, view: LockView) -> pb::LockInfo {
+        let now = Instant::now();
+        pb::LockInfo {
+            name: view.name.as_str().to_string(),
+            holder_session_id: view.holder.session.0,
+            token: view.holder.token.0,
+            granted_at_ms: view.holder.granted_at_ms,
+            holder_ttl_remaining_ms: group
+                .leases
+                .remaining(view.holder.session, now)
+                .map_or(0, |d| d.as_millis() as u64),
+            waiters: view
+                .waiters
+                .iter()
+                .map(|w| pb::Waiter {
+                    session_id: w.session.0,
+                    enqueued_at_ms: w.enqueued_at_ms,
+                })
+                .collect(),
+        }
+    }
+
+    fn keepalive(&self, req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
+        let group = self.group(req.group)?;
+        if req.session_ids.len() > MAX_KEEPALIVE_BATCH {
+            return Err(limit(
+                "max_keepalive_batch",
+                MAX_KEEPALIVE_BATCH as u64,
+                format!("{} session ids in one keepalive, over the limit of {MAX_KEEPALIVE_BATCH} (max_keepalive_batch)", req.session_ids.len()),
+            ));
+        }
+        if !group.can_renew() {
+            return Err(self.not_leader(
+                group
+                    .current_leader()
+                    .filter(|&l| l != self.node.config.node_id),
+            ));
+        }
+        let mut out = Vec::with_capacity(req.session_ids.len());
+        if group
+            .leases
+            .keepalive(&req.session_ids, Instant::now(), &mut out)
+            .is_none()
+        {
+            return Err(self.not_leader(group.current_leader()));
+        }
+        self.node
+            .metrics
+            .keepalives
+            .fetch_add(req.session_ids.len() as u64, Relaxed);
+        let results = req
+            .session_ids
+            .iter()
+            .zip(out)
+            .map(|(&session_id, k)| match k {
+                KeepAlive::Alive { ttl_ms } => pb::KeepAliveResult {
+                    session_id,
+                    alive: true,
+                    ttl_ms,
+                },
+                KeepAlive::Gone => pb::KeepAliveResult {
+                    session_id,
+                    alive: false,
+                    ttl_ms: 0,
+                },
+            })
+            .collect();
+        Ok(pb::KeepAliveResponse { results })
+    }
+
+    /// Waits for a queued acquire to be granted, cancelling the wait through the log when the deadline
+    /// passes. The log decides a race between a grant and the cancel.
+    async fn wait_for_grant(
+        &self,
+        group: &Group,
+        session: SessionId,
+        request: RequestId,
+        name: &LockName,
+        wait: tokio::sync::oneshot::Receiver<WaitEnd>,
+        deadline: Instant,
+    ) -> Result<FencingToken, Status> {
+        let ended = tokio::time::timeout_at(deadline, wait).await;
+        match ended {
+            Ok(Ok(WaitEnd::Granted(token))) => return Ok(token),
+            Ok(Ok(WaitEnd::Removed)) | Ok(Err(_)) => {}
+            Err(_) => {}
+        }
+        let cancel = Command::CancelWait {
+            session,
+            request,
+            name: name.clone(),
+            now_ms: now_ms(),
+        };
+        match group
+            .propose(cancel)
+            .await
+            .map_err(|e| self.propose_error(e))?
+        {
+            Outcome::Granted { token } => Ok(token),
+            Outcome::Cancelled | Outcome::Refused(Refusal::NotWaiting) => {
+                let holder = group.state.read().expect("state lock").table.describe(name);
+                let (holder_session, token) =
+                    holder.map_or((0, 0), |v| (v.holder.session.0, v.holder.token.0));
+                Err(errors::status(
+                    tonic::Code::Aborted,
+                    pb::Reason::LockHeld,
+                    format!("gave up waiting for lock {:?}: held by session {holder_session} with token {token}", name.as_str()),
+                    pb::ErrorDetail { holder_session_id: holder_session, current_token: token, ..Default::default() },
+                ))
+            }
+            Outcome::Refused(r) => Err(refusal(r, session.0, name.as_str())),
+            other => Err(errors::unavailable(format!(
+                "unexpected outcome of a cancel: {other:?}"
+            ))),
+        }
+    }
+}
+
+fn nonzero(v: u64, what: &str) -> Result<u64, Status> {
+    if v == 0 {
+        Err(invalid(format!("{what} must be non-zero")))
+    } else {
+        Ok(v)
+    }
+}
+
+fn unexpected(o: Outcome) -> Status {
+    errors::unavailable(format!("unexpected outcome {o:?}"))
+}
+
+#[tonic::async_trait]
+impl Holdfast for ClientService {
+    async fn open_session(
+        &self,
+        r: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let c = &self.node.config;
+        let ttl_ms = if r.ttl_ms == 0 {
+            c.default_ttl_ms
+        } else {
+            r.ttl_ms
+        };
+        if !(c.min_ttl_ms..=c.max_ttl_ms).contains(&ttl_ms) {
+            return Err(invalid(format!(
+                "ttl {ttl_ms} ms is outside {}..={} ms",
+                c.min_ttl_ms, c.max_ttl_ms
+            )));
+        }
+        let nonce = (u128::from(r.nonce_hi) << 64) | u128::from(r.nonce_lo);
+        if nonce == 0 {
+            return Err(invalid("nonce must be random and non-zero"));
+        }
+        let command = Command::OpenSession {
+            nonce,
+            ttl_ms,
+            now_ms: now_ms(),
+        };
+        match group
+            .propose(command)
+            .await
+            .map_err(|e| self.propose_error(e))?
+        {
+            Outcome::SessionOpened { session, ttl_ms } => {
+                Ok(Response::new(pb::OpenSessionResponse {
+                    session_id: session.0,
+                    ttl_ms,
+                }))
+            }
+            Outcome::Refused(r) => Err(refusal(r, 0, "")),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn close_session(
+        &self,
+        r: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let session = SessionId(nonzero(r.session_id, "session_id")?);
+        match group
+            .propose(Command::CloseSession {
+                session,
+                now_ms: now_ms(),
+            })
+            .await
+            .map_err(|e| self.propose_error(e))?
+        {
+            Outcome::SessionClosed { released } => {
+                Ok(Response::new(pb::CloseSessionResponse { released }))
+            }
+            Outcome::Refused(r) => Err(refusal(r, session.0, "")),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn keep_alive(
+        &self,
+        r: Request<pb::KeepAliveRequest>,
+    ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        self.keepalive(r.into_inner()).map(Response::new)
+    }
+
+    type KeepAliveStreamStream = KeepAliveStream;
+
+    async fn keep_alive_stream(
+        &self,
+        r: Request<tonic::Streaming<pb::KeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStreamStream>, Status> {
+        let mut inbound = r.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(KEEPALIVE_STREAM_BUFFER);
+        let service = self.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(req)) = inbound.message().await {
+                let reply = service.keepalive(req);
+                let stop = reply.is_err();
+                if tx.send(reply).await.is_err() || stop {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn acquire(
+        &self,
+        r: Request<pb::AcquireRequest>,
+    ) -> Result<Response<pb::AcquireResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let session = SessionId(nonzero(r.session_id, "session_id")?);
+        let request = RequestId(nonzero(r.request_id, "request_id")?);
+        let name = self.lock_name(r.name, r.group)?;
+        if r.wait_timeout_ms > MAX_WAIT_MS {
+            return Err(limit(
+                "max_wait_ms",
+                MAX_WAIT_MS,
+                format!(
+                    "wait of {} ms is over the limit of {MAX_WAIT_MS} ms (max_wait_ms)",
+                    r.wait_timeout_ms
+                ),
+            ));
+        }
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(r.wait_timeout_ms);
+        let mode = if r.wait_timeout_ms > 0 {
+            AcquireMode::Wait
+        } else {
+            AcquireMode::Try
+        };
+        // Register before proposing, so a grant applied right after the Queued outcome is not missed.
+        let wait = (mode == AcquireMode::Wait).then(|| group.waiters.register(session, request));
+        let command = Command::Acquire {
+            session,
+            request,
+            name: name.clone(),
+            mode,
+            now_ms: now_ms(),
+        };
+        let outcome = group
+            .propose(command)
+            .await
+            .map_err(|e| self.propose_error(e));
+        let result = match outcome {
+            Err(e) => Err(e),
+            Ok(Outcome::Granted { token }) => Ok(token),
+            Ok(Outcome::Queued { .. }) => match wait {
+                Some(wait) => {
+                    self.wait_for_grant(group, session, request, &name, wait, deadline)
+                        .await
+                }
+                None => Err(unexpected(Outcome::Queued { position: 0 })),
+            },
+            Ok(Outcome::Cancelled) => Err(errors::status(
+                tonic::Code::Aborted,
+                pb::Reason::LockHeld,
+                format!(
+                    "the wait of this request for lock {:?} was cancelled earlier",
+                    name.as_str()
+                ),
+                pb::ErrorDetail::default(),
+            )),
+            Ok(Outcome::Refused(r)) => Err(refusal(r, session.0, name.as_str())),
+            Ok(other) => Err(unexpected(other)),
+        };
+        group.waiters.forget(session, request);
+        result.map(|token| Response::new(pb::AcquireResponse { token: token.0 }))
+    }
+
+    async fn release(
+        &self,
+        r: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let session = SessionId(nonzero(r.session_id, "session_id")?);
+        let request = RequestId(nonzero(r.request_id, "request_id")?);
+        let token = FencingToken(nonzero(r.token, "token")?);
+        let name = self.lock_name(r.name, r.group)?;
+        let command = Command::Release {
+            session,
+            request,
+            name: name.clone(),
+            token,
+            now_ms: now_ms(),
+        };
+        match group
+            .propose(command)
+            .await
+            .map_err(|e| self.propose_error(e))?
+        {
+            Outcome::Released => Ok(Response::new(pb::ReleaseResponse {})),
+            Outcome::Refused(r) => Err(refusal(r, session.0, name.as_str())),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn describe(
+        &self,
+        r: Request<pb::DescribeRequest>,
+    ) -> Result<Response<pb::DescribeResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let name = self.lock_name(r.name, r.group)?;
+        group
+            .linearizable_read()
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        let view = group
+            .state
+            .read()
+            .expect("state lock")
+            .table
+            .describe(&name);
+        Ok(Response::new(pb::DescribeResponse {
+            lock: view.map(|v| self.lock_info(group, v)),
+        }))
+    }
+
+    async fn list_locks(
+        &self,
+        r: Request<pb::ListLocksRequest>,
+    ) -> Result<Response<pb::ListLocksResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let page = page_size(r.limit)?;
+        group
+            .linearizable_read()
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        let after = (!r.after.is_empty()).then_some(r.after.as_str());
+        let mut views =
+            group
+                .state
+                .read()
+                .expect("state lock")
+                .table
+                .list_locks(&r.prefix, after, page + 1);
+        let more = views.len() > page;
+        views.truncate(page);
+        let locks = views
+            .into_iter()
+            .map(|v| self.lock_info(group, v))
+            .collect();
+        Ok(Response::new(pb::ListLocksResponse { locks, more }))
+    }
+
+    async fn list_sessions(
+        &self,
+        r: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let page = page_size(r.limit)?;
+        group
+            .linearizable_read()
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        let after = (r.after != 0).then_some(SessionId(r.after));
+        let mut views = group
+            .state
+            .read()
+            .expect("state lock")
+            .table
+            .list_sessions(after, page + 1);
+        let more = views.len() > page;
+        views.truncate(page);
+        let now = Instant::now();
+        let sessions = views
+            .into_iter()
+            .map(|v| pb::SessionInfo {
+                session_id: v.session.0,
+                ttl_ms: v.ttl_ms,
+                opened_at_ms: v.opened_at_ms,
+                locks_held: v.held,
+                locks_waiting: v.waiting,
+                ttl_remaining_ms: group
+                    .leases
+                    .remaining(v.session, now)
+                    .map_or(0, |d| d.as_millis() as u64),
+            })
+            .collect();
+        Ok(Response::new(pb::ListSessionsResponse { sessions, more }))
+    }
+
+    async fn status(
+        &self,
+        _r: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        Ok(Response::new(self.node.status()))
+    }
+}
+
+fn page_size(limit: u32) -> Result<usize, Status> {
+    match limit {
+        0 => Ok(DEFAULT_PAGE as usize),
+        l if l > MAX_PAGE => Err(errors::limit(
+            "max_page",
+            MAX_PAGE as u64,
+            format!("page of {l} is over the limit of {MAX_PAGE} (max_page)"),
+        )),
+        l => Ok(l as usize),
+    }
+}
+
+#[allow(dead_code)]
+fn assert_session_unknown_is_used(s: u64) -> Status {
+    session_unknown(s)
+}

@@ -1,0 +1,120 @@
+//! Snapshot files of one group's state machine.
+//!
+//! A snapshot file `snap-<index, 20 digits>.bin` holds: magic `b"HFSNAP01"`, a little-endian `u32` length
+//! and the postcard encoding of the [`SnapshotMeta`], then the lock table snapshot bytes (which carry their
+//! own CRC), and a trailing CRC-32 of everything before it. Files are written to a temporary name, fsynced,
+//! renamed into place and the directory fsynced, so a crash leaves either the old or the new snapshot.
+
+use crate::raft_types::SnapshotMeta;
+use holdfast_lock_table::LockTable;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 8] = b"HFSNAP01";
+
+pub struct SnapshotStore {
+    dir: PathBuf,
+}
+
+/// A decoded snapshot file.
+pub struct Loaded {
+    pub meta: SnapshotMeta,
+    pub table: LockTable,
+}
+
+impl SnapshotStore {
+    pub fn open(dir: PathBuf) -> std::io::Result<Self> {
+        fs::create_dir_all(&dir)?;
+        // Leftover temporaries are snapshots a crash interrupted before their rename: never valid.
+        for entry in fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "tmp") {
+                fs::remove_file(&path)?;
+            }
+        }
+        Ok(SnapshotStore { dir })
+    }
+
+    /// Encodes a snapshot file's bytes (also what is sent to a peer that needs it).
+    pub fn encode(meta: &SnapshotMeta, table_bytes: &[u8]) -> Vec<u8> {
+        let meta_bytes = postcard::to_allocvec(meta).expect("encoding to a Vec cannot fail");
+        let mut out = Vec::with_capacity(16 + meta_bytes.len() + table_bytes.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&(meta_bytes.len() as u32).to_le_bytes());
+        out.extend_from_slice(&meta_bytes);
+        out.extend_from_slice(table_bytes);
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decodes and checks snapshot bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Loaded, String> {
+        if bytes.len() < MAGIC.len() + 8 {
+            return Err(format!("snapshot is truncated ({} bytes)", bytes.len()));
+        }
+        let (body, crc) = bytes.split_at(bytes.len() - 4);
+        let stored = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+        if crc32fast::hash(body) != stored {
+            return Err("snapshot checksum mismatch".into());
+        }
+        if &body[..8] != MAGIC {
+            return Err("snapshot has bad magic".into());
+        }
+        let meta_len = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
+        let meta_end = 12usize
+            .checked_add(meta_len)
+            .filter(|&e| e <= body.len())
+            .ok_or("snapshot meta runs past its end")?;
+        let meta: SnapshotMeta = postcard::from_bytes(&body[12..meta_end])
+            .map_err(|e| format!("snapshot meta does not decode: {e}"))?;
+        let table = LockTable::decode_snapshot(&body[meta_end..]).map_err(|e| e.to_string())?;
+        Ok(Loaded { meta, table })
+    }
+
+    fn path_for(&self, index: u64) -> PathBuf {
+        self.dir.join(format!("snap-{index:020}.bin"))
+    }
+
+    /// Durably stores `bytes` as the snapshot at `index` and deletes older ones.
+    pub fn save(&self, index: u64, bytes: &[u8]) -> std::io::Result<()> {
+        let path = self.path_for(index);
+        let tmp = path.with_extension("tmp");
+        let mut file = fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        fs::rename(&tmp, &path)?;
+        sync_dir(&self.dir)?;
+        for old in self.files()? {
+            if old != path {
+                fs::remove_file(old)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The newest snapshot file's bytes, if any.
+    pub fn latest(&self) -> std::io::Result<Option<(PathBuf, Vec<u8>)>> {
+        match self.files()?.pop() {
+            Some(path) => {
+                let bytes = fs::read(&path)?;
+                Ok(Some((path, bytes)))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn files(&self) -> std::io::Result<Vec<PathBuf>> {
+        let mut files: Vec<PathBuf> = fs::read_dir(&self.dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "bin"))
+            .collect();
+        files.sort();
+        Ok(files)
+    }
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}

@@ -1,0 +1,202 @@
+//! The Raft state machine of one group: applies committed entries to the [`LockTable`] and manages its
+//! snapshots.
+//!
+//! The table lives in [`SmState`] behind an `RwLock` shared with the gRPC layer, which reads it after a
+//! linearizability check (ReadIndex). Apply takes the write lock per entry and reports the table's events
+//! (grants, ended sessions) to the group's [`EventSink`] while still holding it, so a reader of the table
+//! and the stream of events always agree on the order of changes.
+
+use crate::raft_types::{
+    Entry, LogId, Request, Response, Snapshot, SnapshotData, SnapshotMeta, StoredMembership,
+    TypeConfig,
+};
+use crate::snapshot_store::SnapshotStore;
+use futures::{Stream, TryStreamExt};
+use holdfast_lock_table::{Event, LockTable};
+use openraft::storage::{EntryResponder, RaftSnapshotBuilder, RaftStateMachine};
+use openraft::{EntryPayload, OptionalSend};
+use std::io;
+use std::sync::{Arc, Mutex, RwLock};
+
+/// Receives the lock table's events after each applied entry (under the state lock).
+pub type EventSink = Arc<dyn Fn(&SmState, Vec<Event>) + Send + Sync>;
+
+/// The applied state of a group.
+pub struct SmState {
+    pub table: LockTable,
+    pub last_applied: Option<LogId>,
+    pub membership: StoredMembership,
+}
+
+pub struct StateMachine {
+    state: Arc<RwLock<SmState>>,
+    snapshots: Arc<SnapshotStore>,
+    current: Arc<Mutex<Option<SnapshotMeta>>>,
+    events: EventSink,
+}
+
+impl StateMachine {
+    /// Restores the newest snapshot on disk (if any); openraft then re-applies the committed log after it.
+    pub fn open(
+        snapshots: SnapshotStore,
+        events: EventSink,
+    ) -> Result<(Self, Arc<RwLock<SmState>>), String> {
+        let mut state = SmState {
+            table: LockTable::new(),
+            last_applied: None,
+            membership: StoredMembership::default(),
+        };
+        let mut current = None;
+        if let Some((path, bytes)) = snapshots
+            .latest()
+            .map_err(|e| format!("cannot read snapshots: {e}"))?
+        {
+            let loaded = SnapshotStore::decode(&bytes).map_err(|e| {
+                format!(
+                    "snapshot {} is unusable: {e}; refusing to start",
+                    path.display()
+                )
+            })?;
+            state.table = loaded.table;
+            state.last_applied = loaded.meta.last_log_id;
+            state.membership = loaded.meta.last_membership.clone();
+            current = Some(loaded.meta);
+        }
+        let state = Arc::new(RwLock::new(state));
+        let sm = StateMachine {
+            state: state.clone(),
+            snapshots: Arc::new(snapshots),
+            current: Arc::new(Mutex::new(current)),
+            events,
+        };
+        Ok((sm, state))
+    }
+}
+
+fn read(state: &RwLock<SmState>) -> std::sync::RwLockReadGuard<'_, SmState> {
+    state.read().expect("state machine lock poisoned")
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotData = SnapshotData;
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), io::Error> {
+        let s = read(&self.state);
+        Ok((s.last_applied, s.membership.clone()))
+    }
+
+    async fn apply<Strm>(&mut self, mut entries: Strm) -> Result<(), io::Error>
+    where
+        Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
+    {
+        while let Some((entry, responder)) = entries.try_next().await? {
+            let response = {
+                let mut s = self.state.write().expect("state machine lock poisoned");
+                let response = apply_one(&mut s, entry);
+                let events = s.table.take_events();
+                if !events.is_empty() {
+                    (self.events)(&s, events);
+                }
+                response
+            };
+            if let Some(responder) = responder {
+                responder.send(response);
+            }
+        }
+        Ok(())
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder {
+            state: self.state.clone(),
+            snapshots: self.snapshots.clone(),
+            current: self.current.clone(),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: SnapshotData,
+    ) -> Result<(), io::Error> {
+        let bytes = snapshot.into_inner();
+        let loaded = SnapshotStore::decode(&bytes).map_err(io::Error::other)?;
+        let index = meta.last_log_id.map_or(0, |l| l.index);
+        let store = self.snapshots.clone();
+        tokio::task::spawn_blocking(move || store.save(index, &bytes))
+            .await
+            .map_err(io::Error::other)??;
+        let mut s = self.state.write().expect("state machine lock poisoned");
+        s.table = loaded.table;
+        s.last_applied = meta.last_log_id;
+        s.membership = meta.last_membership.clone();
+        *self.current.lock().expect("snapshot meta lock") = Some(meta.clone());
+        tracing::info!(?meta.last_log_id, "installed snapshot from the leader");
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, io::Error> {
+        let Some(meta) = self.current.lock().expect("snapshot meta lock").clone() else {
+            return Ok(None);
+        };
+        let store = self.snapshots.clone();
+        let latest = tokio::task::spawn_blocking(move || store.latest())
+            .await
+            .map_err(io::Error::other)??;
+        Ok(latest.map(|(_, bytes)| Snapshot {
+            meta,
+            snapshot: std::io::Cursor::new(bytes),
+        }))
+    }
+}
+
+fn apply_one(s: &mut SmState, entry: Entry) -> Response {
+    let log_id = entry.log_id;
+    s.last_applied = Some(log_id);
+    match entry.payload {
+        EntryPayload::Blank => Response::None,
+        EntryPayload::Normal(Request(command)) => {
+            Response::Outcome(s.table.apply(log_id.index, &command))
+        }
+        EntryPayload::Membership(m) => {
+            s.membership = StoredMembership::new(Some(log_id), m);
+            Response::None
+        }
+    }
+}
+
+/// Builds a snapshot from a consistent copy of the state taken under the read lock.
+pub struct SnapshotBuilder {
+    state: Arc<RwLock<SmState>>,
+    snapshots: Arc<SnapshotStore>,
+    current: Arc<Mutex<Option<SnapshotMeta>>>,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    type SnapshotData = SnapshotData;
+
+    async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
+        let (meta, bytes) = {
+            let s = read(&self.state);
+            let meta = SnapshotMeta {
+                last_log_id: s.last_applied,
+                last_membership: s.membership.clone(),
+            };
+            let bytes = SnapshotStore::encode(&meta, &s.table.encode_snapshot());
+            (meta, bytes)
+        };
+        let index = meta.last_log_id.map_or(0, |l| l.index);
+        let store = self.snapshots.clone();
+        let to_save = bytes.clone();
+        tokio::task::spawn_blocking(move || store.save(index, &to_save))
+            .await
+            .map_err(io::Error::other)??;
+        *self.current.lock().expect("snapshot meta lock") = Some(meta.clone());
+        tracing::info!(index, bytes = bytes.len(), "built snapshot");
+        Ok(Snapshot {
+            meta,
+            snapshot: std::io::Cursor::new(bytes),
+        })
+    }
+}
