@@ -63,6 +63,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
             .arg(&dir)
             .args(["--http-listen", &format!("127.0.0.1:{}", port(n, 200))])
             .args(["--groups", &args.groups.to_string()])
+            .arg("--exit-on-stdin-close")
+            .stdin(std::process::Stdio::piped())
             .stdout(log.try_clone()?)
             .stderr(log)
             .kill_on_drop(true)

@@ -44,6 +44,12 @@ pub struct ServerArgs {
     /// Snapshot and purge the log every this many entries (default 20000).
     #[arg(long)]
     snapshot_every_entries: Option<u64>,
+    /// Log entries kept behind a snapshot for lagging followers (default 1000).
+    #[arg(long)]
+    snapshot_keep_entries: Option<u64>,
+    /// Exit when standard input closes (for supervisors and tests that must not leave servers behind).
+    #[arg(long, hide = true)]
+    exit_on_stdin_close: bool,
     /// TTL for sessions that ask for 0 (default 10000).
     #[arg(long)]
     default_ttl_ms: Option<u64>,
@@ -105,12 +111,14 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    let exit_on_stdin_close = args.exit_on_stdin_close;
     let config = args.into_config()?;
     let node = Node::start(config).await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let code = tokio::select! {
         _ = tokio::signal::ctrl_c() => ExitCode::SUCCESS,
         _ = term.recv() => ExitCode::SUCCESS,
+        _ = stdin_closed(exit_on_stdin_close) => ExitCode::SUCCESS,
         reason = node.fatal() => {
             tracing::error!(%reason, "raft stopped after a storage failure; exiting so the server restarts and recovers from disk");
             ExitCode::from(2)
@@ -118,4 +126,19 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
     };
     node.shutdown().await;
     Ok(code)
+}
+
+/// Resolves when standard input reaches end of file, if `enabled`; never otherwise.
+async fn stdin_closed(enabled: bool) {
+    if !enabled {
+        return std::future::pending().await;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 256];
+        let mut stdin = std::io::stdin();
+        while matches!(std::io::Read::read(&mut stdin, &mut sink), Ok(n) if n > 0) {}
+        let _ = tx.send(());
+    });
+    let _ = rx.await;
 }

@@ -41,6 +41,8 @@ pub struct ServerConfig {
     pub election_timeout_max_ms: u64,
     /// Build a snapshot and purge the log after this many entries.
     pub snapshot_every_entries: u64,
+    /// Entries kept behind a snapshot, so a briefly lagging follower catches up by log, not snapshot.
+    pub snapshot_keep_entries: u64,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -62,6 +64,7 @@ impl Default for ServerConfig {
             election_timeout_min_ms: 500,
             election_timeout_max_ms: 1_000,
             snapshot_every_entries: 20_000,
+            snapshot_keep_entries: 1_000,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,

@@ -22,6 +22,10 @@ use tokio::time::Instant;
 /// gives the client an UNAVAILABLE to retry.
 const NEW_LEADER_RETRY: Duration = Duration::from_secs(3);
 
+/// Longest a proposal may wait for its entry to commit and apply. A leader cut off from its followers
+/// cannot commit; the client then gets UNAVAILABLE and retries elsewhere with the same request id.
+const PROPOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Why a proposal or read did not produce an outcome.
 #[derive(Debug)]
 pub enum ProposeError {
@@ -167,7 +171,16 @@ impl Group {
         loop {
             let started = Instant::now();
             self.metrics.proposals.fetch_add(1, Relaxed);
-            match self.raft.client_write(Request(command.clone())).await {
+            let write = tokio::time::timeout(
+                PROPOSE_TIMEOUT,
+                self.raft.client_write(Request(command.clone())),
+            );
+            let Ok(written) = write.await else {
+                return Err(ProposeError::Unknown(format!(
+                    "not committed within {PROPOSE_TIMEOUT:?}"
+                )));
+            };
+            match written {
                 Ok(resp) => {
                     self.metrics.commit.observe(started.elapsed());
                     return match resp.data {
@@ -207,7 +220,16 @@ impl Group {
     pub async fn linearizable_read(&self) -> Result<(), ProposeError> {
         let give_up = Instant::now() + NEW_LEADER_RETRY;
         loop {
-            match self.raft.ensure_linearizable(ReadPolicy::ReadIndex).await {
+            let read = tokio::time::timeout(
+                PROPOSE_TIMEOUT,
+                self.raft.ensure_linearizable(ReadPolicy::ReadIndex),
+            );
+            let Ok(read) = read.await else {
+                return Err(ProposeError::Unknown(format!(
+                    "no quorum confirmed this leader within {PROPOSE_TIMEOUT:?}"
+                )));
+            };
+            match read {
                 Ok(_) => return Ok(()),
                 Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => {
                     if f.reason == ForwardReason::LeaseExpired

@@ -90,7 +90,7 @@ impl Node {
                 enable_pre_vote: Some(true),
                 snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every_entries),
                 // Keep some log behind a snapshot so a briefly lagging follower catches up by log.
-                max_in_snapshot_log_to_keep: 1_000,
+                max_in_snapshot_log_to_keep: config.snapshot_keep_entries,
                 purge_batch_size: 256,
                 install_snapshot_timeout: 30_000,
                 ..Default::default()

@@ -1,0 +1,97 @@
+//! Client errors, decoded from the server's status and its machine-readable `ErrorDetail`.
+
+use holdfast_proto::v1::{ErrorDetail, Reason};
+use prost::Message;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// A try-acquire found the lock held, or a wait ran out.
+    #[error("{message}")]
+    LockHeld {
+        holder_session: u64,
+        token: u64,
+        message: String,
+    },
+    /// The session is gone (closed or expired): its locks are released.
+    #[error("{0}")]
+    SessionUnknown(String),
+    /// A release with a token that is not the current grant's.
+    #[error("{message}")]
+    StaleToken { current: u64, message: String },
+    #[error("{0}")]
+    NotHolder(String),
+    #[error("{0}")]
+    AlreadyHeld(String),
+    #[error("{message}")]
+    LimitExceeded {
+        limit: String,
+        value: u64,
+        message: String,
+    },
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    RequestIdTooOld(String),
+    /// No server could complete the request in time; the outcome may be unknown.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// The session's lease may have expired on the server (the client could not renew it in time).
+    #[error("session lease lost: {0}")]
+    LeaseLost(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// What the retry loop should do with a failed attempt.
+pub(crate) enum Disposition {
+    /// Try the leader at this endpoint.
+    Redirect(String),
+    /// Try another server after a backoff.
+    Retry(String),
+    Fail(Error),
+}
+
+pub(crate) fn classify(status: &tonic::Status) -> Disposition {
+    let detail = ErrorDetail::decode(status.details())
+        .ok()
+        .filter(|d| d.reason != 0);
+    let msg = status.message().to_string();
+    let Some(d) = detail else {
+        return match status.code() {
+            tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Internal => Disposition::Retry(format!("{}: {msg}", status.code())),
+            tonic::Code::InvalidArgument => Disposition::Fail(Error::InvalidArgument(msg)),
+            _ => Disposition::Fail(Error::Other(format!("{}: {msg}", status.code()))),
+        };
+    };
+    match Reason::try_from(d.reason).unwrap_or(Reason::Unspecified) {
+        Reason::NotLeader if !d.leader_endpoint.is_empty() => {
+            Disposition::Redirect(d.leader_endpoint)
+        }
+        Reason::NotLeader | Reason::Unavailable | Reason::Unspecified => Disposition::Retry(msg),
+        Reason::SessionUnknown => Disposition::Fail(Error::SessionUnknown(msg)),
+        Reason::LockHeld => Disposition::Fail(Error::LockHeld {
+            holder_session: d.holder_session_id,
+            token: d.current_token,
+            message: msg,
+        }),
+        Reason::StaleToken => Disposition::Fail(Error::StaleToken {
+            current: d.current_token,
+            message: msg,
+        }),
+        Reason::NotHolder => Disposition::Fail(Error::NotHolder(msg)),
+        Reason::LimitExceeded => Disposition::Fail(Error::LimitExceeded {
+            limit: d.limit,
+            value: d.limit_value,
+            message: msg,
+        }),
+        Reason::InvalidArgument | Reason::WrongGroup => {
+            Disposition::Fail(Error::InvalidArgument(msg))
+        }
+        Reason::AlreadyHeld => Disposition::Fail(Error::AlreadyHeld(msg)),
+        Reason::RequestIdTooOld => Disposition::Fail(Error::RequestIdTooOld(msg)),
+    }
+}

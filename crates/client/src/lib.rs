@@ -1,0 +1,41 @@
+//! The Holdfast client library.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), holdfast_client::Error> {
+//! use std::time::Duration;
+//! let client = holdfast_client::Client::connect(["127.0.0.1:7001", "127.0.0.1:7002"]).await?;
+//! let session = client.open_session(Duration::from_secs(10)).await?;
+//! let guard = session.acquire_timeout("reports/nightly", Duration::from_secs(5)).await?;
+//! // Send guard.token() with every write to the protected resource; stop if guard.lost() fires.
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Layout: [`client`] (endpoints, leader following, retries), [`session`] (keepalive and the client-side
+//! lease), [`guard`] (a held lock), [`error`]. The crate depends only on the protocol crate
+//! (`holdfast-proto`), never on server internals.
+//!
+//! Retries are safe: every write carries an id (a random nonce for opening a session, a per-session
+//! request id otherwise) that the server deduplicates, so a retried acquire never creates a second grant
+//! or waiter and a retried release never releases someone else's lock.
+
+pub mod client;
+pub mod error;
+pub mod guard;
+pub mod session;
+
+pub use client::{Client, ClientOptions};
+pub use error::Error;
+pub use guard::LockGuard;
+pub use session::{LeaseLost, Session};
+
+/// FNV-1a 64 of the name's bytes modulo the group count: the group that owns a lock name. Must match the
+/// server's `holdfast_lock_table::group_for` (a test checks it does).
+pub fn group_for(name: &str, groups: u32) -> u32 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in name.as_bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (hash % u64::from(groups.max(1))) as u32
+}

@@ -1,0 +1,340 @@
+//! Sessions: opened once per group, kept alive in the background, and a client-side lease that says
+//! when the session may be gone on the server.
+//!
+//! The lease is counted on this process's monotonic clock from the moment the last successful keepalive
+//! was **sent** (the server restarted the TTL when it *received* it, which is later), minus a safety margin
+//! of a tenth of the TTL for clock-rate differences. So [`Session::lost`] fires before the server can expire
+//! the session, and an application that stops acting as the holder when it fires never overlaps with the
+//! next holder, as long as clocks tick at about the same rate. Fencing tokens cover the rest.
+
+use crate::client::Client;
+use crate::error::Error;
+use crate::guard::LockGuard;
+use holdfast_proto::v1 as pb;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Why a session's lease is (or may be) lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseLost(pub String);
+
+#[derive(Clone, Debug)]
+struct Lease {
+    valid_until: Instant,
+    lost: Option<LeaseLost>,
+}
+
+/// A session: one per group of the cluster under the hood, renewed together. Cheap to clone.
+#[derive(Clone)]
+pub struct Session {
+    pub(crate) inner: Arc<SessionInner>,
+}
+
+pub(crate) struct SessionInner {
+    pub(crate) client: Client,
+    ttl: Duration,
+    /// The session id in each group.
+    ids: Vec<u64>,
+    next_request: AtomicU64,
+    lease: watch::Sender<Lease>,
+    keepalive: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        if let Some(task) = self.keepalive.lock().ok().and_then(|mut k| k.take()) {
+            task.abort();
+        }
+    }
+}
+
+fn margin(ttl: Duration) -> Duration {
+    ttl / 10
+}
+
+/// A nonce for `OpenSession`: random enough to be unique per open, without a randomness dependency
+/// (std's `RandomState` is seeded from the OS per process; mixed with time, pid and a counter).
+fn nonce() -> (u64, u64) {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.write_u32(std::process::id());
+    h.write_u64(COUNTER.fetch_add(1, Relaxed));
+    let hi = h.finish();
+    h.write_u64(hi);
+    (hi | 1, h.finish())
+}
+
+impl Client {
+    /// Opens a session with `ttl` (zero for the server's default) and starts keeping it alive every
+    /// TTL/3.
+    pub async fn open_session(&self, ttl: Duration) -> Result<Session, Error> {
+        let started = Instant::now();
+        let mut ids = Vec::new();
+        let mut granted = Duration::MAX;
+        for group in 0..self.groups() {
+            let (hi, lo) = nonce();
+            let ttl_ms = ttl.as_millis() as u64;
+            let r = self
+                .call(group, Duration::ZERO, |mut c| async move {
+                    c.open_session(pb::OpenSessionRequest {
+                        group,
+                        ttl_ms,
+                        nonce_hi: hi,
+                        nonce_lo: lo,
+                    })
+                    .await
+                })
+                .await?;
+            ids.push(r.session_id);
+            granted = granted.min(Duration::from_millis(r.ttl_ms));
+        }
+        let (lease, _) = watch::channel(Lease {
+            valid_until: started + granted - margin(granted),
+            lost: None,
+        });
+        let inner = Arc::new(SessionInner {
+            client: self.clone(),
+            ttl: granted,
+            ids,
+            next_request: AtomicU64::new(1),
+            lease,
+            keepalive: Mutex::new(None),
+        });
+        let task = tokio::spawn(keepalive_loop(Arc::downgrade(&inner)));
+        *inner.keepalive.lock().expect("keepalive lock") = Some(task);
+        Ok(Session { inner })
+    }
+}
+
+async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
+    loop {
+        let Some(s) = weak.upgrade() else { return };
+        let interval = s.ttl / 3;
+        let valid_until = s.lease.borrow().valid_until;
+        if s.lease.borrow().lost.is_some() {
+            return;
+        }
+        let sent = Instant::now();
+        if sent >= valid_until {
+            s.mark_lost("no keepalive succeeded within the TTL".into());
+            return;
+        }
+        match s.renew(valid_until).await {
+            Ok(granted) => {
+                let until = sent + granted - margin(granted);
+                s.lease
+                    .send_modify(|l| l.valid_until = l.valid_until.max(until));
+                drop(s);
+                tokio::time::sleep(interval).await;
+            }
+            Err(Error::SessionUnknown(msg)) => {
+                s.mark_lost(format!("the server expired or closed the session: {msg}"));
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(%e, "keepalive failed; retrying");
+                drop(s);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+impl SessionInner {
+    fn mark_lost(&self, why: String) {
+        self.lease.send_if_modified(|l| {
+            if l.lost.is_none() {
+                l.lost = Some(LeaseLost(why));
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// One keepalive round over every group; returns the smallest TTL granted.
+    async fn renew(&self, valid_until: Instant) -> Result<Duration, Error> {
+        let mut granted = Duration::MAX;
+        for (group, &id) in self.ids.iter().enumerate() {
+            let group = group as u32;
+            let r = self
+                .client
+                .call_until(group, valid_until, Duration::ZERO, |mut c| async move {
+                    c.keep_alive(pb::KeepAliveRequest {
+                        group,
+                        session_ids: vec![id],
+                    })
+                    .await
+                })
+                .await?;
+            match r.results.first() {
+                Some(k) if k.alive => granted = granted.min(Duration::from_millis(k.ttl_ms)),
+                _ => return Err(Error::SessionUnknown(format!("session {id} is not alive"))),
+            }
+        }
+        Ok(granted)
+    }
+}
+
+impl Session {
+    /// The session id in each group (index = group).
+    pub fn ids(&self) -> &[u64] {
+        &self.inner.ids
+    }
+
+    /// The session id in the group that owns `name`.
+    pub fn id_for(&self, name: &str) -> u64 {
+        self.inner.ids[crate::group_for(name, self.inner.client.groups()) as usize]
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.inner.ttl
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// Resolves when the lease may be lost: the server said the session is gone, or no keepalive succeeded
+    /// in time. After this, stop acting as the holder of any of this session's locks.
+    pub async fn lost(&self) -> LeaseLost {
+        let mut rx = self.inner.lease.subscribe();
+        loop {
+            let (lost, until) = {
+                let l = rx.borrow_and_update();
+                (l.lost.clone(), l.valid_until)
+            };
+            if let Some(lost) = lost {
+                return lost;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => {
+                    if Instant::now() >= self.inner.lease.borrow().valid_until {
+                        self.inner.mark_lost("no keepalive succeeded within the TTL".into());
+                    }
+                }
+                changed = rx.changed() => if changed.is_err() { return LeaseLost("session dropped".into()) },
+            }
+        }
+    }
+
+    /// True while the client-side lease is valid.
+    pub fn is_valid(&self) -> bool {
+        let l = self.inner.lease.borrow();
+        l.lost.is_none() && Instant::now() < l.valid_until
+    }
+
+    /// How long the client-side lease still runs, if valid.
+    pub fn lease_remaining(&self) -> Option<Duration> {
+        let l = self.inner.lease.borrow();
+        l.lost
+            .is_none()
+            .then(|| l.valid_until.saturating_duration_since(Instant::now()))
+    }
+
+    pub(crate) fn next_request_id(&self) -> u64 {
+        self.inner.next_request.fetch_add(1, Relaxed)
+    }
+
+    /// Acquires `name`, waiting in its FIFO queue for as long as the server allows (5 minutes).
+    pub async fn acquire(&self, name: &str) -> Result<LockGuard, Error> {
+        self.acquire_timeout(name, Duration::from_secs(300)).await
+    }
+
+    /// Acquires `name` if it is free; fails at once with [`Error::LockHeld`] otherwise.
+    pub async fn try_acquire(&self, name: &str) -> Result<LockGuard, Error> {
+        self.acquire_timeout(name, Duration::ZERO).await
+    }
+
+    /// Acquires `name`, waiting in its FIFO queue up to `wait`. The wait is cancelled through the log when
+    /// it runs out, so a late grant is never left held by nobody.
+    pub async fn acquire_timeout(&self, name: &str, wait: Duration) -> Result<LockGuard, Error> {
+        if let Some(lost) = self.inner.lease.borrow().lost.clone() {
+            return Err(Error::LeaseLost(lost.0));
+        }
+        let group = crate::group_for(name, self.inner.client.groups());
+        let session_id = self.inner.ids[group as usize];
+        let request_id = self.next_request_id();
+        let wait_ms = wait.as_millis() as u64;
+        let n = name.to_string();
+        let started = Instant::now();
+        let r = self
+            .inner
+            .client
+            .call(group, wait, |mut c| {
+                // A retry waits only for what is left of the caller's wait; the server's dedup keeps its
+                // place in the queue.
+                let left = wait_ms.saturating_sub(started.elapsed().as_millis() as u64);
+                let req = pb::AcquireRequest {
+                    group,
+                    session_id,
+                    request_id,
+                    name: n.clone(),
+                    wait_timeout_ms: if wait_ms == 0 { 0 } else { left.max(1) },
+                };
+                async move { c.acquire(req).await }
+            })
+            .await?;
+        Ok(LockGuard::new(
+            self.clone(),
+            name.to_string(),
+            group,
+            r.token,
+        ))
+    }
+
+    /// Releases a lock by name and token (what [`LockGuard::release`] does).
+    pub async fn release(&self, name: &str, token: u64) -> Result<(), Error> {
+        let group = crate::group_for(name, self.inner.client.groups());
+        let session_id = self.inner.ids[group as usize];
+        let request_id = self.next_request_id();
+        let n = name.to_string();
+        self.inner
+            .client
+            .call(group, Duration::ZERO, |mut c| {
+                let req = pb::ReleaseRequest {
+                    group,
+                    session_id,
+                    request_id,
+                    name: n.clone(),
+                    token,
+                };
+                async move { c.release(req).await }
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Closes the session in every group, releasing all its locks. Stops the keepalives.
+    pub async fn close(self) -> Result<(), Error> {
+        if let Some(task) = self.inner.keepalive.lock().expect("keepalive lock").take() {
+            task.abort();
+        }
+        for (group, &session_id) in self.inner.ids.iter().enumerate() {
+            let group = group as u32;
+            let r = self
+                .inner
+                .client
+                .call(group, Duration::ZERO, |mut c| async move {
+                    c.close_session(pb::CloseSessionRequest { group, session_id })
+                        .await
+                })
+                .await;
+            match r {
+                // A retried close whose first attempt landed finds the session already gone.
+                Ok(_) | Err(Error::SessionUnknown(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.inner.mark_lost("session closed".into());
+        Ok(())
+    }
+}

@@ -1,0 +1,335 @@
+//! Cluster behaviour under failover, expiry, restarts and partitions (DESIGN.md §3–5).
+
+use crate::harness::{Cluster, Options};
+use holdfast_proto::v1::{
+    AcquireRequest, DescribeRequest, ErrorDetail, KeepAliveRequest, OpenSessionRequest, Reason,
+};
+use prost::Message;
+use std::time::Duration;
+use tokio::time::Instant;
+
+const SECS_30: Duration = Duration::from_secs(30);
+
+fn reason(status: &tonic::Status) -> Reason {
+    let d = ErrorDetail::decode(status.details()).unwrap_or_default();
+    Reason::try_from(d.reason).unwrap_or(Reason::Unspecified)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_through_any_server_work() {
+    let c = Cluster::start(Options::default()).await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let follower = (1..=5).find(|&i| i != leader).unwrap();
+    let err = c
+        .raw(follower)
+        .await
+        .open_session(OpenSessionRequest {
+            group: 0,
+            ttl_ms: 0,
+            nonce_hi: 1,
+            nonce_lo: 1,
+        })
+        .await
+        .unwrap_err();
+    let detail = ErrorDetail::decode(err.details()).unwrap();
+    assert_eq!(
+        Reason::try_from(detail.reason),
+        Ok(Reason::NotLeader),
+        "{err:?}"
+    );
+    assert_eq!(detail.leader_endpoint, c.endpoint(leader));
+    assert_eq!(err.metadata().get("holdfast-reason").unwrap(), "NOT_LEADER");
+
+    // A client that knows the servers in any order reaches the leader.
+    for first in 1..=5u64 {
+        let mut endpoints = c.endpoints();
+        endpoints.rotate_left((first - 1) as usize);
+        let client = holdfast_client::Client::connect(endpoints).await.unwrap();
+        let session = client.open_session(Duration::from_secs(5)).await.unwrap();
+        let guard = session.try_acquire(&format!("any/{first}")).await.unwrap();
+        assert!(guard.token() > 0);
+        guard.release().await.unwrap();
+        session.close().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_loses_no_lock_and_later_tokens_are_larger() {
+    let mut c = Cluster::start(Options::default()).await;
+    let client = c.client().await;
+    let ttl = Duration::from_secs(3);
+    let session = client.open_session(ttl).await.unwrap();
+    let mut held = Vec::new();
+    for i in 0..20 {
+        held.push(session.try_acquire(&format!("job/{i}")).await.unwrap());
+    }
+    let max_before = held.iter().map(|g| g.token()).max().unwrap();
+    let leader = c.wait_for_leader(0, SECS_30).await;
+
+    let killed_at = Instant::now();
+    c.kill(leader).await;
+    let other = client.open_session(ttl).await.unwrap();
+    let after = other.try_acquire("after-failover").await.unwrap();
+    eprintln!(
+        "kill -9 of the leader to the next successful grant: {:?}",
+        killed_at.elapsed()
+    );
+    assert!(
+        after.token() > max_before,
+        "token {} after failover is not above {max_before}",
+        after.token()
+    );
+    let new_leader = c.wait_for_leader_except(0, leader, SECS_30).await;
+    assert_ne!(new_leader, leader);
+
+    // No acknowledged grant was lost.
+    for g in &held {
+        let lock = client
+            .describe(g.name())
+            .await
+            .unwrap()
+            .expect("lock survived the failover");
+        assert_eq!(
+            (lock.holder_session_id, lock.token),
+            (session.ids()[0], g.token()),
+            "{}",
+            g.name()
+        );
+    }
+    // A session that keeps heartbeating across the failover is never expired. This waits out more than
+    // two TTLs because what it checks is that an expiry does *not* happen.
+    tokio::time::sleep(ttl * 2 + Duration::from_secs(1)).await;
+    assert!(
+        session.is_valid(),
+        "the client lost its lease across a failover"
+    );
+    for g in &held {
+        let lock = client
+            .describe(g.name())
+            .await
+            .unwrap()
+            .expect("lock held after 2 TTLs");
+        assert_eq!(lock.holder_session_id, session.ids()[0]);
+    }
+    // Tokens granted after the failover are larger than every earlier one, per lock too.
+    let first = held.remove(0);
+    let first_token = first.token();
+    first.release().await.unwrap();
+    let again = other.try_acquire("job/0").await.unwrap();
+    assert!(again.token() > first_token && again.token() > after.token());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_order() {
+    let c = Cluster::start(Options::default()).await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let mut raw = c.raw(leader).await;
+    let opened_at = Instant::now();
+    let silent = raw
+        .open_session(OpenSessionRequest {
+            group: 0,
+            ttl_ms: 2_000,
+            nonce_hi: 7,
+            nonce_lo: 7,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    let req = AcquireRequest {
+        group: 0,
+        session_id: silent,
+        request_id: 1,
+        name: "shared".into(),
+        wait_timeout_ms: 0,
+    };
+    let first = raw.acquire(req).await.unwrap().into_inner().token;
+
+    let client = c.client().await;
+    let b = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let cs = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let wait_b = tokio::spawn({
+        let b = b.clone();
+        async move { b.acquire_timeout("shared", Duration::from_secs(20)).await }
+    });
+    wait_for_waiters(&client, "shared", 1).await;
+    let wait_c = tokio::spawn({
+        let cs = cs.clone();
+        async move { cs.acquire_timeout("shared", Duration::from_secs(20)).await }
+    });
+    let waiters = wait_for_waiters(&client, "shared", 2).await;
+    assert_eq!(waiters, vec![b.ids()[0], cs.ids()[0]], "FIFO order");
+
+    let gb = wait_b.await.unwrap().unwrap();
+    let expired_after = opened_at.elapsed();
+    assert!(
+        expired_after >= Duration::from_millis(2_000),
+        "expired {expired_after:?} after open, before its TTL"
+    );
+    assert!(gb.token() > first);
+    let lock = client.describe("shared").await.unwrap().unwrap();
+    assert_eq!(lock.holder_session_id, b.ids()[0]);
+    assert_eq!(
+        lock.waiters
+            .iter()
+            .map(|w| w.session_id)
+            .collect::<Vec<_>>(),
+        vec![cs.ids()[0]]
+    );
+
+    let b_token = gb.token();
+    gb.release().await.unwrap();
+    let gc = wait_c.await.unwrap().unwrap();
+    assert!(gc.token() > b_token);
+
+    let mut raw = c.raw(c.wait_for_leader(0, SECS_30).await).await;
+    let req = AcquireRequest {
+        group: 0,
+        session_id: silent,
+        request_id: 2,
+        name: "other".into(),
+        wait_timeout_ms: 0,
+    };
+    let err = raw.acquire(req).await.unwrap_err();
+    assert_eq!(reason(&err), Reason::SessionUnknown, "{err:?}");
+}
+
+/// Polls `describe` until the lock has `n` waiters; returns their session ids in queue order.
+async fn wait_for_waiters(client: &holdfast_client::Client, name: &str, n: usize) -> Vec<u64> {
+    let deadline = Instant::now() + SECS_30;
+    loop {
+        if let Some(lock) = client.describe(name).await.unwrap() {
+            if lock.waiters.len() == n {
+                return lock.waiters.iter().map(|w| w.session_id).collect();
+            }
+        }
+        assert!(Instant::now() < deadline, "{name} never had {n} waiters");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn churn(session: &holdfast_client::Session, prefix: &str, n: usize) {
+    for i in 0..n {
+        let g = session.try_acquire(&format!("{prefix}/{i}")).await.unwrap();
+        g.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_catches_up_by_log_and_by_snapshot() {
+    let mut c = Cluster::start(Options {
+        snapshot_every_entries: 100,
+        snapshot_keep_entries: 0,
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let keep = session.try_acquire("kept").await.unwrap();
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let follower = (1..=5).find(|&i| i != leader).unwrap();
+
+    // A short outage: the follower catches up from the log.
+    c.kill(follower).await;
+    churn(&session, "log", 10).await;
+    c.start_server(follower);
+    c.wait_converged(0, SECS_30).await;
+
+    // A long outage: the leader snapshots and purges its log, so the follower needs a snapshot.
+    let before = c.group_status(follower, 0).await.unwrap().applied_index;
+    c.kill(follower).await;
+    churn(&session, "snap", 150).await;
+    let leader_status = c
+        .group_status(c.wait_for_leader(0, SECS_30).await, 0)
+        .await
+        .unwrap();
+    assert!(
+        leader_status.snapshot_index > before,
+        "leader did not snapshot past the follower"
+    );
+    c.start_server(follower);
+    c.wait_converged(0, SECS_30).await;
+    let caught_up = c.group_status(follower, 0).await.unwrap();
+    assert!(
+        caught_up.snapshot_index > before,
+        "follower did not install a snapshot: {caught_up:?}"
+    );
+    assert_eq!(caught_up.locks, 1);
+
+    // A full restart of every server keeps every lock and the token.
+    for id in 1..=5 {
+        c.kill(id).await;
+    }
+    for id in 1..=5 {
+        c.start_server(id);
+    }
+    c.wait_for_leader(0, SECS_30).await;
+    let lock = client
+        .describe("kept")
+        .await
+        .unwrap()
+        .expect("lock survived a full restart");
+    assert_eq!(
+        (lock.holder_session_id, lock.token),
+        (session.ids()[0], keep.token())
+    );
+    c.wait_converged(0, SECS_30).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
+    let c = Cluster::start(Options::default()).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let held = session.try_acquire("iso/held").await.unwrap();
+    let old = c.wait_for_leader(0, SECS_30).await;
+    let mut raw_old = c.raw(old).await;
+
+    c.proxies.isolate(old);
+    let isolated_at = Instant::now();
+    let acquire = AcquireRequest {
+        group: 0,
+        session_id: session.ids()[0],
+        request_id: 1_000_000,
+        name: "iso/new".into(),
+        wait_timeout_ms: 0,
+    };
+    let r = raw_old.acquire(acquire).await;
+    assert!(r.is_err(), "an isolated leader granted a lock: {r:?}");
+    let r = raw_old
+        .describe(DescribeRequest {
+            group: 0,
+            name: "iso/held".into(),
+        })
+        .await;
+    assert!(r.is_err(), "an isolated leader answered a read: {r:?}");
+    // Within its lease guard (3/4 of the 1 s election timeout max) the old leader stops renewing sessions.
+    let r = raw_old
+        .keep_alive(KeepAliveRequest {
+            group: 0,
+            session_ids: vec![session.ids()[0]],
+        })
+        .await;
+    assert!(
+        isolated_at.elapsed() > Duration::from_secs(1) && r.is_err(),
+        "an isolated leader renewed a session: {r:?}"
+    );
+
+    let new = c.wait_for_leader_except(0, old, SECS_30).await;
+    assert_ne!(new, old);
+    let other = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let g = other
+        .try_acquire("iso/new")
+        .await
+        .expect("the majority grants what the old leader could not");
+    assert!(g.token() > held.token());
+    assert!(
+        session.is_valid(),
+        "the holder's session survived the partition"
+    );
+
+    c.proxies.heal();
+    c.wait_converged(0, SECS_30).await;
+    let lock = client.describe("iso/held").await.unwrap().unwrap();
+    assert_eq!(lock.token, held.token());
+}

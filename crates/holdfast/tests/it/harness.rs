@@ -1,0 +1,254 @@
+//! Real `holdfast server` processes on 127.0.0.1 with real data directories, for cluster tests.
+//!
+//! Every peer link goes through a [`Proxies`] link so a test can partition servers. Servers are started
+//! with `--exit-on-stdin-close`, so they exit with the test process even if it is killed, and are killed
+//! (SIGKILL, by the PID we started) when the harness is dropped.
+
+use crate::proxy::Proxies;
+use holdfast_client::{Client, ClientOptions};
+use holdfast_proto::v1::holdfast_client::HoldfastClient;
+use holdfast_proto::v1::{GroupStatus, StatusRequest};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+pub struct Options {
+    pub nodes: u64,
+    pub groups: u32,
+    pub snapshot_every_entries: u64,
+    pub snapshot_keep_entries: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            nodes: 5,
+            groups: 1,
+            snapshot_every_entries: 20_000,
+            snapshot_keep_entries: 1_000,
+        }
+    }
+}
+
+pub struct Server {
+    pub id: u64,
+    pub client_port: u16,
+    pub log: PathBuf,
+    args: Vec<String>,
+    pub child: Option<Child>,
+}
+
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub servers: Vec<Server>,
+    pub proxies: Proxies,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Cluster {
+    pub async fn start(options: Options) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let n = options.nodes;
+        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        let proxies = Proxies::default();
+        let mut servers = Vec::new();
+        for i in 1..=n {
+            let mut members = Vec::new();
+            for j in 1..=n {
+                let (client, peer) = ports[(j - 1) as usize];
+                let peer = if i == j {
+                    peer
+                } else {
+                    proxies.add(i, j, peer).await
+                };
+                members.push(format!("{j}=127.0.0.1:{client}/127.0.0.1:{peer}"));
+            }
+            let (client_port, peer_port) = ports[(i - 1) as usize];
+            let data_dir = dir.path().join(format!("node{i}"));
+            let args = vec![
+                "server".into(),
+                "--exit-on-stdin-close".into(),
+                format!("--node-id={i}"),
+                format!("--members={}", members.join(",")),
+                format!("--data-dir={}", data_dir.display()),
+                format!("--client-listen=127.0.0.1:{client_port}"),
+                format!("--peer-listen=127.0.0.1:{peer_port}"),
+                format!("--groups={}", options.groups),
+                format!(
+                    "--snapshot-every-entries={}",
+                    options.snapshot_every_entries
+                ),
+                format!("--snapshot-keep-entries={}", options.snapshot_keep_entries),
+            ];
+            let log = dir.path().join(format!("node{i}.log"));
+            servers.push(Server {
+                id: i,
+                client_port,
+                log,
+                args,
+                child: None,
+            });
+        }
+        let mut cluster = Cluster {
+            dir,
+            servers,
+            proxies,
+        };
+        for i in 1..=n {
+            cluster.start_server(i);
+        }
+        cluster.wait_for_leader(0, Duration::from_secs(30)).await;
+        cluster
+    }
+
+    pub fn start_server(&mut self, id: u64) {
+        let s = &mut self.servers[(id - 1) as usize];
+        assert!(s.child.is_none(), "server {id} is running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&s.log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_holdfast"))
+            .args(&s.args)
+            .env("HOLDFAST_LOG", "info,openraft=warn")
+            .stdin(Stdio::piped())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        s.child = Some(child);
+    }
+
+    /// kill -9.
+    pub async fn kill(&mut self, id: u64) {
+        let s = &mut self.servers[(id - 1) as usize];
+        let mut child = s.child.take().expect("server is running");
+        child.kill().await.unwrap();
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.client_port))
+            .collect()
+    }
+
+    pub fn endpoint(&self, id: u64) -> String {
+        format!("127.0.0.1:{}", self.servers[(id - 1) as usize].client_port)
+    }
+
+    pub async fn client(&self) -> Client {
+        let options = ClientOptions {
+            request_timeout: Duration::from_secs(20),
+            ..ClientOptions::default()
+        };
+        Client::connect_with(self.endpoints(), options)
+            .await
+            .unwrap()
+    }
+
+    /// A raw gRPC client to one server (no redirects, no retries).
+    pub async fn raw(&self, id: u64) -> HoldfastClient<tonic::transport::Channel> {
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("http://{}", self.endpoint(id)))
+                .unwrap()
+                .connect_timeout(Duration::from_secs(1))
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .unwrap();
+        HoldfastClient::new(channel)
+    }
+
+    /// One server's view of a group, if it answers.
+    pub async fn group_status(&self, id: u64, group: u32) -> Option<GroupStatus> {
+        if self.servers[(id - 1) as usize].child.is_none() {
+            return None;
+        }
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("http://{}", self.endpoint(id)))
+                .ok()?
+                .connect_timeout(Duration::from_millis(300))
+                .timeout(Duration::from_secs(1))
+                .connect()
+                .await
+                .ok()?;
+        let s = HoldfastClient::new(channel)
+            .status(StatusRequest {})
+            .await
+            .ok()?
+            .into_inner();
+        s.groups.into_iter().find(|g| g.group == group)
+    }
+
+    /// Waits until a running server says it leads `group` and a majority of running servers agree.
+    pub async fn wait_for_leader(&self, group: u32, timeout: Duration) -> u64 {
+        self.wait_for_leader_except(group, 0, timeout).await
+    }
+
+    pub async fn wait_for_leader_except(&self, group: u32, not: u64, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut votes = std::collections::HashMap::new();
+            let mut leaders = Vec::new();
+            for s in &self.servers {
+                if let Some(g) = self.group_status(s.id, group).await {
+                    if g.leader_id != 0 {
+                        *votes.entry(g.leader_id).or_insert(0) += 1;
+                    }
+                    if g.role == "leader" {
+                        leaders.push(s.id);
+                    }
+                }
+            }
+            let majority = self.servers.len() / 2 + 1;
+            for l in leaders {
+                if l != not && votes.get(&l).copied().unwrap_or(0) >= majority {
+                    return l;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no leader for group {group} within {timeout:?}; logs in {}",
+                self.dir.path().display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until all running servers report the same applied index and digest, and returns the digest.
+    pub async fn wait_converged(&self, group: u32, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut seen = Vec::new();
+            for s in self.servers.iter().filter(|s| s.child.is_some()) {
+                seen.push(
+                    self.group_status(s.id, group)
+                        .await
+                        .map(|g| (g.applied_index, g.digest)),
+                );
+            }
+            if let Some(Some(first)) = seen.first() {
+                if seen.iter().all(|x| x.as_ref() == Some(first)) {
+                    return first.1;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "servers did not converge: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
