@@ -19,6 +19,10 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once per process; boxing buys nothing"
+)]
 enum Cmd {
     /// Run one server of a cluster.
     Server(server::ServerArgs),

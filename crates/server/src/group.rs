@@ -48,8 +48,10 @@ pub enum WaitEnd {
 /// Acquire calls waiting for a grant, keyed by (session, request id); woken from the applied log.
 #[derive(Default)]
 pub struct Waiters {
-    map: Mutex<HashMap<(SessionId, RequestId), Vec<oneshot::Sender<WaitEnd>>>>,
+    map: Mutex<HashMap<(SessionId, RequestId), Wakers>>,
 }
+
+type Wakers = Vec<oneshot::Sender<WaitEnd>>;
 
 impl Waiters {
     pub fn register(&self, session: SessionId, request: RequestId) -> oneshot::Receiver<WaitEnd> {

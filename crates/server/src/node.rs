@@ -381,60 +381,36 @@ impl NodeShared {
             "Sessions expired by this server as leader.",
             &per_group(&|g| g.metrics.expiries.load(Relaxed)),
         );
-        let stats: Vec<(String, u64, u64, u64, u64, u64, bool)> = self
+        let gauges: Vec<(String, [u64; 6])> = self
             .groups
             .iter()
             .map(|g| {
                 let m = g.raft_metrics();
                 let s = g.state.read().expect("state lock");
-                (
-                    label(g),
+                let values = [
                     s.table.session_count() as u64,
                     s.table.lock_count() as u64,
                     s.table.waiter_count(),
                     m.current_term,
                     s.last_applied.map_or(0, |l| l.index),
-                    m.state == ServerState::Leader,
-                )
+                    u64::from(m.state == ServerState::Leader),
+                ];
+                (label(g), values)
             })
             .collect();
-        let col = |f: &dyn Fn(&(String, u64, u64, u64, u64, u64, bool)) -> u64| {
-            stats
-                .iter()
-                .map(|s| (s.0.clone(), f(s)))
-                .collect::<Vec<_>>()
-        };
-        metrics::gauge(
-            &mut out,
-            "holdfast_sessions",
-            "Live sessions.",
-            &col(&|s| s.1),
-        );
-        metrics::gauge(&mut out, "holdfast_locks", "Held locks.", &col(&|s| s.2));
-        metrics::gauge(
-            &mut out,
-            "holdfast_waiters",
-            "Queued waiters.",
-            &col(&|s| s.3),
-        );
-        metrics::gauge(
-            &mut out,
-            "holdfast_raft_term",
-            "Current Raft term.",
-            &col(&|s| s.4),
-        );
-        metrics::gauge(
-            &mut out,
-            "holdfast_applied_index",
-            "Last applied log index.",
-            &col(&|s| s.5),
-        );
-        metrics::gauge(
-            &mut out,
-            "holdfast_is_leader",
-            "1 if this server leads the group.",
-            &col(&|s| u64::from(s.6)),
-        );
+        let names = [
+            ("holdfast_sessions", "Live sessions."),
+            ("holdfast_locks", "Held locks."),
+            ("holdfast_waiters", "Queued waiters."),
+            ("holdfast_raft_term", "Current Raft term."),
+            ("holdfast_applied_index", "Last applied log index."),
+            ("holdfast_is_leader", "1 if this server leads the group."),
+        ];
+        for (i, (name, help)) in names.iter().enumerate() {
+            let values: Vec<(String, u64)> =
+                gauges.iter().map(|(l, v)| (l.clone(), v[i])).collect();
+            metrics::gauge(&mut out, name, help, &values);
+        }
         out
     }
 }

@@ -41,22 +41,34 @@ pub struct Server {
 }
 
 pub struct Cluster {
-    pub dir: tempfile::TempDir,
+    /// `None` only while dropping.
+    dir: Option<tempfile::TempDir>,
     pub servers: Vec<Server>,
     pub proxies: Proxies,
 }
 
+/// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
+/// `bind(0)` or outgoing connection can take it between this check and the server's bind, and from a
+/// range that depends on the test process id, so parallel test processes do not pick the same ports.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = 10_000 + (std::process::id() % 220) * 100;
+    for _ in 0..10_000 {
+        let port = (base + NEXT.fetch_add(1, Ordering::Relaxed) % 100) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {base}..{}", base + 100);
 }
 
 impl Cluster {
     pub async fn start(options: Options) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("holdfast-it-")
+            .tempdir()
+            .unwrap();
         let n = options.nodes;
         let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
         let proxies = Proxies::default();
@@ -99,7 +111,7 @@ impl Cluster {
             });
         }
         let mut cluster = Cluster {
-            dir,
+            dir: Some(dir),
             servers,
             proxies,
         };
@@ -108,6 +120,10 @@ impl Cluster {
         }
         cluster.wait_for_leader(0, Duration::from_secs(30)).await;
         cluster
+    }
+
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.as_ref().expect("not dropped").path()
     }
 
     pub fn start_server(&mut self, id: u64) {
@@ -173,9 +189,8 @@ impl Cluster {
 
     /// One server's view of a group, if it answers.
     pub async fn group_status(&self, id: u64, group: u32) -> Option<GroupStatus> {
-        if self.servers[(id - 1) as usize].child.is_none() {
-            return None;
-        }
+        // A stopped server cannot answer.
+        self.servers[(id - 1) as usize].child.as_ref()?;
         let channel =
             tonic::transport::Endpoint::from_shared(format!("http://{}", self.endpoint(id)))
                 .ok()?
@@ -221,7 +236,7 @@ impl Cluster {
             assert!(
                 Instant::now() < deadline,
                 "no leader for group {group} within {timeout:?}; logs in {}",
-                self.dir.path().display()
+                self.dir().display()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -249,6 +264,17 @@ impl Cluster {
                 "servers did not converge: {seen:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Keep the servers' logs and data of a failed test for the post-mortem.
+        if std::thread::panicking() {
+            if let Some(dir) = self.dir.take() {
+                eprintln!("cluster logs and data kept in {}", dir.keep().display());
+            }
         }
     }
 }
