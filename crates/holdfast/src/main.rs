@@ -1,7 +1,9 @@
 //! The `holdfast` binary: `holdfast server` runs one server, `holdfast dev` runs a local 5-server cluster,
 //! and the other subcommands are clients (see `docs/cli.md`).
 
+mod bench;
 mod dev;
+mod duration;
 mod server;
 mod status;
 
@@ -30,6 +32,8 @@ enum Cmd {
     Dev(dev::DevArgs),
     /// Show each server's view: role, leader, term and log indexes per group.
     Status(status::StatusArgs),
+    /// Load a running cluster and report throughput and latency percentiles.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -49,6 +53,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Server(args) => server::run(args).await,
             Cmd::Dev(args) => dev::run(args).await,
             Cmd::Status(args) => status::run(args).await,
+            Cmd::Bench(args) => bench::run(args).await,
         }
     });
     match result {

@@ -106,15 +106,20 @@ impl Default for GroupMetrics {
 }
 
 pub fn counter(out: &mut String, name: &str, help: &str, values: &[(String, u64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-    for (labels, v) in values {
-        let _ = writeln!(out, "{name}{{{labels}}} {v}");
-    }
+    series(out, name, help, "counter", values);
 }
 
 pub fn gauge(out: &mut String, name: &str, help: &str, values: &[(String, u64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    series(out, name, help, "gauge", values);
+}
+
+fn series(out: &mut String, name: &str, help: &str, kind: &str, values: &[(String, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     for (labels, v) in values {
-        let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {v}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        }
     }
 }
