@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = [
         root.join("holdfast/v1/lock.proto"),
         root.join("holdfast/v1/raft.proto"),
+        root.join("holdfast/v1/fence.proto"),
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());

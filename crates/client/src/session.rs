@@ -257,6 +257,17 @@ impl Session {
     /// Acquires `name`, waiting in its FIFO queue up to `wait`. The wait is cancelled through the log when
     /// it runs out, so a late grant is never left held by nobody.
     pub async fn acquire_timeout(&self, name: &str, wait: Duration) -> Result<LockGuard, Error> {
+        self.acquire_with_value(name, wait, &[]).await
+    }
+
+    /// [`Session::acquire_timeout`] that stores `value` (at most 1,024 bytes) with the grant; describe
+    /// returns it as the holder's value. Leader election uses it for the leader's name or address.
+    pub async fn acquire_with_value(
+        &self,
+        name: &str,
+        wait: Duration,
+        value: &[u8],
+    ) -> Result<LockGuard, Error> {
         if let Some(lost) = self.inner.lease.borrow().lost.clone() {
             return Err(Error::LeaseLost(lost.0));
         }
@@ -279,6 +290,7 @@ impl Session {
                     request_id,
                     name: n.clone(),
                     wait_timeout_ms: if wait_ms == 0 { 0 } else { left.max(1) },
+                    value: value.to_vec(),
                 };
                 async move { c.acquire(req).await }
             })

@@ -30,11 +30,14 @@ pub enum Command {
     CloseSession { session: SessionId, now_ms: u64 },
     /// The leader saw no keepalive for a full TTL: same effect as a close.
     ExpireSession { session: SessionId, now_ms: u64 },
+    /// `value` is stored with the grant and shown by describe (at most [`crate::limits::MAX_VALUE_BYTES`]);
+    /// leader election puts the leader's name or address there.
     Acquire {
         session: SessionId,
         request: RequestId,
         name: LockName,
         mode: AcquireMode,
+        value: Box<[u8]>,
         now_ms: u64,
     },
     /// Release requires the token of the current grant, so a late release from an old grant changes nothing.

@@ -40,3 +40,7 @@ pub const DEDUP_WINDOW: usize = 16;
 /// Open-session nonces are remembered for this many sessions, so a retried `OpenSession` returns the
 /// same session instead of opening a second one.
 pub const OPEN_NONCE_WINDOW: usize = 4_096;
+
+/// Largest value stored with a grant (leader election's leader value). Small, because it lives in every
+/// replica's memory for as long as the lock is held.
+pub const MAX_VALUE_BYTES: usize = 1024;

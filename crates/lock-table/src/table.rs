@@ -32,6 +32,7 @@ pub(crate) struct Holder {
     pub(crate) token: FencingToken,
     pub(crate) request: RequestId,
     pub(crate) granted_at_ms: u64,
+    pub(crate) value: Box<[u8]>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +40,7 @@ pub(crate) struct Waiter {
     pub(crate) session: SessionId,
     pub(crate) request: RequestId,
     pub(crate) enqueued_at_ms: u64,
+    pub(crate) value: Box<[u8]>,
 }
 
 /// A lock exists in the table exactly while it has a holder; waiters exist only behind a holder.
@@ -67,6 +69,7 @@ pub struct HolderView {
     pub session: SessionId,
     pub token: FencingToken,
     pub granted_at_ms: u64,
+    pub value: Box<[u8]>,
 }
 
 /// Read-only view of a waiter.
@@ -122,8 +125,9 @@ impl LockTable {
                 request,
                 name,
                 mode,
+                value,
                 now_ms,
-            } => self.acquire(index, *session, *request, name, *mode, *now_ms),
+            } => self.acquire(index, *session, *request, name, *mode, value, *now_ms),
             Command::Release {
                 session,
                 request,
@@ -215,6 +219,10 @@ impl LockTable {
         None
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the fields of Command::Acquire, plus the log index"
+    )]
     fn acquire(
         &mut self,
         index: u64,
@@ -222,6 +230,7 @@ impl LockTable {
         request: RequestId,
         name: &LockName,
         mode: AcquireMode,
+        value: &[u8],
         now_ms: u64,
     ) -> Outcome {
         let Some(session) = self.sessions.get(&session_id) else {
@@ -264,6 +273,7 @@ impl LockTable {
                     token,
                     request,
                     granted_at_ms: now_ms,
+                    value: value.into(),
                 };
                 self.locks.insert(
                     name.clone(),
@@ -288,6 +298,7 @@ impl LockTable {
                     session: session_id,
                     request,
                     enqueued_at_ms: now_ms,
+                    value: value.into(),
                 });
                 let position = lock.waiters.len() as u32;
                 self.waiter_count += 1;
@@ -386,6 +397,7 @@ impl LockTable {
             token,
             request: next.request,
             granted_at_ms: now_ms,
+            value: next.value,
         };
         self.waiter_count -= 1;
         let session = self.session_mut(next.session);
@@ -555,6 +567,7 @@ fn lock_view(name: &LockName, lock: &Lock) -> LockView {
             session: lock.holder.session,
             token: lock.holder.token,
             granted_at_ms: lock.holder.granted_at_ms,
+            value: lock.holder.value.clone(),
         },
         waiters: lock
             .waiters

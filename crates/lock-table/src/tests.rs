@@ -21,6 +21,7 @@ fn acq(s: u64, r: u64, n: &str, mode: crate::AcquireMode) -> Command {
         request: RequestId(r),
         name: name(n),
         mode,
+        value: Box::default(),
         now_ms: 0,
     }
 }

@@ -109,6 +109,7 @@ impl ClientService {
                     enqueued_at_ms: w.enqueued_at_ms,
                 })
                 .collect(),
+            holder_value: view.holder.value.to_vec(),
         }
     }
 
@@ -337,6 +338,17 @@ impl Holdfast for ClientService {
                 ),
             ));
         }
+        if r.value.len() > holdfast_lock_table::limits::MAX_VALUE_BYTES {
+            let max = holdfast_lock_table::limits::MAX_VALUE_BYTES;
+            return Err(limit(
+                "max_value_bytes",
+                max as u64,
+                format!(
+                    "value of {} bytes is over the limit of {max} bytes (max_value_bytes)",
+                    r.value.len()
+                ),
+            ));
+        }
         let started = Instant::now();
         let deadline = started + Duration::from_millis(r.wait_timeout_ms);
         let mode = if r.wait_timeout_ms > 0 {
@@ -351,6 +363,7 @@ impl Holdfast for ClientService {
             request,
             name: name.clone(),
             mode,
+            value: r.value.into(),
             now_ms: now_ms(),
         };
         let outcome = group

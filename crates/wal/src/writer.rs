@@ -224,38 +224,42 @@ impl Writer {
                 Op::Release(group, index) => releases.push((group, index)),
             }
         }
-        if !dones.is_empty() {
-            let result = self.write_frame(&body, records);
-            match result {
-                Ok(()) => {
-                    for r in batch_sticky {
-                        self.sticky.insert((r.group, r.kind), r);
-                    }
-                    let active = self.active.as_mut().expect("an active segment");
-                    for (g, i) in batch_index {
-                        let m = active.max_index.entry(g).or_insert(0);
-                        *m = i.max(*m);
-                    }
-                    for done in dones {
-                        done(Ok(()));
-                    }
+        let result = (!dones.is_empty()).then(|| self.write_frame(&body, records));
+        match &result {
+            Some(Ok(())) => {
+                for r in batch_sticky {
+                    self.sticky.insert((r.group, r.kind), r);
                 }
-                Err(e) => {
-                    let msg = e.to_string();
-                    tracing::error!(error = %msg, "wal write failed; the log is stopped and will not retry");
-                    self.poisoned.get_or_insert(msg.clone());
-                    for done in dones {
-                        done(Err(WalError::Poisoned(msg.clone())));
-                    }
+                let active = self.active.as_mut().expect("an active segment");
+                for (g, i) in batch_index {
+                    let m = active.max_index.entry(g).or_insert(0);
+                    *m = i.max(*m);
                 }
             }
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "wal write failed; the log is stopped and will not retry");
+                self.poisoned.get_or_insert(e.to_string());
+            }
+            None => {}
         }
+        // Releases are applied before the batch's appends are completed, so an append queued after a
+        // release returns only once the released segments are gone.
         for (group, index) in releases {
             let r = self.released.entry(group).or_insert(0);
             *r = index.max(*r);
         }
         if let Err(e) = self.delete_released() {
             tracing::warn!(error = %e, "could not delete a released wal segment; will retry on the next release");
+        }
+        match result {
+            Some(Ok(())) => dones.into_iter().for_each(|done| done(Ok(()))),
+            Some(Err(e)) => {
+                let msg = e.to_string();
+                dones
+                    .into_iter()
+                    .for_each(|done| done(Err(WalError::Poisoned(msg.clone()))));
+            }
+            None => {}
         }
     }
 

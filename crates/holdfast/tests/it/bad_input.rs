@@ -87,6 +87,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         request_id,
         name: name.into(),
         wait_timeout_ms: 0,
+        value: vec![],
     };
     let token = raw
         .acquire(acq(a, 1, &lock))

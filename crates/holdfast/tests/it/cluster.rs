@@ -142,6 +142,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         request_id: 1,
         name: "shared".into(),
         wait_timeout_ms: 0,
+        value: vec![],
     };
     let first = raw.acquire(req).await.unwrap().into_inner().token;
 
@@ -189,6 +190,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         request_id: 2,
         name: "other".into(),
         wait_timeout_ms: 0,
+        value: vec![],
     };
     let err = raw.acquire(req).await.unwrap_err();
     assert_eq!(reason(&err), Reason::SessionUnknown, "{err:?}");
@@ -293,6 +295,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         request_id: 1_000_000,
         name: "iso/new".into(),
         wait_timeout_ms: 0,
+        value: vec![],
     };
     let r = raw_old.acquire(acquire).await;
     assert!(r.is_err(), "an isolated leader granted a lock: {r:?}");

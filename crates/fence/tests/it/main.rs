@@ -1,0 +1,269 @@
+//! Fencing helpers against real resources: the reference store on real files and over gRPC, SQLite, and a
+//! real PostgreSQL server started by the test.
+
+mod postgres_server;
+
+use holdfast_fence::service::{serve, FenceClient};
+use holdfast_fence::store::FencedStore;
+use holdfast_fence::FenceError;
+use std::sync::Arc;
+
+#[test]
+fn the_store_refuses_stale_tokens_and_keeps_its_marks_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fence.log");
+    let store = FencedStore::open(&path).unwrap();
+    assert_eq!(store.write("k", 5, b"five").unwrap(), 5);
+    assert_eq!(
+        store.write("k", 5, b"five again").unwrap(),
+        5,
+        "the same holder may write again"
+    );
+    assert!(matches!(
+        store.write("k", 4, b"late"),
+        Err(FenceError::Stale { seen: 5, .. })
+    ));
+    // A fenced read by a newer holder raises the mark: the old holder can no longer write.
+    assert_eq!(
+        store.read("k", 7).unwrap().value.as_deref(),
+        Some(&b"five again"[..])
+    );
+    assert!(matches!(
+        store.write("k", 5, b"lost update"),
+        Err(FenceError::Stale { seen: 7, .. })
+    ));
+    assert!(matches!(
+        store.read("k", 6),
+        Err(FenceError::Stale { seen: 7, .. })
+    ));
+    drop(store);
+    let store = FencedStore::open(&path).unwrap();
+    let e = store.peek("k").unwrap();
+    assert_eq!(
+        (e.mark, e.value_token, e.value.as_deref()),
+        (7, 5, Some(&b"five again"[..]))
+    );
+    assert!(matches!(
+        store.write("k", 6, b"x"),
+        Err(FenceError::Stale { seen: 7, .. })
+    ));
+}
+
+#[test]
+fn a_torn_last_record_is_cut_and_earlier_ones_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fence.log");
+    let store = FencedStore::open(&path).unwrap();
+    store.write("a", 1, b"one").unwrap();
+    store.write("a", 2, b"two").unwrap();
+    drop(store);
+    let len = std::fs::metadata(&path).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(len - 3).unwrap();
+    drop(file);
+    let store = FencedStore::open(&path).unwrap();
+    assert_eq!(store.peek("a").unwrap().value.as_deref(), Some(&b"one"[..]));
+    // A corrupt record followed by a valid one is not a torn write: refuse to open.
+    store.write("a", 3, b"three").unwrap();
+    drop(store);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[10] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(
+        FencedStore::open(&path),
+        Err(FenceError::Invalid(_))
+    ));
+}
+
+#[tokio::test]
+async fn the_store_over_grpc() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FencedStore::open(&dir.path().join("fence.log")).unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, store.clone(), async move {
+        let _ = stopped.await;
+    }));
+    let mut client = FenceClient::connect(&addr.to_string()).await.unwrap();
+    client.write("acct", 10, b"100").await.unwrap();
+    assert_eq!(
+        client.read("acct", 11).await.unwrap(),
+        Some((b"100".to_vec(), 10))
+    );
+    let err = client.write("acct", 10, b"late").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 10,
+                seen: 11,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        store.peek("acct").unwrap().value.as_deref(),
+        Some(&b"100"[..])
+    );
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
+
+/// The read-modify-write scenario of DESIGN.md §5 on SQLite: a stale holder's transaction after the new
+/// holder's is refused whole, and nothing it wrote lands.
+#[test]
+fn sqlite_fences_whole_transactions() {
+    use holdfast_fence::sqlite::{fenced_transaction, install};
+    let dir = tempfile::tempdir().unwrap();
+    let mut conn = rusqlite::Connection::open(dir.path().join("db.sqlite")).unwrap();
+    install(&conn).unwrap();
+    conn.execute(
+        "CREATE TABLE acct (id TEXT PRIMARY KEY, balance INTEGER NOT NULL)",
+        [],
+    )
+    .unwrap();
+    conn.execute("INSERT INTO acct VALUES ('a', 100)", [])
+        .unwrap();
+    let add = |amount: i64| {
+        move |tx: &rusqlite::Transaction<'_>| {
+            let balance: i64 =
+                tx.query_row("SELECT balance FROM acct WHERE id = 'a'", [], |r| r.get(0))?;
+            tx.execute(
+                "UPDATE acct SET balance = ?1 WHERE id = 'a'",
+                [balance + amount],
+            )
+        }
+    };
+    fenced_transaction(&mut conn, "acct/a", 8, add(10)).unwrap();
+    fenced_transaction(&mut conn, "acct/a", 9, add(20)).unwrap();
+    let err = fenced_transaction(&mut conn, "acct/a", 8, add(1000)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 8,
+                seen: 9,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Work that fails rolls the fence back too.
+    let err = fenced_transaction(&mut conn, "acct/a", 12, |tx| {
+        tx.execute("UPDATE nope SET x = 1", [])
+    })
+    .unwrap_err();
+    assert!(matches!(err, FenceError::Database(_)));
+    fenced_transaction(&mut conn, "acct/a", 10, add(5)).unwrap();
+    let balance: i64 = conn
+        .query_row("SELECT balance FROM acct WHERE id = 'a'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(balance, 135);
+    let seen: i64 = conn
+        .query_row(
+            "SELECT token FROM holdfast_fence WHERE resource = 'acct/a'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(seen, 10);
+}
+
+/// The same against a real PostgreSQL server, including two concurrent transactions: the stale holder's
+/// transaction, started while the new holder's holds the fence row, is refused once that commits.
+#[test]
+fn postgres_fences_whole_transactions() {
+    use holdfast_fence::postgres::{fenced_transaction, install};
+    let pg = postgres_server::PgServer::start();
+    let mut client = pg.connect();
+    install(&mut client).unwrap();
+    client.batch_execute("CREATE TABLE acct (id TEXT PRIMARY KEY, balance BIGINT NOT NULL); INSERT INTO acct VALUES ('a', 100);").unwrap();
+    fn add(
+        amount: i64,
+    ) -> impl FnOnce(&mut postgres::Transaction<'_>) -> Result<u64, postgres::Error> {
+        move |tx| {
+            let balance: i64 = tx
+                .query_one("SELECT balance FROM acct WHERE id = 'a'", &[])?
+                .get(0);
+            tx.execute(
+                "UPDATE acct SET balance = $1 WHERE id = 'a'",
+                &[&(balance + amount)],
+            )
+        }
+    }
+    fenced_transaction(&mut client, "acct/a", 8, add(10)).unwrap();
+    fenced_transaction(&mut client, "acct/a", 9, add(20)).unwrap();
+    let err = fenced_transaction(&mut client, "acct/a", 8, add(1000)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 8,
+                seen: 9,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // Concurrency: B (token 11) holds the fence row in an open transaction; A (stale, token 10) blocks on
+    // it, then is refused when B commits.
+    let mut b = pg.connect();
+    let mut tx_b = b.transaction().unwrap();
+    let n = tx_b
+        .execute(holdfast_fence::sql::CHECK_AND_RAISE, &[&"acct/a", &11i64])
+        .unwrap();
+    assert_eq!(n, 1);
+    let a = std::thread::spawn({
+        let mut a = pg.connect();
+        move || fenced_transaction(&mut a, "acct/a", 10, add(1000))
+    });
+    // Wait until A is blocked on B's fence row lock.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "A never blocked on the fence row"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let balance: i64 = tx_b
+        .query_one("SELECT balance FROM acct WHERE id = 'a'", &[])
+        .unwrap()
+        .get(0);
+    tx_b.execute(
+        "UPDATE acct SET balance = $1 WHERE id = 'a'",
+        &[&(balance + 1)],
+    )
+    .unwrap();
+    tx_b.commit().unwrap();
+    let err = a.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 10,
+                seen: 11,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let balance: i64 = client
+        .query_one("SELECT balance FROM acct WHERE id = 'a'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(balance, 131);
+}
