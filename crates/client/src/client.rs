@@ -22,6 +22,10 @@ pub struct ClientOptions {
     pub attempt_timeout: Duration,
     /// TCP connect timeout per server.
     pub connect_timeout: Duration,
+    /// Renew all of this client's sessions together, one message per group per round over a keepalive
+    /// stream (the default). `false` makes every session send its own unary keepalives, which is what a
+    /// benchmark of one-heartbeat-per-session load wants.
+    pub batched_keepalives: bool,
 }
 
 impl Default for ClientOptions {
@@ -30,6 +34,7 @@ impl Default for ClientOptions {
             request_timeout: Duration::from_secs(15),
             attempt_timeout: Duration::from_secs(3),
             connect_timeout: Duration::from_millis(500),
+            batched_keepalives: true,
         }
     }
 }
@@ -40,7 +45,8 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
+    pub(crate) registry: crate::keepalive::Registry,
     endpoints: Vec<String>,
     channels: Vec<Channel>,
     groups: u32,
@@ -81,6 +87,7 @@ impl Client {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mut inner = Inner {
+            registry: Default::default(),
             endpoints,
             channels,
             groups: 1,
@@ -220,7 +227,30 @@ impl Client {
         }
     }
 
-    fn set_leader(&self, group: u32, index: usize) {
+    pub(crate) fn from_inner(inner: Arc<Inner>) -> Client {
+        Client { inner }
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    pub(crate) fn channel(&self, index: usize) -> Channel {
+        self.inner.channels[index].clone()
+    }
+
+    /// The endpoint index believed to lead `group`.
+    pub(crate) fn leader_of(&self, group: u32) -> usize {
+        self.inner
+            .leaders
+            .lock()
+            .expect("leader lock")
+            .get(group as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub(crate) fn set_leader(&self, group: u32, index: usize) {
         if let Some(slot) = self
             .inner
             .leaders

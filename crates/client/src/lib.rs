@@ -20,11 +20,14 @@
 //! or waiter and a retried release never releases someone else's lock.
 
 pub mod client;
+pub mod election;
 pub mod error;
 pub mod guard;
+mod keepalive;
 pub mod session;
 
 pub use client::{Client, ClientOptions};
+pub use election::{Leader, Leadership, Observer};
 pub use error::Error;
 pub use guard::LockGuard;
 pub use session::{LeaseLost, Session};

@@ -24,6 +24,8 @@ pub struct LeaseLost(pub String);
 #[derive(Clone, Debug)]
 struct Lease {
     valid_until: Instant,
+    /// When the batched keepalive task should next renew this session.
+    next_due: Instant,
     lost: Option<LeaseLost>,
 }
 
@@ -98,6 +100,7 @@ impl Client {
         }
         let (lease, _) = watch::channel(Lease {
             valid_until: started + granted - margin(granted),
+            next_due: started + granted / 3,
             lost: None,
         });
         let inner = Arc::new(SessionInner {
@@ -108,8 +111,12 @@ impl Client {
             lease,
             keepalive: Mutex::new(None),
         });
-        let task = tokio::spawn(keepalive_loop(Arc::downgrade(&inner)));
-        *inner.keepalive.lock().expect("keepalive lock") = Some(task);
+        if self.options().batched_keepalives {
+            self.inner().registry.add(self.inner(), &inner);
+        } else {
+            let task = tokio::spawn(keepalive_loop(Arc::downgrade(&inner)));
+            *inner.keepalive.lock().expect("keepalive lock") = Some(task);
+        }
         Ok(Session { inner })
     }
 }
@@ -149,7 +156,39 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
 }
 
 impl SessionInner {
-    fn mark_lost(&self, why: String) {
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lease.borrow().lost.is_some()
+    }
+
+    /// Marks the session lost if its client-side lease ran out.
+    pub(crate) fn check_expired(&self, now: Instant) {
+        if now >= self.lease.borrow().valid_until {
+            self.mark_lost("no keepalive succeeded within the TTL".into());
+        }
+    }
+
+    pub(crate) fn is_due(&self, now: Instant) -> bool {
+        let l = self.lease.borrow();
+        l.lost.is_none() && now >= l.next_due
+    }
+
+    pub(crate) fn id_in(&self, group: u32) -> u64 {
+        self.ids[group as usize]
+    }
+
+    /// A keepalive sent at `sent` was acknowledged with `ttl`.
+    pub(crate) fn renewed(&self, sent: Instant, ttl: Duration) {
+        self.lease.send_modify(|l| {
+            l.valid_until = l.valid_until.max(sent + ttl - margin(ttl));
+            l.next_due = sent + ttl / 3;
+        });
+    }
+
+    pub(crate) fn retry_soon(&self, at: Instant) {
+        self.lease.send_modify(|l| l.next_due = at);
+    }
+
+    pub(crate) fn mark_lost(&self, why: String) {
         self.lease.send_if_modified(|l| {
             if l.lost.is_none() {
                 l.lost = Some(LeaseLost(why));

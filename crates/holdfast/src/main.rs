@@ -1,11 +1,8 @@
-//! The `holdfast` binary: `holdfast server` runs one server, `holdfast dev` runs a local 5-server cluster,
-//! and the other subcommands are clients (see `docs/cli.md`).
+//! The `holdfast` binary: `holdfast server` runs one server, `holdfast dev` a local cluster, and the
+//! other subcommands are clients in the style of `etcdctl` (see `docs/cli.md`). One command per file in
+//! `cmd/`.
 
-mod bench;
-mod dev;
-mod duration;
-mod server;
-mod status;
+mod cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -27,13 +24,25 @@ struct Cli {
 )]
 enum Cmd {
     /// Run one server of a cluster.
-    Server(server::ServerArgs),
+    Server(cmd::server::ServerArgs),
     /// Run a local 5-server cluster on 127.0.0.1 with data under ./holdfast-data (Ctrl-C stops it).
-    Dev(dev::DevArgs),
-    /// Show each server's view: role, leader, term and log indexes per group.
-    Status(status::StatusArgs),
+    Dev(cmd::dev::DevArgs),
+    /// Show every server's view: role, leader, term, log indexes and lag per group.
+    Status(cmd::status::StatusArgs),
+    /// List held locks (optionally by name prefix).
+    Locks(cmd::locks::LocksArgs),
+    /// List sessions.
+    Sessions(cmd::sessions::SessionsArgs),
+    /// Describe one lock: holder, token, waiters.
+    Describe(cmd::describe::DescribeArgs),
+    /// Run a command while holding a lock (the token is in HOLDFAST_TOKEN).
+    Lock(cmd::lock::LockArgs),
+    /// Campaign for a role (leader election), or observe who leads it.
+    Elect(cmd::elect::ElectArgs),
     /// Load a running cluster and report throughput and latency percentiles.
-    Bench(bench::BenchArgs),
+    Bench(cmd::bench::BenchArgs),
+    /// Run the reference fenced store (a key-value service that refuses stale fencing tokens).
+    FenceStore(cmd::fence_store::FenceStoreArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,12 +59,20 @@ fn main() -> std::process::ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Cmd::Server(args) => server::run(args).await,
-            Cmd::Dev(args) => dev::run(args).await,
-            Cmd::Status(args) => status::run(args).await,
-            Cmd::Bench(args) => bench::run(args).await,
+            Cmd::Server(args) => cmd::server::run(args).await,
+            Cmd::Dev(args) => cmd::dev::run(args).await,
+            Cmd::Status(args) => cmd::status::run(args).await,
+            Cmd::Locks(args) => cmd::locks::run(args).await,
+            Cmd::Sessions(args) => cmd::sessions::run(args).await,
+            Cmd::Describe(args) => cmd::describe::run(args).await,
+            Cmd::Lock(args) => cmd::lock::run(args).await,
+            Cmd::Elect(args) => cmd::elect::run(args).await,
+            Cmd::Bench(args) => cmd::bench::run(args).await,
+            Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
         }
     });
+    // The runtime may hold background keepalive tasks; do not wait for them.
+    runtime.shutdown_background();
     match result {
         Ok(code) => code,
         Err(e) => {

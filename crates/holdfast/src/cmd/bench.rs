@@ -3,7 +3,7 @@
 //! `acquire-release`: N clients, each with its own session, loop acquire (waiting) + release over K lock
 //! names for a duration; reports throughput and latency percentiles of the acquire+release pair.
 
-use crate::duration::parse_duration;
+use super::duration::parse_duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use hdrhistogram::Histogram;
@@ -18,7 +18,7 @@ pub struct BenchArgs {
     #[command(subcommand)]
     mode: Mode,
     /// Client endpoints, comma-separated.
-    #[arg(long, env = "HOLDFAST_ENDPOINTS", default_value = crate::status::DEV_ENDPOINTS, global = true)]
+    #[arg(long, env = "HOLDFAST_ENDPOINTS", default_value = super::DEV_ENDPOINTS, global = true)]
     endpoints: String,
     /// Print the result as one JSON object.
     #[arg(long, global = true)]

@@ -27,16 +27,9 @@ pub struct DevArgs {
 }
 
 /// Sends SIGTERM to a child we started (by its PID).
-#[allow(
-    unsafe_code,
-    reason = "libc::kill on the PID of a child this process spawned and still owns"
-)]
-pub fn terminate(child: &Child) {
+fn terminate(child: &Child) {
     if let Some(pid) = child.id() {
-        // SAFETY: kill(2) has no memory-safety preconditions.
-        unsafe {
-            libc::kill(pid as libc::pid_t, libc::SIGTERM);
-        }
+        super::signal(pid, libc::SIGTERM);
     }
 }
 

@@ -1,0 +1,207 @@
+//! Batched keepalives: one background task per [`Client`] renews every session it opened, sending one
+//! message per group per round over a long-lived `KeepAliveStream` to that group's leader. This is what
+//! keeps the load at the design's "one heartbeat per client connection" instead of one RPC per session.
+//!
+//! A session is due one third of its TTL after the last renewal was sent. A renewal counts from the moment
+//! its message was **sent**; a failed round is retried on the next tick (every 100 ms) until the session's
+//! client-side lease runs out, and then the session is marked lost.
+
+use crate::client::{Client, Inner};
+use crate::error::{classify, Disposition};
+use crate::session::SessionInner;
+use holdfast_proto::v1 as pb;
+use holdfast_proto::v1::holdfast_client::HoldfastClient;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// How often the keepalive task looks for due sessions.
+const TICK: Duration = Duration::from_millis(100);
+/// Most session ids per keepalive message (the server's `max_keepalive_batch`).
+const MAX_BATCH: usize = 10_000;
+
+#[derive(Default)]
+pub(crate) struct Registry {
+    sessions: Mutex<Vec<Weak<SessionInner>>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.lock().ok().and_then(|mut t| t.take()) {
+            t.abort();
+        }
+    }
+}
+
+impl Registry {
+    pub(crate) fn add(&self, client: &Arc<Inner>, session: &Arc<SessionInner>) {
+        self.sessions
+            .lock()
+            .expect("registry lock")
+            .push(Arc::downgrade(session));
+        let mut task = self.task.lock().expect("registry task lock");
+        if task.is_none() {
+            *task = Some(tokio::spawn(run(Arc::downgrade(client))));
+        }
+    }
+
+    fn live(&self) -> Vec<Arc<SessionInner>> {
+        let mut sessions = self.sessions.lock().expect("registry lock");
+        sessions.retain(|w| w.upgrade().is_some_and(|s| !s.is_lost()));
+        sessions.iter().filter_map(Weak::upgrade).collect()
+    }
+}
+
+struct Stream {
+    endpoint: usize,
+    tx: mpsc::Sender<pb::KeepAliveRequest>,
+    rx: tonic::Streaming<pb::KeepAliveResponse>,
+}
+
+async fn run(client: Weak<Inner>) {
+    let mut streams: HashMap<u32, Stream> = HashMap::new();
+    loop {
+        tokio::time::sleep(TICK).await;
+        let Some(inner) = client.upgrade() else {
+            return;
+        };
+        let client = Client::from_inner(inner);
+        let now = Instant::now();
+        let sessions = client.inner().registry.live();
+        for s in &sessions {
+            s.check_expired(now);
+        }
+        let due: Vec<&Arc<SessionInner>> = sessions.iter().filter(|s| s.is_due(now)).collect();
+        if due.is_empty() {
+            continue;
+        }
+        let sent = Instant::now();
+        // A session is renewed when every group renewed it; the smallest TTL granted counts.
+        let mut granted: Vec<Option<Duration>> = vec![Some(Duration::MAX); due.len()];
+        for group in 0..client.groups() {
+            for (chunk_no, chunk) in due.chunks(MAX_BATCH).enumerate() {
+                let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
+                match round(&client, &mut streams, group, ids).await {
+                    Ok(results) => {
+                        for (i, r) in results.into_iter().enumerate() {
+                            let slot = &mut granted[chunk_no * MAX_BATCH + i];
+                            match r {
+                                Some(ttl) => *slot = slot.map(|g| g.min(ttl)),
+                                None => {
+                                    chunk[i].mark_lost(
+                                        "the server expired or closed the session".into(),
+                                    );
+                                    *slot = None;
+                                }
+                            }
+                        }
+                    }
+                    Err(reason) => {
+                        tracing::debug!(group, %reason, "keepalive round failed; retrying");
+                        for i in 0..chunk.len() {
+                            granted[chunk_no * MAX_BATCH + i] = None;
+                        }
+                    }
+                }
+            }
+        }
+        for (s, g) in due.iter().zip(granted) {
+            match g {
+                Some(ttl) if ttl != Duration::MAX => s.renewed(sent, ttl),
+                _ => s.retry_soon(Instant::now() + TICK),
+            }
+        }
+    }
+}
+
+/// Sends one keepalive message for `group` and returns, per id, the TTL granted or `None` if not alive.
+async fn round(
+    client: &Client,
+    streams: &mut HashMap<u32, Stream>,
+    group: u32,
+    ids: Vec<u64>,
+) -> Result<Vec<Option<Duration>>, String> {
+    let n = ids.len();
+    let request = pb::KeepAliveRequest {
+        group,
+        session_ids: ids,
+    };
+    let timeout = client.options().attempt_timeout;
+    for _attempt in 0..client.endpoints().len() + 1 {
+        let stream = match streams.get_mut(&group) {
+            Some(s) => s,
+            None => {
+                let endpoint = client.leader_of(group);
+                let (tx, rx) = mpsc::channel(4);
+                let mut c = HoldfastClient::new(client.channel(endpoint));
+                let opened =
+                    tokio::time::timeout(timeout, c.keep_alive_stream(tokio_stream_from(rx))).await;
+                match opened {
+                    Ok(Ok(resp)) => streams.entry(group).or_insert(Stream {
+                        endpoint,
+                        tx,
+                        rx: resp.into_inner(),
+                    }),
+                    Ok(Err(status)) => {
+                        next_target(client, group, endpoint, &status);
+                        continue;
+                    }
+                    Err(_) => {
+                        client.set_leader(group, (endpoint + 1) % client.endpoints().len());
+                        continue;
+                    }
+                }
+            }
+        };
+        let endpoint = stream.endpoint;
+        if stream.tx.send(request.clone()).await.is_err() {
+            streams.remove(&group);
+            continue;
+        }
+        match tokio::time::timeout(timeout, stream.rx.message()).await {
+            Ok(Ok(Some(reply))) if reply.results.len() == n => {
+                return Ok(reply
+                    .results
+                    .iter()
+                    .map(|r| r.alive.then(|| Duration::from_millis(r.ttl_ms)))
+                    .collect());
+            }
+            Ok(Ok(_)) => {
+                streams.remove(&group);
+                return Err(
+                    "keepalive stream ended or answered the wrong number of sessions".into(),
+                );
+            }
+            Ok(Err(status)) => {
+                streams.remove(&group);
+                next_target(client, group, endpoint, &status);
+            }
+            Err(_) => {
+                streams.remove(&group);
+                client.set_leader(group, (endpoint + 1) % client.endpoints().len());
+                return Err(format!("no keepalive answer within {timeout:?}"));
+            }
+        }
+    }
+    Err("no server renewed the sessions".into())
+}
+
+fn next_target(client: &Client, group: u32, endpoint: usize, status: &tonic::Status) {
+    let next = match classify(status) {
+        Disposition::Redirect(ep) => client.endpoints().iter().position(|e| *e == ep),
+        _ => None,
+    };
+    client.set_leader(
+        group,
+        next.unwrap_or((endpoint + 1) % client.endpoints().len()),
+    );
+}
+
+fn tokio_stream_from(
+    rx: mpsc::Receiver<pb::KeepAliveRequest>,
+) -> impl tokio_stream::Stream<Item = pb::KeepAliveRequest> + Send + 'static {
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}

@@ -1,0 +1,92 @@
+//! `holdfast lock NAME -- CMD ARGS...`: runs CMD while holding NAME (like `consul lock`, `etcdctl lock`).
+//!
+//! CMD gets `HOLDFAST_LOCK`, `HOLDFAST_TOKEN` (the fencing token: pass it to whatever CMD writes) and
+//! `HOLDFAST_SESSION` in its environment. If the lease may be lost, CMD is stopped (SIGTERM, then SIGKILL
+//! after `--kill-after`) and holdfast exits with 75. Otherwise holdfast exits with CMD's exit code
+//! (128 + signal if CMD was killed by a signal) after releasing the lock. SIGINT and SIGTERM are passed on
+//! to CMD.
+
+use super::duration::parse_duration;
+use super::Conn;
+use anyhow::{bail, Context};
+use clap::Args;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitCode;
+use std::time::Duration;
+use tokio::process::Command;
+use tokio::signal::unix::{signal, SignalKind};
+
+/// Exit code when the lease was lost while CMD ran (EX_TEMPFAIL: try again).
+pub const EXIT_LEASE_LOST: u8 = 75;
+
+#[derive(Args, Debug)]
+pub struct LockArgs {
+    /// The lock to hold.
+    name: String,
+    /// The command and its arguments (after `--`).
+    #[arg(trailing_var_arg = true, required = true, num_args = 1..)]
+    command: Vec<String>,
+    /// Session TTL: how long after this process stops renewing the lock is released.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    ttl: Duration,
+    /// How long to wait in line for the lock (0 = fail at once if it is held).
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    wait: Duration,
+    /// After SIGTERM, how long CMD gets before SIGKILL.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    kill_after: Duration,
+    #[command(flatten)]
+    conn: Conn,
+}
+
+pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
+    let client = args.conn.connect().await?;
+    let session = client
+        .open_session(args.ttl)
+        .await
+        .context("cannot open a session")?;
+    let guard = match session.acquire_timeout(&args.name, args.wait).await {
+        Ok(g) => g,
+        Err(e) => {
+            let _ = session.close().await;
+            bail!("cannot acquire {:?}: {e}", args.name);
+        }
+    };
+    let mut child = Command::new(&args.command[0])
+        .args(&args.command[1..])
+        .env("HOLDFAST_LOCK", &args.name)
+        .env("HOLDFAST_TOKEN", guard.token().to_string())
+        .env("HOLDFAST_SESSION", session.id_for(&args.name).to_string())
+        .spawn()
+        .with_context(|| format!("cannot run {:?}", args.command[0]))?;
+    let pid = child.id().unwrap_or(0);
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status?,
+            lost = guard.lost() => {
+                eprintln!("holdfast: the lease on {:?} may be lost ({}); stopping the command", args.name, lost.0);
+                super::signal(pid, libc::SIGTERM);
+                if tokio::time::timeout(args.kill_after, child.wait()).await.is_err() {
+                    let _ = child.kill().await;
+                }
+                let _ = session.close().await;
+                return Ok(ExitCode::from(EXIT_LEASE_LOST));
+            }
+            _ = term.recv() => super::signal(pid, libc::SIGTERM),
+            _ = int.recv() => super::signal(pid, libc::SIGINT),
+        }
+    };
+    let release = guard.release().await;
+    let _ = session.close().await;
+    if let Err(e) = release {
+        eprintln!("holdfast: releasing {:?}: {e}", args.name);
+    }
+    let code = match (status.code(), status.signal()) {
+        (Some(c), _) => c,
+        (None, Some(sig)) => 128 + sig,
+        (None, None) => 1,
+    };
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
