@@ -46,6 +46,13 @@ impl LockGuard {
         self.session.lost().await
     }
 
+    /// Stops tracking the lock without releasing it: it stays held until [`Session::release`] with the
+    /// returned name and token, or until the session ends. Returns (name, token).
+    pub fn into_parts(mut self) -> (String, u64) {
+        self.released = true;
+        (std::mem::take(&mut self.name), self.token)
+    }
+
     /// True while the session's client-side lease is valid.
     pub fn is_valid(&self) -> bool {
         self.session.is_valid()

@@ -26,6 +26,34 @@ const MAX_BATCH: usize = 10_000;
 pub(crate) struct Registry {
     sessions: Mutex<Vec<Weak<SessionInner>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Round-trip times of keepalive messages, in µs, until drained (at most `MAX_SAMPLES`).
+    pub(crate) latencies_us: Mutex<Vec<u32>>,
+}
+
+/// Keepalive latency samples kept until [`Client::take_keepalive_latencies`] drains them.
+const MAX_SAMPLES: usize = 1_000_000;
+
+impl Registry {
+    pub(crate) fn record(&self, rtt: Duration) {
+        let mut l = self.latencies_us.lock().expect("latency lock");
+        if l.len() < MAX_SAMPLES {
+            l.push(rtt.as_micros().min(u128::from(u32::MAX)) as u32);
+        }
+    }
+}
+
+impl Client {
+    /// Round-trip times (µs) of the keepalive messages sent since the last call, for benchmarks.
+    pub fn take_keepalive_latencies(&self) -> Vec<u32> {
+        std::mem::take(
+            &mut *self
+                .inner()
+                .registry
+                .latencies_us
+                .lock()
+                .expect("latency lock"),
+        )
+    }
 }
 
 impl Drop for Registry {
@@ -84,7 +112,24 @@ async fn run(client: Weak<Inner>) {
         for group in 0..client.groups() {
             for (chunk_no, chunk) in due.chunks(MAX_BATCH).enumerate() {
                 let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
-                match round(&client, &mut streams, group, ids).await {
+                // A round may take no longer than the earliest lease in it has left.
+                let limit = chunk
+                    .iter()
+                    .map(|s| s.valid_until())
+                    .min()
+                    .unwrap_or(now)
+                    .saturating_duration_since(Instant::now());
+                let outcome =
+                    match tokio::time::timeout(limit, round(&client, &mut streams, group, ids))
+                        .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => {
+                            streams.remove(&group);
+                            Err("the leases ran out during the round".to_string())
+                        }
+                    };
+                match outcome {
                     Ok(results) => {
                         for (i, r) in results.into_iter().enumerate() {
                             let slot = &mut granted[chunk_no * MAX_BATCH + i];
@@ -157,12 +202,14 @@ async fn round(
             }
         };
         let endpoint = stream.endpoint;
+        let sent = Instant::now();
         if stream.tx.send(request.clone()).await.is_err() {
             streams.remove(&group);
             continue;
         }
         match tokio::time::timeout(timeout, stream.rx.message()).await {
             Ok(Ok(Some(reply))) if reply.results.len() == n => {
+                client.inner().registry.record(sent.elapsed());
                 return Ok(reply
                     .results
                     .iter()

@@ -167,6 +167,10 @@ impl SessionInner {
         }
     }
 
+    pub(crate) fn valid_until(&self) -> Instant {
+        self.lease.borrow().valid_until
+    }
+
     pub(crate) fn is_due(&self, now: Instant) -> bool {
         let l = self.lease.borrow();
         l.lost.is_none() && now >= l.next_due
@@ -204,6 +208,7 @@ impl SessionInner {
         let mut granted = Duration::MAX;
         for (group, &id) in self.ids.iter().enumerate() {
             let group = group as u32;
+            let sent = Instant::now();
             let r = self
                 .client
                 .call_until(group, valid_until, Duration::ZERO, |mut c| async move {
@@ -214,6 +219,7 @@ impl SessionInner {
                     .await
                 })
                 .await?;
+            self.client.inner().registry.record(sent.elapsed());
             match r.results.first() {
                 Some(k) if k.alive => granted = granted.min(Duration::from_millis(k.ttl_ms)),
                 _ => return Err(Error::SessionUnknown(format!("session {id} is not alive"))),

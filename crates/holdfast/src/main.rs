@@ -43,6 +43,10 @@ enum Cmd {
     Bench(cmd::bench::BenchArgs),
     /// Run the reference fenced store (a key-value service that refuses stale fencing tokens).
     FenceStore(cmd::fence_store::FenceStoreArgs),
+    /// Write to the reference fenced store with a fencing token (default $HOLDFAST_TOKEN).
+    FenceWrite(cmd::fence::FenceWriteArgs),
+    /// Read from the reference fenced store with a fencing token (raising its mark).
+    FenceRead(cmd::fence::FenceReadArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -69,6 +73,8 @@ fn main() -> std::process::ExitCode {
             Cmd::Elect(args) => cmd::elect::run(args).await,
             Cmd::Bench(args) => cmd::bench::run(args).await,
             Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
+            Cmd::FenceWrite(args) => cmd::fence::write(args).await,
+            Cmd::FenceRead(args) => cmd::fence::read(args).await,
         }
     });
     // The runtime may hold background keepalive tasks; do not wait for them.

@@ -73,7 +73,10 @@ impl Histogram {
 pub struct ServerMetrics {
     pub fsync: Histogram,
     pub fsync_batch_records: Histogram,
+    /// Session ids renewed.
     pub keepalives: AtomicU64,
+    /// Keepalive messages (unary calls and stream messages); each may carry many session ids.
+    pub keepalive_messages: AtomicU64,
 }
 
 impl Default for ServerMetrics {
@@ -82,6 +85,7 @@ impl Default for ServerMetrics {
             fsync: Histogram::new(LATENCY_BUCKETS_US),
             fsync_batch_records: Histogram::new(BATCH_BUCKETS),
             keepalives: AtomicU64::new(0),
+            keepalive_messages: AtomicU64::new(0),
         }
     }
 }

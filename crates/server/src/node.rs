@@ -347,6 +347,12 @@ impl NodeShared {
             "Session keepalives answered as leader.",
             &[(String::new(), self.metrics.keepalives.load(Relaxed))],
         );
+        metrics::counter(
+            &mut out,
+            "holdfast_keepalive_messages_total",
+            "Keepalive messages answered as leader (each may renew many sessions).",
+            &[(String::new(), self.metrics.keepalive_messages.load(Relaxed))],
+        );
         let label = |g: &Group| format!("group=\"{}\"", g.id);
         for g in &self.groups {
             g.metrics.commit.render(

@@ -141,6 +141,7 @@ impl ClientService {
             .metrics
             .keepalives
             .fetch_add(req.session_ids.len() as u64, Relaxed);
+        self.node.metrics.keepalive_messages.fetch_add(1, Relaxed);
         let results = req
             .session_ids
             .iter()

@@ -39,6 +39,25 @@ enum Mode {
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
         duration: Duration,
     },
+    /// C sessions each hold M locks for a duration with keepalives running; reports keepalive latency
+    /// and every session whose lease was lost (which must be none).
+    Hold {
+        #[arg(long, default_value_t = 1_000)]
+        sessions: usize,
+        #[arg(long, default_value_t = 10)]
+        locks_per_session: usize,
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        duration: Duration,
+        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        ttl: Duration,
+        /// Requests in flight while opening sessions and acquiring locks.
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        /// Every session sends its own unary keepalive (the design's one heartbeat per client) instead of
+        /// one batched message per round.
+        #[arg(long)]
+        unbatched_keepalives: bool,
+    },
     /// One client loops acquire + release and reports every gap between successive grants longer than
     /// 100 ms: kill the leader meanwhile to measure the time from a failure to the next grant.
     Availability {
@@ -64,6 +83,26 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             acquire_release(endpoints, clients.max(1), names, duration, args.json).await
         }
         Mode::Availability { duration } => availability(endpoints, duration, args.json).await,
+        Mode::Hold {
+            sessions,
+            locks_per_session,
+            duration,
+            ttl,
+            concurrency,
+            unbatched_keepalives,
+        } => {
+            let options = ClientOptions {
+                batched_keepalives: !unbatched_keepalives,
+                ..ClientOptions::default()
+            };
+            let setup = HoldSetup {
+                sessions,
+                locks_per_session,
+                ttl,
+                concurrency: concurrency.max(1),
+            };
+            hold(endpoints, options, setup, duration, args.json).await
+        }
     }
 }
 
@@ -228,4 +267,166 @@ async fn acquire_release(
         println!("  errors: {}", errors.load(Relaxed));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+struct HoldSetup {
+    sessions: usize,
+    locks_per_session: usize,
+    ttl: Duration,
+    concurrency: usize,
+}
+
+/// Runs `n` jobs with at most `concurrency` in flight, printing progress to stderr every second.
+async fn in_parallel<F, Fut, T>(
+    what: &str,
+    n: usize,
+    concurrency: usize,
+    f: F,
+) -> anyhow::Result<Vec<T>>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    let mut out = Vec::with_capacity(n);
+    let mut running = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    let mut next = 0;
+    while next < n || !running.is_empty() {
+        while next < n && running.len() < concurrency {
+            let job = f(next);
+            running.spawn(async move { (next, job.await) });
+            next += 1;
+        }
+        if let Some(done) = running.join_next().await {
+            let (i, r) = done?;
+            out.push((i, r?));
+        }
+        if last_report.elapsed() >= Duration::from_secs(1)
+            && std::io::IsTerminal::is_terminal(&std::io::stderr())
+        {
+            eprint!(
+                "\r  {what}: {}/{n} ({:.0}/s)   ",
+                out.len(),
+                out.len() as f64 / started.elapsed().as_secs_f64()
+            );
+            last_report = Instant::now();
+        }
+    }
+    eprintln!(
+        "  {what}: {n}/{n} in {:.1} s ({:.0}/s)   ",
+        started.elapsed().as_secs_f64(),
+        n as f64 / started.elapsed().as_secs_f64()
+    );
+    out.sort_by_key(|(i, _)| *i);
+    Ok(out.into_iter().map(|(_, t)| t).collect())
+}
+
+async fn hold(
+    endpoints: Vec<String>,
+    options: ClientOptions,
+    setup: HoldSetup,
+    duration: Duration,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let client = Client::connect_with(endpoints, options)
+        .await
+        .context("cannot reach the cluster")?;
+    let ttl = setup.ttl;
+    let c = client.clone();
+    let sessions = in_parallel(
+        "sessions opened",
+        setup.sessions,
+        setup.concurrency,
+        move |_| {
+            let c = c.clone();
+            async move { Ok(c.open_session(ttl).await?) }
+        },
+    )
+    .await?;
+    let m = setup.locks_per_session;
+    let all = Arc::new(sessions);
+    let s2 = all.clone();
+    let guards = in_parallel(
+        "locks acquired",
+        setup.sessions * m,
+        setup.concurrency,
+        move |i| {
+            let session = s2[i / m].clone();
+            async move {
+                Ok(session
+                    .try_acquire(&format!("hold/{}/{}", i / m, i % m))
+                    .await?)
+            }
+        },
+    )
+    .await?;
+    let _ = client.take_keepalive_latencies();
+    let started = Instant::now();
+    let mut lost_total = 0;
+    while started.elapsed() < duration {
+        tokio::time::sleep(Duration::from_secs(1).min(duration.saturating_sub(started.elapsed())))
+            .await;
+        lost_total = all.iter().filter(|s| !s.is_valid()).count();
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            continue;
+        }
+        eprint!(
+            "\r  holding {} locks in {} sessions: {:.0} s, sessions lost {lost_total}   ",
+            guards.len(),
+            all.len(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!();
+    }
+    let mut hist =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds");
+    let samples = client.take_keepalive_latencies();
+    for us in &samples {
+        let _ = hist.record(u64::from(*us).max(1));
+    }
+    let q = |p: f64| hist.value_at_quantile(p) as f64 / 1000.0;
+    let per_sec = samples.len() as f64 / duration.as_secs_f64();
+    if json {
+        println!(
+            "{{\"mode\":\"hold\",\"sessions\":{},\"locks\":{},\"seconds\":{:.1},\"keepalive_messages\":{},\"keepalive_messages_per_sec\":{per_sec:.1},\"keepalive_p50_ms\":{:.3},\"keepalive_p99_ms\":{:.3},\"keepalive_p999_ms\":{:.3},\"keepalive_max_ms\":{:.3},\"sessions_lost\":{lost_total}}}",
+            all.len(), guards.len(), duration.as_secs_f64(), samples.len(), q(0.5), q(0.99), q(0.999), hist.max() as f64 / 1000.0
+        );
+    } else {
+        println!(
+            "hold: {} sessions x {} locks = {} locks for {:.0} s",
+            all.len(),
+            m,
+            guards.len(),
+            duration.as_secs_f64()
+        );
+        println!("  keepalive messages: {} ({per_sec:.0}/s)", samples.len());
+        println!(
+            "  keepalive latency ms: p50 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+            q(0.5),
+            q(0.99),
+            q(0.999),
+            hist.max() as f64 / 1000.0
+        );
+        println!("  sessions lost: {lost_total}");
+    }
+    // Leave the locks to the sessions' close: one entry per session instead of one per lock.
+    guards.into_iter().for_each(|g| drop(g.into_parts()));
+    let closers = Arc::try_unwrap(all).unwrap_or_else(|a| (*a).clone());
+    let _ = in_parallel("sessions closed", closers.len(), setup.concurrency, {
+        let closers = Arc::new(closers);
+        move |i| {
+            let s = closers[i].clone();
+            async move { Ok(s.close().await?) }
+        }
+    })
+    .await;
+    Ok(if lost_total == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

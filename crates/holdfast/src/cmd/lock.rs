@@ -71,7 +71,8 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
                 if tokio::time::timeout(args.kill_after, child.wait()).await.is_err() {
                     let _ = child.kill().await;
                 }
-                let _ = session.close().await;
+                // Best effort: the cluster may be unreachable, which is likely why the lease was lost.
+                let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
                 return Ok(ExitCode::from(EXIT_LEASE_LOST));
             }
             _ = term.recv() => super::signal(pid, libc::SIGTERM),

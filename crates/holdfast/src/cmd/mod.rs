@@ -6,6 +6,7 @@ pub mod describe;
 pub mod dev;
 pub mod duration;
 pub mod elect;
+pub mod fence;
 pub mod fence_store;
 pub mod lock;
 pub mod locks;

@@ -15,6 +15,8 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 pub struct Options {
+    /// Serve /metrics on a port of each server (see [`Cluster::metrics`]).
+    pub http: bool,
     pub nodes: u64,
     pub groups: u32,
     pub snapshot_every_entries: u64,
@@ -24,6 +26,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
+            http: false,
             nodes: 5,
             groups: 1,
             snapshot_every_entries: 20_000,
@@ -35,6 +38,7 @@ impl Default for Options {
 pub struct Server {
     pub id: u64,
     pub client_port: u16,
+    pub http_port: Option<u16>,
     pub log: PathBuf,
     args: Vec<String>,
     pub child: Option<Child>,
@@ -86,7 +90,7 @@ impl Cluster {
             }
             let (client_port, peer_port) = ports[(i - 1) as usize];
             let data_dir = dir.path().join(format!("node{i}"));
-            let args = vec![
+            let mut args: Vec<String> = vec![
                 "server".into(),
                 "--exit-on-stdin-close".into(),
                 format!("--node-id={i}"),
@@ -101,10 +105,15 @@ impl Cluster {
                 ),
                 format!("--snapshot-keep-entries={}", options.snapshot_keep_entries),
             ];
+            let http_port = options.http.then(free_port);
+            if let Some(port) = http_port {
+                args.push(format!("--http-listen=127.0.0.1:{port}"));
+            }
             let log = dir.path().join(format!("node{i}.log"));
             servers.push(Server {
                 id: i,
                 client_port,
+                http_port,
                 log,
                 args,
                 child: None,
@@ -276,5 +285,54 @@ impl Drop for Cluster {
                 eprintln!("cluster logs and data kept in {}", dir.keep().display());
             }
         }
+    }
+}
+
+/// The link id of the test's own clients in [`Proxies`]: cutting it partitions those clients only.
+pub const CLIENTS: u64 = 1000;
+
+impl Cluster {
+    /// Client endpoints behind proxies the test can cut with `proxies.isolate(CLIENTS)`.
+    pub async fn proxied_endpoints(&self) -> Vec<String> {
+        let mut endpoints = Vec::new();
+        for s in &self.servers {
+            let port = self.proxies.add(CLIENTS, s.id, s.client_port).await;
+            endpoints.push(format!("127.0.0.1:{port}"));
+        }
+        endpoints
+    }
+
+    /// The `holdfast` binary as a client of this cluster.
+    pub fn holdfast(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_holdfast"));
+        c.env("HOLDFAST_ENDPOINTS", self.endpoints().join(","))
+            .kill_on_drop(true);
+        c
+    }
+}
+
+impl Cluster {
+    /// One server's Prometheus metrics: `name` or `name{labels}` to value (needs `Options::http`).
+    pub async fn metrics(&self, id: u64) -> std::collections::HashMap<String, u64> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let port = self.servers[(id - 1) as usize]
+            .http_port
+            .expect("cluster started with http");
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+            .await
+            .unwrap();
+        let mut body = String::new();
+        stream.read_to_string(&mut body).await.unwrap();
+        body.lines()
+            .filter(|l| !l.starts_with('#') && !l.starts_with("HTTP/") && l.contains(' '))
+            .filter_map(|l| {
+                let (name, value) = l.rsplit_once(' ')?;
+                Some((name.to_string(), value.parse::<f64>().ok()? as u64))
+            })
+            .collect()
     }
 }

@@ -1,6 +1,9 @@
 //! Integration tests of the `holdfast` binary: real server processes, real disks, real gRPC.
 
 mod bad_input;
+mod cli;
+mod client;
 mod cluster;
+mod fencing;
 mod harness;
 mod proxy;

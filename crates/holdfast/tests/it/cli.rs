@@ -1,0 +1,220 @@
+//! The `holdfast` command line against a real cluster.
+
+use crate::harness::{Cluster, Options, CLIENTS};
+use std::process::Stdio;
+use std::time::Duration;
+
+fn three() -> Options {
+    Options {
+        nodes: 3,
+        ..Options::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_runs_the_command_with_its_token_and_exits_with_its_code() {
+    let c = Cluster::start(three()).await;
+    let out = c
+        .holdfast()
+        .args([
+            "lock",
+            "jobs/nightly",
+            "--",
+            "sh",
+            "-c",
+            "echo $HOLDFAST_LOCK $HOLDFAST_TOKEN; exit 3",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let (lock, token) = stdout.trim().split_once(' ').unwrap();
+    assert_eq!(lock, "jobs/nightly");
+    assert!(token.parse::<u64>().unwrap() > 0);
+    // Released after the command ended.
+    let client = c.client().await;
+    assert!(client.describe("jobs/nightly").await.unwrap().is_none());
+
+    // A held lock with --wait 0 fails at once with one clear line and a non-zero code.
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let _g = s.try_acquire("jobs/nightly").await.unwrap();
+    let out = c
+        .holdfast()
+        .args(["lock", "jobs/nightly", "--wait", "0", "--", "true"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("is held by session"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_stops_the_command_when_the_lease_is_lost() {
+    let c = Cluster::start(three()).await;
+    let endpoints = c.proxied_endpoints().await.join(",");
+    let mut child = c
+        .holdfast()
+        .env("HOLDFAST_ENDPOINTS", endpoints)
+        .args([
+            "lock",
+            "cut",
+            "--ttl",
+            "2s",
+            "--kill-after",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            "echo $$; exec sleep 600",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let stdout = child.stdout.take().unwrap();
+    tokio::io::AsyncBufReadExt::read_line(&mut tokio::io::BufReader::new(stdout), &mut line)
+        .await
+        .unwrap();
+    let command_pid: u32 = line.trim().parse().unwrap();
+    c.proxies.isolate(CLIENTS);
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(75), "exit code for a lost lease");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{command_pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{command_pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")),
+        "the command was not stopped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspection_commands_print_tables_and_json() {
+    let c = Cluster::start(three()).await;
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let g = s.try_acquire("inspect/a").await.unwrap();
+
+    let out = c
+        .holdfast()
+        .args(["status", "--json"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let servers = v.as_array().unwrap();
+    assert_eq!(servers.len(), 3);
+    let leaders = servers
+        .iter()
+        .filter(|s| s["groups"][0]["role"] == "leader")
+        .count();
+    assert_eq!(leaders, 1);
+
+    let out = c
+        .holdfast()
+        .args(["locks", "inspect/", "--json"])
+        .output()
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v[0]["name"], "inspect/a");
+    assert_eq!(v[0]["token"], g.token());
+    assert_eq!(v[0]["holder_session_id"], s.ids()[0]);
+
+    let out = c
+        .holdfast()
+        .args(["describe", "inspect/a"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains(&format!("token:     {}", g.token())),
+        "{text}"
+    );
+    let out = c
+        .holdfast()
+        .args(["describe", "inspect/free"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        "inspect/free is free"
+    );
+
+    let out = c
+        .holdfast()
+        .args(["sessions", "--json"])
+        .output()
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["session_id"] == s.ids()[0] && x["locks_held"] == 1));
+
+    let out = c
+        .holdfast()
+        .args(["describe", "bad\nname"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("control character"), "{stderr}");
+
+    let out = c
+        .holdfast()
+        .env("HOLDFAST_ENDPOINTS", "127.0.0.1:1")
+        .args(["status"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_reports_json() {
+    let c = Cluster::start(three()).await;
+    let out = c
+        .holdfast()
+        .args([
+            "bench",
+            "acquire-release",
+            "--clients",
+            "4",
+            "--duration",
+            "1s",
+            "--json",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["ops"].as_u64().unwrap() > 0);
+    assert_eq!(v["errors"], 0);
+    assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+}
