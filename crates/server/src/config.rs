@@ -43,6 +43,9 @@ pub struct ServerConfig {
     pub snapshot_every_entries: u64,
     /// Entries kept behind a snapshot, so a briefly lagging follower catches up by log, not snapshot.
     pub snapshot_keep_entries: u64,
+    /// Fault injection for storage tests: every WAL fsync after this many fails (as if the disk
+    /// returned EIO). Never set in production.
+    pub fault_fsync_fail_after: Option<u64>,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -65,6 +68,7 @@ impl Default for ServerConfig {
             election_timeout_max_ms: 1_000,
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
+            fault_fsync_fail_after: None,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,

@@ -71,6 +71,19 @@ impl Node {
                 m.fsync.observe(s.sync_duration);
                 m.fsync_batch_records.observe_value(s.records as u64);
             })),
+            sync_fault: config.fault_fsync_fail_after.map(|after| {
+                let syncs = std::sync::atomic::AtomicU64::new(0);
+                let fault: holdfast_wal::SyncFault = Arc::new(move || {
+                    if syncs.fetch_add(1, Relaxed) >= after {
+                        Err(std::io::Error::other(
+                            "injected fsync failure (--fault-fsync-fail-after)",
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                });
+                fault
+            }),
             ..WalOptions::default()
         };
         let (wal, recovered) = Wal::open(&config.data_dir.join("wal"), wal_options)?;

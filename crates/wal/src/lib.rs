@@ -27,7 +27,7 @@ mod writer;
 
 pub use format::{Record, MAX_RECORD_BYTES};
 pub use recover::{Recovered, TornTail};
-pub use writer::{SyncObserver, SyncStats, Wal, WalOptions};
+pub use writer::{SyncFault, SyncObserver, SyncStats, Wal, WalOptions};
 
 use std::path::PathBuf;
 

@@ -47,6 +47,9 @@ pub struct ServerArgs {
     /// Log entries kept behind a snapshot for lagging followers (default 1000).
     #[arg(long)]
     snapshot_keep_entries: Option<u64>,
+    /// Test hook: every WAL fsync after this many fails, as if the disk returned EIO.
+    #[arg(long, hide = true)]
+    fault_fsync_fail_after: Option<u64>,
     /// Exit when standard input closes (for supervisors and tests that must not leave servers behind).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
@@ -86,6 +89,9 @@ impl ServerArgs {
             min_ttl_ms,
             max_ttl_ms
         );
+        if self.fault_fsync_fail_after.is_some() {
+            c.fault_fsync_fail_after = self.fault_fsync_fail_after;
+        }
         if let Some(a) = self.client_listen {
             c.client_listen = Some(a);
         }

@@ -40,6 +40,9 @@ pub struct Server {
     pub client_port: u16,
     pub http_port: Option<u16>,
     pub log: PathBuf,
+    pub data_dir: PathBuf,
+    /// Flags added to the next start only (fault injection), cleared by it.
+    pub extra_args: Vec<String>,
     args: Vec<String>,
     pub child: Option<Child>,
 }
@@ -115,6 +118,8 @@ impl Cluster {
                 client_port,
                 http_port,
                 log,
+                data_dir,
+                extra_args: Vec::new(),
                 args,
                 child: None,
             });
@@ -143,8 +148,10 @@ impl Cluster {
             .append(true)
             .open(&s.log)
             .unwrap();
+        let extra = std::mem::take(&mut s.extra_args);
         let child = Command::new(env!("CARGO_BIN_EXE_holdfast"))
             .args(&s.args)
+            .args(&extra)
             .env("HOLDFAST_LOG", "info,openraft=warn")
             .stdin(Stdio::piped())
             .stdout(log.try_clone().unwrap())
@@ -334,5 +341,26 @@ impl Cluster {
                 Some((name.to_string(), value.parse::<f64>().ok()? as u64))
             })
             .collect()
+    }
+}
+
+impl Cluster {
+    /// Waits for a server to exit on its own and returns its status.
+    pub async fn wait_exit(&mut self, id: u64, timeout: Duration) -> std::process::ExitStatus {
+        let s = &mut self.servers[(id - 1) as usize];
+        let child = s.child.as_mut().expect("server is running");
+        // tokio closes a child's stdin before waiting, which would tell the server to exit: keep it open.
+        let stdin = child.stdin.take();
+        let status = tokio::time::timeout(timeout, child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("server {id} did not exit within {timeout:?}"))
+            .unwrap();
+        s.child = None;
+        drop(stdin);
+        status
+    }
+
+    pub fn log_text(&self, id: u64) -> String {
+        std::fs::read_to_string(&self.servers[(id - 1) as usize].log).unwrap_or_default()
     }
 }

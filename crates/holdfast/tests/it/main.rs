@@ -7,3 +7,4 @@ mod cluster;
 mod fencing;
 mod harness;
 mod proxy;
+mod storage;
