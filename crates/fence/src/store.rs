@@ -188,3 +188,31 @@ fn decode(buf: &[u8]) -> Option<(u8, u64, String, Vec<u8>, usize)> {
     let value = body[11 + key_len..].to_vec();
     Some((kind, token, key, value, 8 + len))
 }
+
+/// One accepted change, as the store's file records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// A write (true) or a mark raised by a read (false).
+    pub write: bool,
+    pub key: String,
+    pub token: u64,
+    pub value: Vec<u8>,
+}
+
+/// Every change a store file holds, in the order the store accepted them (for checkers). Stops at a
+/// torn tail.
+pub fn read_records(path: &Path) -> Result<Vec<Record>, FenceError> {
+    let bytes = std::fs::read(path)?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some((kind, token, key, value, len)) = decode(&bytes[at..]) {
+        out.push(Record {
+            write: kind == KIND_WRITE,
+            key,
+            token,
+            value,
+        });
+        at += len;
+    }
+    Ok(out)
+}

@@ -47,6 +47,9 @@ enum Cmd {
     FenceWrite(cmd::fence::FenceWriteArgs),
     /// Read from the reference fenced store with a fencing token (raising its mark).
     FenceRead(cmd::fence::FenceReadArgs),
+    /// The fault tests' client workload (writes a history for the checker).
+    #[command(hide = true)]
+    Workload(cmd::workload::WorkloadArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -75,6 +78,7 @@ fn main() -> std::process::ExitCode {
             Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
             Cmd::FenceWrite(args) => cmd::fence::write(args).await,
             Cmd::FenceRead(args) => cmd::fence::read(args).await,
+            Cmd::Workload(args) => cmd::workload::run(args).await,
         }
     });
     // The runtime may hold background keepalive tasks; do not wait for them.

@@ -163,7 +163,7 @@ impl Limit {
 
 /// Side effects of an apply that the server reacts to (wake a waiting acquire, stop a session's timer).
 /// Drained with [`crate::LockTable::take_events`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Event {
     /// A waiter was promoted to holder.
     Granted {

@@ -46,6 +46,8 @@ pub struct ServerConfig {
     /// Fault injection for storage tests: every WAL fsync after this many fails (as if the disk
     /// returned EIO). Never set in production.
     pub fault_fsync_fail_after: Option<u64>,
+    /// For the fault tests' checker: append one JSON line per applied command to `DATA_DIR/audit-gN.jsonl`.
+    pub audit_log: bool,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -69,6 +71,7 @@ impl Default for ServerConfig {
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
             fault_fsync_fail_after: None,
+            audit_log: false,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,

@@ -129,6 +129,13 @@ impl Node {
             let (sm, state) =
                 StateMachine::open(snapshots, event_sink(leases.clone(), waiters.clone()))
                     .map_err(|e| anyhow!("group {g}: {e}"))?;
+            let sm = if config.audit_log {
+                let path = config.data_dir.join(format!("audit-g{g}.jsonl"));
+                sm.with_audit_log(&path)
+                    .with_context(|| format!("cannot open {}", path.display()))?
+            } else {
+                sm
+            };
             let network = PeerNetwork {
                 group: g,
                 peers: peers.clone(),

@@ -33,9 +33,30 @@ pub struct StateMachine {
     snapshots: Arc<SnapshotStore>,
     current: Arc<Mutex<Option<SnapshotMeta>>>,
     events: EventSink,
+    /// `--audit-log`: one JSON line per applied command, for the fault tests' checker.
+    audit: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+/// One line of the audit log: what an applied entry did on this replica.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct AuditLine {
+    pub index: u64,
+    pub command: holdfast_lock_table::Command,
+    pub outcome: holdfast_lock_table::Outcome,
+    pub events: Vec<holdfast_lock_table::Event>,
 }
 
 impl StateMachine {
+    /// Appends a JSON line per applied command to `path` (created, or appended to after a restart, when
+    /// re-applied entries are written again).
+    pub fn with_audit_log(mut self, path: &std::path::Path) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        self.audit = Some(std::io::BufWriter::new(file));
+        Ok(self)
+    }
     /// Restores the newest snapshot on disk (if any); openraft then re-applies the committed log after it.
     pub fn open(
         snapshots: SnapshotStore,
@@ -68,6 +89,7 @@ impl StateMachine {
             snapshots: Arc::new(snapshots),
             current: Arc::new(Mutex::new(current)),
             events,
+            audit: None,
         };
         Ok((sm, state))
     }
@@ -91,10 +113,31 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
     {
         while let Some((entry, responder)) = entries.try_next().await? {
+            let audited = match (&self.audit, &entry.payload) {
+                (Some(_), EntryPayload::Normal(Request(command))) => {
+                    Some((entry.log_id.index, command.clone()))
+                }
+                _ => None,
+            };
             let response = {
                 let mut s = self.state.write().expect("state machine lock poisoned");
                 let response = apply_one(&mut s, entry);
                 let events = s.table.take_events();
+                if let (Some((index, command)), Some(audit), Response::Outcome(outcome)) =
+                    (audited, self.audit.as_mut(), &response)
+                {
+                    let line = AuditLine {
+                        index,
+                        command,
+                        outcome: outcome.clone(),
+                        events: events.clone(),
+                    };
+                    let written =
+                        serde_json::to_writer(&mut *audit, &line).map_err(io::Error::other);
+                    if let Err(e) = written.and_then(|()| std::io::Write::write_all(audit, b"\n")) {
+                        tracing::warn!(%e, "audit log write failed");
+                    }
+                }
                 if !events.is_empty() {
                     (self.events)(&s, events);
                 }
@@ -103,6 +146,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             if let Some(responder) = responder {
                 responder.send(response);
             }
+        }
+        if let Some(audit) = self.audit.as_mut() {
+            std::io::Write::flush(audit)?;
         }
         Ok(())
     }

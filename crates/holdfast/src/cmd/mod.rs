@@ -13,6 +13,7 @@ pub mod locks;
 pub mod server;
 pub mod sessions;
 pub mod status;
+pub mod workload;
 
 use anyhow::Context;
 use clap::Args;

@@ -50,6 +50,9 @@ pub struct ServerArgs {
     /// Test hook: every WAL fsync after this many fails, as if the disk returned EIO.
     #[arg(long, hide = true)]
     fault_fsync_fail_after: Option<u64>,
+    /// Test hook: append every applied command to DATA_DIR/audit-gN.jsonl for the fault tests' checker.
+    #[arg(long, hide = true)]
+    audit_log: bool,
     /// Exit when standard input closes (for supervisors and tests that must not leave servers behind).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
@@ -89,6 +92,9 @@ impl ServerArgs {
             min_ttl_ms,
             max_ttl_ms
         );
+        if self.audit_log {
+            c.audit_log = true;
+        }
         if self.fault_fsync_fail_after.is_some() {
             c.fault_fsync_fail_after = self.fault_fsync_fail_after;
         }

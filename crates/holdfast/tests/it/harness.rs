@@ -15,6 +15,8 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 pub struct Options {
+    /// Servers write the audit log the fault checker reads (`DATA_DIR/audit-g0.jsonl`).
+    pub audit: bool,
     /// Serve /metrics on a port of each server (see [`Cluster::metrics`]).
     pub http: bool,
     pub nodes: u64,
@@ -26,6 +28,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
+            audit: false,
             http: false,
             nodes: 5,
             groups: 1,
@@ -108,6 +111,9 @@ impl Cluster {
                 ),
                 format!("--snapshot-keep-entries={}", options.snapshot_keep_entries),
             ];
+            if options.audit {
+                args.push("--audit-log".into());
+            }
             let http_port = options.http.then(free_port);
             if let Some(port) = http_port {
                 args.push(format!("--http-listen=127.0.0.1:{port}"));
@@ -362,5 +368,16 @@ impl Cluster {
 
     pub fn log_text(&self, id: u64) -> String {
         std::fs::read_to_string(&self.servers[(id - 1) as usize].log).unwrap_or_default()
+    }
+}
+
+impl Cluster {
+    /// The PID of a running server.
+    pub fn pid(&self, id: u64) -> u32 {
+        self.servers[(id - 1) as usize]
+            .child
+            .as_ref()
+            .and_then(|c| c.id())
+            .expect("server is running")
     }
 }

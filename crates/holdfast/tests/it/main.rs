@@ -4,6 +4,7 @@ mod bad_input;
 mod cli;
 mod client;
 mod cluster;
+mod faults;
 mod fencing;
 mod harness;
 mod proxy;

@@ -1,0 +1,248 @@
+//! The checks. Each violation is a sentence naming the property and the evidence.
+
+use crate::model::{AuditLine, Op, StoreRecord};
+use holdfast_lock_table::{Command, Event, Outcome, SessionId};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub violations: Vec<String>,
+    pub ops: usize,
+    pub ok_grants: usize,
+    pub ok_writes: usize,
+    pub stale_refused: usize,
+    pub applied_entries: usize,
+}
+
+pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
+    let mut r = Report {
+        ops: history.len(),
+        ..Report::default()
+    };
+    let merged = agree(audits, &mut r.violations);
+    r.applied_entries = merged.len();
+    let grants = one_holder(&merged, &mut r.violations);
+    tokens(history, &mut r.violations);
+    acknowledged_in_log(history, &merged, &grants, &mut r.violations);
+    fenced_store(history, store, &mut r.violations);
+    r.ok_grants = history
+        .iter()
+        .filter(|o| o.op == "acquire" && o.ok())
+        .count();
+    r.ok_writes = history.iter().filter(|o| o.op == "write" && o.ok()).count();
+    r.stale_refused = history
+        .iter()
+        .filter(|o| o.op == "write" && o.result == "fail")
+        .count();
+    r
+}
+
+/// P2: the same index applied the same way everywhere. Returns the merged log.
+fn agree<'a>(
+    audits: &'a [(u64, Vec<AuditLine>)],
+    v: &mut Vec<String>,
+) -> BTreeMap<u64, &'a AuditLine> {
+    let mut merged: BTreeMap<u64, (u64, &AuditLine)> = BTreeMap::new();
+    for (server, lines) in audits {
+        for line in lines {
+            match merged.get(&line.index) {
+                Some((other, seen)) if *seen != line => v.push(format!(
+                    "P2: at index {} server {other} applied {seen:?} but server {server} applied {line:?}",
+                    line.index
+                )),
+                Some(_) => {}
+                None => {
+                    merged.insert(line.index, (*server, line));
+                }
+            }
+        }
+    }
+    merged.into_iter().map(|(i, (_, l))| (i, l)).collect()
+}
+
+/// P1 and the log side of P3: replays the merged log; returns every grant as (lock, session, token).
+fn one_holder(
+    merged: &BTreeMap<u64, &AuditLine>,
+    v: &mut Vec<String>,
+) -> HashSet<(String, u64, u64)> {
+    let mut holders: HashMap<String, (SessionId, u64)> = HashMap::new();
+    let mut last_token: HashMap<String, u64> = HashMap::new();
+    let mut grants = HashSet::new();
+    let mut grant = |name: &str,
+                     session: SessionId,
+                     token: u64,
+                     index: u64,
+                     holders: &mut HashMap<String, (SessionId, u64)>,
+                     v: &mut Vec<String>| {
+        if let Some((other, t)) = holders.get(name) {
+            v.push(format!("P1: at index {index} lock {name:?} granted to session {} while session {} holds it (token {t})", session.0, other.0));
+        }
+        if token != index {
+            v.push(format!(
+                "P3: lock {name:?} granted at index {index} with token {token}"
+            ));
+        }
+        if let Some(prev) = last_token.insert(name.to_string(), token) {
+            if prev >= token {
+                v.push(format!(
+                    "P3: lock {name:?} token went from {prev} to {token} at index {index}"
+                ));
+            }
+        }
+        holders.insert(name.to_string(), (session, token));
+        grants.insert((name.to_string(), session.0, token));
+    };
+    // Retried requests (same session and request id) replay their first outcome and change nothing.
+    let mut seen_requests = HashSet::new();
+    for (&index, line) in merged {
+        let replay = match &line.command {
+            Command::Acquire {
+                session, request, ..
+            }
+            | Command::Release {
+                session, request, ..
+            } => !seen_requests.insert((*session, *request)),
+            _ => false,
+        };
+        if replay {
+            continue;
+        }
+        match (&line.command, &line.outcome) {
+            (Command::Acquire { session, name, .. }, Outcome::Granted { token }) if token.0 == index => {
+                grant(name.as_str(), *session, token.0, index, &mut holders, v);
+            }
+            (Command::Release { session, name, token, .. }, Outcome::Released) => match holders.get(name.as_str()) {
+                Some((s, t)) if s == session && *t == token.0 => {
+                    holders.remove(name.as_str());
+                }
+                other => v.push(format!("P1: at index {index} session {} released {name} (token {}) but the holder was {other:?}", session.0, token.0)),
+            },
+            (Command::CloseSession { session, .. } | Command::ExpireSession { session, .. }, Outcome::SessionClosed { .. }) => {
+                holders.retain(|_, (s, _)| s != session);
+            }
+            _ => {}
+        }
+        for e in &line.events {
+            if let Event::Granted {
+                name,
+                session,
+                token,
+                ..
+            } = e
+            {
+                grant(name.as_str(), *session, token.0, index, &mut holders, v);
+            }
+        }
+    }
+    grants
+}
+
+/// P3 on the history: unique tokens per lock, and real-time order.
+fn tokens(history: &[Op], v: &mut Vec<String>) {
+    let mut by_lock: HashMap<&str, Vec<&Op>> = HashMap::new();
+    for o in history.iter().filter(|o| o.op == "acquire" && o.ok()) {
+        by_lock.entry(&o.lock).or_default().push(o);
+    }
+    for (lock, mut grants) in by_lock {
+        let mut seen: HashMap<u64, &Op> = HashMap::new();
+        for g in &grants {
+            let token = g.token.unwrap_or(0);
+            if token == 0 {
+                v.push(format!("P3: lock {lock:?} granted with token 0 to {g:?}"));
+            }
+            if let Some(other) = seen.insert(token, g) {
+                v.push(format!(
+                    "P3: lock {lock:?} token {token} granted twice: {other:?} and {g:?}"
+                ));
+            }
+        }
+        grants.sort_by_key(|g| g.complete_ms);
+        // For each grant, every grant invoked after it completed must have a larger token.
+        for (i, a) in grants.iter().enumerate() {
+            for b in &grants[i + 1..] {
+                if b.invoke_ms > a.complete_ms && b.token <= a.token {
+                    v.push(format!("P3: lock {lock:?}: grant {b:?} invoked after {a:?} completed has a token not above it"));
+                }
+            }
+        }
+    }
+}
+
+/// P5: acknowledged opens, grants and releases are in the applied log.
+fn acknowledged_in_log(
+    history: &[Op],
+    merged: &BTreeMap<u64, &AuditLine>,
+    grants: &HashSet<(String, u64, u64)>,
+    v: &mut Vec<String>,
+) {
+    let opened: HashSet<u64> = merged
+        .values()
+        .filter_map(|l| match l.outcome {
+            Outcome::SessionOpened { session, .. } => Some(session.0),
+            _ => None,
+        })
+        .collect();
+    let released: HashSet<(String, u64, u64)> = merged
+        .values()
+        .filter_map(|l| match (&l.command, &l.outcome) {
+            (
+                Command::Release {
+                    session,
+                    name,
+                    token,
+                    ..
+                },
+                Outcome::Released,
+            ) => Some((name.as_str().to_string(), session.0, token.0)),
+            _ => None,
+        })
+        .collect();
+    for o in history.iter().filter(|o| o.ok()) {
+        let (session, token) = (o.session.unwrap_or(0), o.token.unwrap_or(0));
+        match o.op.as_str() {
+            "open" if !opened.contains(&session) => v.push(format!(
+                "P5: acknowledged open of session {session} is not in the log: {o:?}"
+            )),
+            "acquire" if !grants.contains(&(o.lock.clone(), session, token)) => {
+                v.push(format!("P5: acknowledged grant is not in the log: {o:?}"))
+            }
+            "release" if !released.contains(&(o.lock.clone(), session, token)) => {
+                v.push(format!("P5: acknowledged release is not in the log: {o:?}"))
+            }
+            _ => {}
+        }
+    }
+}
+
+/// P4: the store's marks never go down, increments never repeat, acknowledged writes are all there.
+fn fenced_store(history: &[Op], store: &[StoreRecord], v: &mut Vec<String>) {
+    let mut mark: HashMap<&str, u64> = HashMap::new();
+    let mut last_value: HashMap<&str, u64> = HashMap::new();
+    let mut stored: HashSet<(&str, u64, u64)> = HashSet::new();
+    for r in store {
+        let m = mark.entry(&r.key).or_insert(0);
+        if r.token < *m {
+            v.push(format!(
+                "P4: the store accepted token {} for {:?} after token {}",
+                r.token, r.key, m
+            ));
+        }
+        *m = (*m).max(r.token);
+        if let (true, Some(value)) = (r.write, r.value) {
+            let prev = last_value.insert(&r.key, value).unwrap_or(0);
+            if value != prev + 1 {
+                v.push(format!(
+                    "P4: {:?} went from {prev} to {value}: an update was lost or applied twice",
+                    r.key
+                ));
+            }
+            stored.insert((&r.key, r.token, value));
+        }
+    }
+    for o in history.iter().filter(|o| o.op == "write" && o.ok()) {
+        let value = o.value.unwrap_or(0);
+        if !stored.contains(&(o.lock.as_str(), o.token.unwrap_or(0), value)) {
+            v.push(format!("P4: acknowledged write is not in the store: {o:?}"));
+        }
+    }
+}

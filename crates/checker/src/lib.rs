@@ -1,0 +1,29 @@
+//! The fault tests' checker: reads what happened and says which safety property, if any, was violated.
+//!
+//! Inputs (see `crates/holdfast/tests/it/faults.rs`):
+//! - the **history**: every client operation (`holdfast workload`), with invoke and complete times and a
+//!   result `ok` (happened), `fail` (did not happen) or `unknown` (may have happened);
+//! - each server's **audit log**: one line per command it applied (index, command, outcome, events);
+//! - the **fenced store's log**: every write and mark it accepted, in order.
+//!
+//! Properties (DESIGN.md §9):
+//! - **P1** at most one holder per lock at every applied index (a model replays the merged log);
+//! - **P2** replicas agree: every index applied on several servers applied the same command with the same
+//!   outcome and events;
+//! - **P3** tokens: a grant's token is its log index; per lock the tokens of acknowledged grants are unique,
+//!   and a grant that completed before another was invoked has the smaller token;
+//! - **P4** the fenced store's tokens never go down per key, its counter increments never repeat (no lost
+//!   update), and every acknowledged write is in it;
+//! - **P5** every acknowledged session open, grant and release is in the servers' applied log.
+//!
+//! Not covered here: P6 (no early expiry, checked by the cluster and lease tests) and linearizability of
+//! describe (not in the workload).
+
+mod check;
+mod model;
+
+pub use check::{check, Report};
+pub use model::{parse_lines, AuditLine, Op, StoreRecord};
+
+#[cfg(test)]
+mod tests;

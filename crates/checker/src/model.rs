@@ -1,0 +1,55 @@
+//! The checker's inputs.
+
+use holdfast_lock_table::{Command, Event, Outcome};
+use serde::Deserialize;
+
+/// One client operation from the history.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct Op {
+    pub process: u32,
+    pub client: usize,
+    /// `open`, `acquire`, `read`, `write`, `release`.
+    pub op: String,
+    #[serde(default)]
+    pub lock: String,
+    pub invoke_ms: u64,
+    pub complete_ms: u64,
+    /// `ok`, `fail` or `unknown`.
+    pub result: String,
+    pub session: Option<u64>,
+    pub token: Option<u64>,
+    pub value: Option<u64>,
+}
+
+impl Op {
+    pub fn ok(&self) -> bool {
+        self.result == "ok"
+    }
+}
+
+/// One applied command, from a server's audit log.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct AuditLine {
+    pub index: u64,
+    pub command: Command,
+    pub outcome: Outcome,
+    pub events: Vec<Event>,
+}
+
+/// One record the fenced store accepted, in file order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreRecord {
+    pub write: bool,
+    pub key: String,
+    pub token: u64,
+    pub value: Option<u64>,
+}
+
+/// Parses JSON lines, naming the first bad line.
+pub fn parse_lines<T: serde::de::DeserializeOwned>(text: &str) -> Result<Vec<T>, String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("line {}: {e}: {l}", i + 1)))
+        .collect()
+}

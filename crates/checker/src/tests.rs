@@ -1,0 +1,261 @@
+//! The checker on known-good and known-bad histories: each bad one must be caught by the right property.
+
+use crate::{check, AuditLine, Op, StoreRecord};
+use holdfast_lock_table::{
+    AcquireMode, Command, Event, FencingToken, LockName, Outcome, RequestId, SessionId,
+};
+
+fn name(n: &str) -> LockName {
+    LockName::new(n).unwrap()
+}
+
+fn open(index: u64) -> AuditLine {
+    AuditLine {
+        index,
+        command: Command::OpenSession {
+            nonce: u128::from(index),
+            ttl_ms: 3_000,
+            now_ms: 0,
+        },
+        outcome: Outcome::SessionOpened {
+            session: SessionId(index),
+            ttl_ms: 3_000,
+        },
+        events: vec![],
+    }
+}
+
+fn acquire(index: u64, session: u64, lock: &str, outcome: Outcome) -> AuditLine {
+    AuditLine {
+        index,
+        command: Command::Acquire {
+            session: SessionId(session),
+            request: RequestId(index),
+            name: name(lock),
+            mode: AcquireMode::Wait,
+            value: Box::default(),
+            now_ms: 0,
+        },
+        outcome,
+        events: vec![],
+    }
+}
+
+fn release(index: u64, session: u64, lock: &str, token: u64, events: Vec<Event>) -> AuditLine {
+    AuditLine {
+        index,
+        command: Command::Release {
+            session: SessionId(session),
+            request: RequestId(index),
+            name: name(lock),
+            token: FencingToken(token),
+            now_ms: 0,
+        },
+        outcome: Outcome::Released,
+        events,
+    }
+}
+
+fn granted(t: u64) -> Outcome {
+    Outcome::Granted {
+        token: FencingToken(t),
+    }
+}
+
+fn op(
+    op: &str,
+    lock: &str,
+    session: u64,
+    token: u64,
+    invoke_ms: u64,
+    complete_ms: u64,
+    value: Option<u64>,
+) -> Op {
+    Op {
+        op: op.into(),
+        lock: lock.into(),
+        session: Some(session),
+        token: Some(token),
+        invoke_ms,
+        complete_ms,
+        result: "ok".into(),
+        value,
+        ..Op::default()
+    }
+}
+
+fn write(key: &str, token: u64, value: u64) -> StoreRecord {
+    StoreRecord {
+        write: true,
+        key: key.into(),
+        token,
+        value: Some(value),
+    }
+}
+
+/// Two sessions take turns on one lock; the second waited and was granted by the first's release.
+fn good() -> (Vec<Op>, Vec<AuditLine>, Vec<StoreRecord>) {
+    let log = vec![
+        open(1),
+        open(2),
+        acquire(3, 1, "l", granted(3)),
+        acquire(4, 2, "l", Outcome::Queued { position: 1 }),
+        release(
+            5,
+            1,
+            "l",
+            3,
+            vec![Event::Granted {
+                name: name("l"),
+                session: SessionId(2),
+                request: RequestId(4),
+                token: FencingToken(5),
+            }],
+        ),
+    ];
+    let history = vec![
+        Op {
+            op: "open".into(),
+            session: Some(1),
+            result: "ok".into(),
+            ..Op::default()
+        },
+        Op {
+            op: "open".into(),
+            session: Some(2),
+            result: "ok".into(),
+            ..Op::default()
+        },
+        op("acquire", "l", 1, 3, 10, 11, None),
+        op("write", "l", 1, 3, 12, 13, Some(1)),
+        op("release", "l", 1, 3, 14, 15, None),
+        op("acquire", "l", 2, 5, 11, 16, None),
+        op("write", "l", 2, 5, 17, 18, Some(2)),
+    ];
+    (history, log, vec![write("l", 3, 1), write("l", 5, 2)])
+}
+
+fn violations(
+    history: &[Op],
+    logs: &[(u64, Vec<AuditLine>)],
+    store: &[StoreRecord],
+) -> Vec<String> {
+    check(history, logs, store).violations
+}
+
+#[test]
+fn a_good_history_passes() {
+    let (h, log, store) = good();
+    let report = check(&h, &[(1, log.clone()), (2, log[..3].to_vec())], &store);
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert_eq!((report.ok_grants, report.ok_writes), (2, 2));
+}
+
+#[test]
+fn replicas_that_disagree_violate_p2() {
+    let (h, log, store) = good();
+    let mut other = log.clone();
+    other[2].outcome = Outcome::Queued { position: 1 };
+    let v = violations(&h, &[(1, log), (2, other)], &store);
+    assert!(v.iter().any(|v| v.starts_with("P2")), "{v:?}");
+}
+
+#[test]
+fn two_holders_violate_p1() {
+    let (h, mut log, store) = good();
+    log[3].outcome = granted(4);
+    let v = violations(&h, &[(1, log)], &store);
+    assert!(v.iter().any(|v| v.starts_with("P1")), "{v:?}");
+}
+
+#[test]
+fn reused_or_out_of_order_tokens_violate_p3() {
+    let (mut h, log, store) = good();
+    h[5].token = Some(3);
+    let v = violations(&h, &[(1, log.clone())], &store);
+    assert!(v.iter().any(|v| v.contains("granted twice")), "{v:?}");
+    let (mut h, _, _) = good();
+    // The second grant was invoked after the first completed, yet has a smaller token.
+    h[5].invoke_ms = 12;
+    h[5].token = Some(2);
+    let v = violations(&h, &[(1, log)], &store);
+    assert!(v.iter().any(|v| v.contains("invoked after")), "{v:?}");
+}
+
+#[test]
+fn lost_or_stale_store_writes_violate_p4() {
+    let (h, log, _) = good();
+    let v = violations(
+        &h,
+        &[(1, log.clone())],
+        &[write("l", 3, 1), write("l", 2, 2)],
+    );
+    assert!(v.iter().any(|v| v.contains("accepted token 2")), "{v:?}");
+    // A lost update: both holders wrote 1.
+    let v = violations(
+        &h,
+        &[(1, log.clone())],
+        &[write("l", 3, 1), write("l", 5, 1)],
+    );
+    assert!(
+        v.iter().any(|v| v.contains("lost or applied twice")),
+        "{v:?}"
+    );
+    // An acknowledged write missing from the store.
+    let v = violations(&h, &[(1, log)], &[write("l", 3, 1)]);
+    assert!(
+        v.iter()
+            .any(|v| v.contains("acknowledged write is not in the store")),
+        "{v:?}"
+    );
+}
+
+#[test]
+fn acknowledged_operations_missing_from_the_log_violate_p5() {
+    let (h, log, store) = good();
+    let v = violations(&h, &[(1, log[..4].to_vec())], &store);
+    assert!(
+        v.iter().any(|v| v.contains("P5: acknowledged grant")),
+        "{v:?}"
+    );
+    assert!(
+        v.iter().any(|v| v.contains("P5: acknowledged release")),
+        "{v:?}"
+    );
+}
+
+#[test]
+fn unknown_and_failed_operations_are_not_required() {
+    let (mut h, log, store) = good();
+    h.push(Op {
+        op: "acquire".into(),
+        lock: "l".into(),
+        session: Some(9),
+        token: Some(99),
+        result: "unknown".into(),
+        ..Op::default()
+    });
+    h.push(Op {
+        op: "write".into(),
+        lock: "l".into(),
+        session: Some(9),
+        token: Some(1),
+        value: Some(7),
+        result: "fail".into(),
+        ..Op::default()
+    });
+    assert!(violations(&h, &[(1, log)], &store).is_empty());
+}
+
+#[test]
+fn a_retried_release_replays_its_outcome_without_a_second_release() {
+    let (mut h, mut log, store) = good();
+    // Session 1's release is retried (same request id 5) after session 2 got the lock.
+    log.push(AuditLine {
+        index: 6,
+        ..release(5, 1, "l", 3, vec![])
+    });
+    h.push(op("release", "l", 1, 3, 19, 20, None));
+    let v = violations(&h, &[(1, log)], &store);
+    assert!(v.is_empty(), "{v:?}");
+}

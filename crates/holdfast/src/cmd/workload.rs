@@ -1,0 +1,204 @@
+//! `holdfast workload` (hidden): the fault tests' clients, in the style of Jepsen's lock-set workload.
+//!
+//! Each client loops: acquire one of K locks (waiting up to 1 s); read the lock's counter from the
+//! reference fenced store with its token; pause for a random time inside the critical section; write the
+//! counter + 1 with its token; release. Every operation is appended to the history file as one JSON line
+//! with its invoke and complete times (wall-clock ms) and its result: `ok`, `fail` (definitely did not
+//! happen) or `unknown` (may have happened). The checker (`holdfast-checker`) reads these files.
+
+use super::duration::parse_duration;
+use super::Conn;
+use anyhow::Context;
+use clap::Args;
+use holdfast_client::{ClientOptions, Error, Session};
+use holdfast_fence::service::FenceClient;
+use holdfast_fence::FenceError;
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct WorkloadArgs {
+    #[arg(long, default_value_t = 3)]
+    clients: usize,
+    #[arg(long, default_value_t = 3)]
+    locks: usize,
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    duration: Duration,
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    ttl: Duration,
+    /// Longest pause inside a critical section, in ms.
+    #[arg(long, default_value_t = 100)]
+    pause_ms: u64,
+    /// The reference fenced store.
+    #[arg(long)]
+    store: String,
+    /// Where to append the history (JSON lines).
+    #[arg(long)]
+    history: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[command(flatten)]
+    conn: Conn,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+struct History {
+    out: Mutex<std::fs::File>,
+    process: u32,
+}
+
+impl History {
+    fn record(
+        &self,
+        client: usize,
+        op: &str,
+        lock: &str,
+        invoke_ms: u64,
+        result: &str,
+        fields: serde_json::Value,
+    ) {
+        let mut line = json!({
+            "process": self.process, "client": client, "op": op, "lock": lock,
+            "invoke_ms": invoke_ms, "complete_ms": now_ms(), "result": result,
+        });
+        if let (Some(obj), serde_json::Value::Object(extra)) = (line.as_object_mut(), fields) {
+            obj.extend(extra);
+        }
+        let mut out = self.out.lock().expect("history lock");
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+/// xorshift64*: a deterministic per-client random stream without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % below.max(1)
+    }
+}
+
+fn classify(e: &Error) -> &'static str {
+    match e {
+        Error::Unavailable(_) => "unknown",
+        _ => "fail",
+    }
+}
+
+pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.history)
+        .context("cannot open the history")?;
+    let history = Arc::new(History {
+        out: Mutex::new(file),
+        process: std::process::id(),
+    });
+    let options = ClientOptions {
+        request_timeout: Duration::from_secs(5),
+        ..ClientOptions::default()
+    };
+    let client = holdfast_client::Client::connect_with(args.conn.endpoint_list(), options).await?;
+    let deadline = Instant::now() + args.duration;
+    let args = Arc::new(args);
+    let mut tasks = Vec::new();
+    for c in 0..args.clients {
+        let (client, history, args) = (client.clone(), history.clone(), args.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(args.seed.wrapping_mul(1_000_003).wrapping_add(c as u64 + 1) | 1);
+            let mut fence = match FenceClient::connect(&args.store).await {
+                Ok(f) => f,
+                Err(e) => return Err(anyhow::anyhow!("cannot reach the fenced store: {e}")),
+            };
+            let mut session: Option<Session> = None;
+            while Instant::now() < deadline {
+                let s = match &session {
+                    Some(s) if s.is_valid() => s.clone(),
+                    _ => {
+                        let invoke = now_ms();
+                        match client.open_session(args.ttl).await {
+                            Ok(s) => {
+                                history.record(c, "open", "", invoke, "ok", json!({"session": s.ids()[0]}));
+                                session = Some(s.clone());
+                                s
+                            }
+                            Err(e) => {
+                                history.record(c, "open", "", invoke, classify(&e), json!({"error": e.to_string()}));
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                                continue;
+                            }
+                        }
+                    }
+                };
+                let lock = format!("wl/{}", rng.next(args.locks as u64));
+                let sid = s.ids()[0];
+                let invoke = now_ms();
+                let guard = match s.acquire_timeout(&lock, Duration::from_secs(1)).await {
+                    Ok(g) => {
+                        history.record(c, "acquire", &lock, invoke, "ok", json!({"session": sid, "token": g.token()}));
+                        g
+                    }
+                    Err(e) => {
+                        history.record(c, "acquire", &lock, invoke, classify(&e), json!({"session": sid, "error": e.to_string()}));
+                        continue;
+                    }
+                };
+                let token = guard.token();
+                let invoke = now_ms();
+                let value = match fence.read(&lock, token).await {
+                    Ok(v) => {
+                        let n: u64 = v.as_ref().and_then(|(b, _)| std::str::from_utf8(b).ok()?.parse().ok()).unwrap_or(0);
+                        history.record(c, "read", &lock, invoke, "ok", json!({"session": sid, "token": token, "value": n}));
+                        Some(n)
+                    }
+                    Err(FenceError::Stale { seen, .. }) => {
+                        history.record(c, "read", &lock, invoke, "fail", json!({"session": sid, "token": token, "stale": true, "seen": seen}));
+                        None
+                    }
+                    Err(e) => {
+                        history.record(c, "read", &lock, invoke, "unknown", json!({"session": sid, "token": token, "error": e.to_string()}));
+                        None
+                    }
+                };
+                if let Some(n) = value {
+                    tokio::time::sleep(Duration::from_millis(rng.next(args.pause_ms + 1))).await;
+                    let invoke = now_ms();
+                    let written = n + 1;
+                    match fence.write(&lock, token, written.to_string().as_bytes()).await {
+                        Ok(_) => history.record(c, "write", &lock, invoke, "ok", json!({"session": sid, "token": token, "value": written})),
+                        Err(FenceError::Stale { seen, .. }) => history.record(c, "write", &lock, invoke, "fail", json!({"session": sid, "token": token, "value": written, "stale": true, "seen": seen})),
+                        Err(e) => history.record(c, "write", &lock, invoke, "unknown", json!({"session": sid, "token": token, "value": written, "error": e.to_string()})),
+                    }
+                }
+                let invoke = now_ms();
+                match guard.release().await {
+                    Ok(()) => history.record(c, "release", &lock, invoke, "ok", json!({"session": sid, "token": token})),
+                    Err(e) => history.record(c, "release", &lock, invoke, classify(&e), json!({"session": sid, "token": token, "error": e.to_string()})),
+                }
+            }
+            if let Some(s) = session {
+                let _ = tokio::time::timeout(Duration::from_secs(2), s.close()).await;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(ExitCode::SUCCESS)
+}
