@@ -26,7 +26,7 @@ mod recover;
 mod writer;
 
 pub use format::{Record, MAX_RECORD_BYTES};
-pub use recover::{Recovered, TornTail};
+pub use recover::{scan_segment, Recovered, Scan, TornTail};
 pub use writer::{SyncFault, SyncObserver, SyncStats, Wal, WalOptions};
 
 use std::path::PathBuf;

@@ -62,45 +62,13 @@ pub(crate) fn recover(dir: &Path) -> Result<(Recovered, Vec<SegmentInfo>), WalEr
         let buf = fs::read(path).map_err(io_err(path))?;
         let is_last = i == last;
         let start = recovered.records.len();
-        let header_ok = buf.len() as u64 >= SEGMENT_HEADER_BYTES && &buf[..8] == SEGMENT_MAGIC;
-        let mut at = SEGMENT_HEADER_BYTES as usize;
-        let mut bad: Option<(usize, String)> = None;
-        if !header_ok {
-            bad = Some((0, "bad segment header".to_string()));
-        } else {
-            while at < buf.len() {
-                match check_frame(&buf, at) {
-                    FrameCheck::Valid { body, next } => {
-                        decode_records(body, &mut recovered.records).map_err(|reason| {
-                            WalError::Corrupt {
-                                path: path.clone(),
-                                offset: at as u64,
-                                reason,
-                            }
-                        })?;
-                        at = next;
-                    }
-                    FrameCheck::Invalid(reason) => {
-                        bad = Some((at, reason));
-                        break;
-                    }
-                }
-            }
-        }
-        if let Some((offset, reason)) = bad {
-            // A crash can only tear the frame being written when it struck, which is the last one in the
-            // last segment: so a bad frame is torn only if no valid frame follows it.
-            let valid_later = (offset + 1..buf.len().saturating_sub(3)).any(|o| {
-                buf[o..o + 4] == FRAME_MAGIC.to_le_bytes()
-                    && matches!(check_frame(&buf, o), FrameCheck::Valid { .. })
-            });
-            if !is_last || valid_later {
-                return Err(WalError::Corrupt {
-                    path: path.clone(),
-                    offset: offset as u64,
-                    reason,
-                });
-            }
+        let scan = scan_segment(&buf, is_last).map_err(|(offset, reason)| WalError::Corrupt {
+            path: path.clone(),
+            offset: offset as u64,
+            reason,
+        })?;
+        recovered.records.extend(scan.records);
+        if let Some(offset) = scan.torn_at {
             let saved_to = path.with_extension(format!("log.torn-{offset}"));
             save_and_cut(path, &buf, offset, &saved_to)?;
             recovered.torn = Some(TornTail {
@@ -150,4 +118,52 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), WalError> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io_err(dir))
+}
+
+/// What one segment's bytes hold.
+#[derive(Debug, Default)]
+pub struct Scan {
+    /// The records of every valid frame before the first invalid one.
+    pub records: Vec<Record>,
+    /// Where a torn tail starts, if the last segment ends in one.
+    pub torn_at: Option<usize>,
+}
+
+/// Decodes one segment's bytes without any I/O (recovery's decoder, and a fuzz target). A bad frame is a
+/// torn tail only in the last segment and only if no valid frame follows it; otherwise the segment is
+/// corrupt: `Err((offset, reason))`.
+pub fn scan_segment(buf: &[u8], is_last: bool) -> Result<Scan, (usize, String)> {
+    let mut scan = Scan::default();
+    let header_ok = buf.len() as u64 >= SEGMENT_HEADER_BYTES && &buf[..8] == SEGMENT_MAGIC;
+    let mut at = SEGMENT_HEADER_BYTES as usize;
+    let mut bad: Option<(usize, String)> = None;
+    if !header_ok {
+        bad = Some((0, "bad segment header".to_string()));
+    } else {
+        while at < buf.len() {
+            match check_frame(buf, at) {
+                FrameCheck::Valid { body, next } => {
+                    decode_records(body, &mut scan.records).map_err(|reason| (at, reason))?;
+                    at = next;
+                }
+                FrameCheck::Invalid(reason) => {
+                    bad = Some((at, reason));
+                    break;
+                }
+            }
+        }
+    }
+    if let Some((offset, reason)) = bad {
+        // A crash can only tear the frame being written when it struck, which is the last one in the
+        // last segment: so a bad frame is torn only if no valid frame follows it.
+        let valid_later = (offset + 1..buf.len().saturating_sub(3)).any(|o| {
+            buf[o..o + 4] == FRAME_MAGIC.to_le_bytes()
+                && matches!(check_frame(buf, o), FrameCheck::Valid { .. })
+        });
+        if !is_last || valid_later {
+            return Err((offset, reason));
+        }
+        scan.torn_at = Some(offset);
+    }
+    Ok(scan)
 }

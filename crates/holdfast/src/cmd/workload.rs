@@ -42,6 +42,10 @@ pub struct WorkloadArgs {
     history: PathBuf,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Keep going past `--duration` until this process recorded this many operations (at most 3 times the
+    /// duration), so a run with long faults still checks enough operations.
+    #[arg(long, default_value_t = 0)]
+    min_ops: usize,
     #[command(flatten)]
     conn: Conn,
 }
@@ -55,6 +59,7 @@ fn now_ms() -> u64 {
 struct History {
     out: Mutex<std::fs::File>,
     process: u32,
+    recorded: std::sync::atomic::AtomicUsize,
 }
 
 impl History {
@@ -74,6 +79,8 @@ impl History {
         if let (Some(obj), serde_json::Value::Object(extra)) = (line.as_object_mut(), fields) {
             obj.extend(extra);
         }
+        self.recorded
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut out = self.out.lock().expect("history lock");
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
@@ -108,13 +115,16 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
     let history = Arc::new(History {
         out: Mutex::new(file),
         process: std::process::id(),
+        recorded: Default::default(),
     });
     let options = ClientOptions {
         request_timeout: Duration::from_secs(5),
         ..ClientOptions::default()
     };
     let client = holdfast_client::Client::connect_with(args.conn.endpoint_list(), options).await?;
-    let deadline = Instant::now() + args.duration;
+    let started = Instant::now();
+    let deadline = started + args.duration;
+    let cap = started + args.duration * 3;
     let args = Arc::new(args);
     let mut tasks = Vec::new();
     for c in 0..args.clients {
@@ -126,7 +136,11 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
                 Err(e) => return Err(anyhow::anyhow!("cannot reach the fenced store: {e}")),
             };
             let mut session: Option<Session> = None;
-            while Instant::now() < deadline {
+            let more = || {
+                let now = Instant::now();
+                now < cap && (now < deadline || history.recorded.load(std::sync::atomic::Ordering::Relaxed) < args.min_ops)
+            };
+            while more() {
                 let s = match &session {
                     Some(s) if s.is_valid() => s.clone(),
                     _ => {

@@ -1,0 +1,166 @@
+//! Fuzz targets: each takes arbitrary bytes and must never panic, hang or allocate without bound; where
+//! an input decodes, what it decodes to must be consistent (round trips, invariants).
+//!
+//! On stable, `tests/replay.rs` runs every target over its committed corpus (`corpus/<target>/`), over
+//! mutations of it, and over random bytes. With a nightly toolchain and cargo-fuzz the same functions
+//! are coverage-guided targets (`fuzz/`, see docs/testing.md); CI has no nightly toolchain.
+
+use holdfast_lock_table::LockTable;
+use holdfast_proto::v1 as pb;
+use holdfast_server::raft_types::TypeConfig;
+use prost::Message;
+
+/// Every target, by the name of its corpus directory.
+/// A fuzz target: arbitrary bytes in, a panic on a bug.
+pub type Target = fn(&[u8]);
+
+pub const TARGETS: &[(&str, Target)] = &[
+    ("wal_segment", wal_segment),
+    ("lock_table_snapshot", lock_table_snapshot),
+    ("lock_table_body", lock_table_body),
+    ("wal_frame_body", wal_frame_body),
+    ("server_snapshot", server_snapshot),
+    ("client_request", client_request),
+    ("peer_message", peer_message),
+    ("fenced_store_log", fenced_store_log),
+];
+
+/// The WAL recovery decoder: a segment's bytes, as the last segment and as an older one.
+pub fn wal_segment(bytes: &[u8]) {
+    let last = holdfast_wal::scan_segment(bytes, true);
+    let older = holdfast_wal::scan_segment(bytes, false);
+    match (&last, &older) {
+        // An older segment is never torn: what the last one calls torn, an older one calls corrupt.
+        (Ok(l), Ok(o)) => {
+            assert!(l.torn_at.is_none() && o.torn_at.is_none());
+            assert_eq!(l.records, o.records);
+        }
+        (Ok(l), Err((offset, _))) => assert_eq!(l.torn_at, Some(*offset)),
+        (Err(a), Err(b)) => assert_eq!(a.0, b.0),
+        (Err(_), Ok(_)) => {
+            panic!("a segment that is corrupt as the last one cannot be fine as an older one")
+        }
+    }
+}
+
+/// The lock table's snapshot decoder: a decoded table re-encodes to the same bytes.
+pub fn lock_table_snapshot(bytes: &[u8]) {
+    if let Ok(table) = LockTable::decode_snapshot(bytes) {
+        table.check_invariants();
+        let again = table.encode_snapshot();
+        assert_eq!(
+            LockTable::decode_snapshot(&again).map(|t| t.digest()).ok(),
+            Some(table.digest())
+        );
+    }
+}
+
+/// The lock table decoder past its checksum: `bytes` is a snapshot body, wrapped with a valid header and
+/// CRC so that decoding and invariant validation are reached.
+pub fn lock_table_body(bytes: &[u8]) {
+    let mut framed = b"HFLT".to_vec();
+    framed.extend_from_slice(&1u16.to_le_bytes());
+    framed.extend_from_slice(bytes);
+    let crc = crc32(&framed);
+    framed.extend_from_slice(&crc.to_le_bytes());
+    lock_table_snapshot(&framed);
+}
+
+/// The WAL record decoder past its checksum: `bytes` is a frame body, wrapped in a segment header and a
+/// frame with a valid CRC.
+pub fn wal_frame_body(bytes: &[u8]) {
+    let mut segment = b"HFWALSEG".to_vec();
+    segment.extend_from_slice(&1u32.to_le_bytes());
+    segment.extend_from_slice(&[0; 4]);
+    segment.extend_from_slice(b"HFWF");
+    segment.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    segment.extend_from_slice(&crc32(bytes).to_le_bytes());
+    segment.extend_from_slice(bytes);
+    wal_segment(&segment);
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    // The IEEE CRC-32 that both formats use, computed bit by bit so this crate needs no extra dependency.
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// The server's snapshot file decoder (metadata + table + checksum).
+pub fn server_snapshot(bytes: &[u8]) {
+    if let Ok(loaded) = holdfast_server::snapshot_store::SnapshotStore::decode(bytes) {
+        loaded.table.check_invariants();
+        let table = loaded.table.encode_snapshot();
+        let again = holdfast_server::snapshot_store::SnapshotStore::encode(&loaded.meta, &table);
+        assert!(holdfast_server::snapshot_store::SnapshotStore::decode(&again).is_ok());
+    }
+}
+
+/// Client requests as the server decodes them, then the name rules the server applies. The first byte
+/// picks the message type.
+pub fn client_request(bytes: &[u8]) {
+    let Some((&kind, body)) = bytes.split_first() else {
+        return;
+    };
+    let name = match kind % 4 {
+        0 => pb::AcquireRequest::decode(body).map(|r| r.name).ok(),
+        1 => pb::ReleaseRequest::decode(body).map(|r| r.name).ok(),
+        2 => pb::DescribeRequest::decode(body).map(|r| r.name).ok(),
+        _ => pb::KeepAliveRequest::decode(body)
+            .map(|_| String::new())
+            .ok(),
+    };
+    if let Some(name) = name {
+        if holdfast_lock_table::validate_name(&name).is_ok() {
+            assert!(holdfast_lock_table::group_for(&name, 7).0 < 7);
+            assert!(name.len() <= holdfast_lock_table::limits::MAX_NAME_BYTES);
+        }
+    }
+}
+
+/// Raft messages from a peer (postcard), as the peer service decodes them.
+pub fn peer_message(bytes: &[u8]) {
+    let Some((&kind, body)) = bytes.split_first() else {
+        return;
+    };
+    match kind % 3 {
+        0 => drop(postcard::from_bytes::<
+            openraft::raft::AppendEntriesRequest<TypeConfig>,
+        >(body)),
+        1 => drop(postcard::from_bytes::<
+            openraft::raft::VoteRequest<TypeConfig>,
+        >(body)),
+        _ => drop(postcard::from_bytes::<(
+            holdfast_server::raft_types::Vote,
+            holdfast_server::raft_types::SnapshotMeta,
+        )>(body)),
+    }
+}
+
+/// The reference fenced store's file, opened from arbitrary bytes.
+pub fn fenced_store_log(bytes: &[u8]) {
+    let dir = std::env::temp_dir().join(format!(
+        "holdfast-fuzz-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::create_dir_all(&dir);
+    let path = dir.join("fence.log");
+    if std::fs::write(&path, bytes).is_ok() {
+        if let Ok(store) = holdfast_fence::store::FencedStore::open(&path) {
+            // Whatever opened must accept a write above every mark and refuse one below.
+            let _ = store.write("k", u64::MAX, b"v");
+            assert!(store.write("k", 1, b"late").is_err());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
