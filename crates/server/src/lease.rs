@@ -22,7 +22,11 @@ use tokio::time::Instant;
 struct Timer {
     ttl: Duration,
     deadline: Instant,
+    /// An ExpireSession was proposed: never renewed again, even if that proposal's outcome is unknown
+    /// (it may still commit), so no keepalive is ever acknowledged for a session that may be expiring.
     expiring: bool,
+    /// The proposal failed without a known outcome; propose again at `deadline`.
+    retry: bool,
 }
 
 #[derive(Default)]
@@ -76,6 +80,7 @@ impl Leases {
                     ttl,
                     deadline: now + ttl,
                     expiring: false,
+                    retry: false,
                 },
             );
             s.heap.push(Reverse((now + ttl, id)));
@@ -116,7 +121,7 @@ impl Leases {
             s.heap = s
                 .timers
                 .iter()
-                .filter(|(_, t)| !t.expiring)
+                .filter(|(_, t)| !t.expiring || t.retry)
                 .map(|(id, t)| Reverse((t.deadline, *id)))
                 .collect();
         }
@@ -140,6 +145,7 @@ impl Leases {
                             ttl,
                             deadline: now + ttl,
                             expiring: false,
+                            retry: false,
                         },
                     );
                     s.heap.push(Reverse((now + ttl, *session)));
@@ -176,8 +182,9 @@ impl Leases {
             }
             s.heap.pop();
             if let Some(t) = s.timers.get_mut(&id) {
-                if !t.expiring && t.deadline <= now {
+                if (!t.expiring || t.retry) && t.deadline <= now {
                     t.expiring = true;
+                    t.retry = false;
                     due.push(id);
                 }
             }
@@ -185,11 +192,12 @@ impl Leases {
         due
     }
 
-    /// An expiry proposal failed for a reason other than losing leadership: try again at `at`.
+    /// An expiry proposal failed for a reason other than losing leadership: propose again at `at`. The
+    /// session stays expiring (it may have committed), so it is still never renewed.
     pub fn retry_expiry(&self, id: SessionId, at: Instant) {
         let mut s = self.lock();
         if let Some(t) = s.timers.get_mut(&id) {
-            t.expiring = false;
+            t.retry = true;
             t.deadline = at;
             s.heap.push(Reverse((at, id)));
         }
@@ -237,6 +245,29 @@ mod tests {
         assert!(leases
             .take_due(Instant::now() + Duration::from_secs(60))
             .is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_expiry_is_retried_and_never_renewed_meanwhile() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(1, [(SessionId(4), 2_000)].into_iter(), t0);
+        let due_at = t0 + Duration::from_secs(2);
+        assert_eq!(leases.take_due(due_at), vec![SessionId(4)]);
+        // The proposal's outcome is unknown: it may still commit, so the session must stay unrenewable.
+        leases.retry_expiry(SessionId(4), due_at + Duration::from_millis(500));
+        let mut out = Vec::new();
+        leases
+            .keepalive(&[4], due_at + Duration::from_millis(100), &mut out)
+            .unwrap();
+        assert_eq!(out, vec![KeepAlive::Gone]);
+        assert!(leases
+            .take_due(due_at + Duration::from_millis(499))
+            .is_empty());
+        assert_eq!(
+            leases.take_due(due_at + Duration::from_millis(500)),
+            vec![SessionId(4)]
+        );
     }
 
     #[tokio::test(start_paused = true)]
