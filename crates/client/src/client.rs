@@ -180,10 +180,7 @@ impl Client {
     {
         let inner = &self.inner;
         let n = inner.endpoints.len();
-        let mut target = {
-            let leaders = inner.leaders.lock().expect("leader lock");
-            leaders.get(group as usize).copied().unwrap_or(0)
-        };
+        let mut target = self.leader_of(group);
         let mut backoff = Duration::from_millis(20);
         let mut redirects = 0;
         loop {

@@ -113,6 +113,15 @@ pub struct Group {
     renew_guard: Duration,
 }
 
+/// A just-elected leader refuses requests until a quorum has acknowledged it (LeaseExpired, no leader
+/// id): a reason to wait briefly here, not to send the client elsewhere.
+fn still_becoming_leader(
+    f: &openraft::errors::ForwardToLeader<TypeConfig>,
+    give_up: Instant,
+) -> bool {
+    f.reason == ForwardReason::LeaseExpired && f.leader_id.is_none() && Instant::now() < give_up
+}
+
 /// The state-machine event sink for a group: follows the log into the leases and the waiting acquires.
 pub fn event_sink(leases: Arc<Leases>, waiters: Arc<Waiters>) -> crate::state_machine::EventSink {
     Arc::new(move |_state: &SmState, events: Vec<Event>| {
@@ -193,12 +202,8 @@ impl Group {
                     };
                 }
                 Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
-                    // A new leader refuses writes until a quorum has acknowledged it; that is not a
-                    // reason to send the client elsewhere. Retrying is safe: the entry was not appended.
-                    if f.reason == ForwardReason::LeaseExpired
-                        && f.leader_id.is_none()
-                        && Instant::now() < give_up
-                    {
+                    // Retrying is safe: a refused entry was not appended.
+                    if still_becoming_leader(&f, give_up) {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
@@ -234,10 +239,7 @@ impl Group {
             match read {
                 Ok(_) => return Ok(()),
                 Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => {
-                    if f.reason == ForwardReason::LeaseExpired
-                        && f.leader_id.is_none()
-                        && Instant::now() < give_up
-                    {
+                    if still_becoming_leader(&f, give_up) {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }

@@ -83,6 +83,20 @@ impl ClientService {
         }
     }
 
+    /// A linearizable read of the group's lock table: confirm leadership with a quorum, then read.
+    async fn read<T>(
+        &self,
+        group: &Group,
+        f: impl FnOnce(&holdfast_lock_table::LockTable) -> T,
+    ) -> Result<T, Status> {
+        group
+            .linearizable_read()
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        let state = group.state.read().expect("state lock");
+        Ok(f(&state.table))
+    }
+
     fn not_leader(&self, id: Option<u64>) -> Status {
         let endpoint = id
             .and_then(|id| self.node.config.member(id))
@@ -432,16 +446,7 @@ impl Holdfast for ClientService {
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let name = self.lock_name(r.name, r.group)?;
-        group
-            .linearizable_read()
-            .await
-            .map_err(|e| self.propose_error(e))?;
-        let view = group
-            .state
-            .read()
-            .expect("state lock")
-            .table
-            .describe(&name);
+        let view = self.read(group, |t| t.describe(&name)).await?;
         Ok(Response::new(pb::DescribeResponse {
             lock: view.map(|v| self.lock_info(group, v)),
         }))
@@ -454,18 +459,10 @@ impl Holdfast for ClientService {
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let page = page_size(r.limit)?;
-        group
-            .linearizable_read()
-            .await
-            .map_err(|e| self.propose_error(e))?;
         let after = (!r.after.is_empty()).then_some(r.after.as_str());
-        let mut views =
-            group
-                .state
-                .read()
-                .expect("state lock")
-                .table
-                .list_locks(&r.prefix, after, page + 1);
+        let mut views = self
+            .read(group, |t| t.list_locks(&r.prefix, after, page + 1))
+            .await?;
         let more = views.len() > page;
         views.truncate(page);
         let locks = views
@@ -482,17 +479,10 @@ impl Holdfast for ClientService {
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let page = page_size(r.limit)?;
-        group
-            .linearizable_read()
-            .await
-            .map_err(|e| self.propose_error(e))?;
         let after = (r.after != 0).then_some(SessionId(r.after));
-        let mut views = group
-            .state
-            .read()
-            .expect("state lock")
-            .table
-            .list_sessions(after, page + 1);
+        let mut views = self
+            .read(group, |t| t.list_sessions(after, page + 1))
+            .await?;
         let more = views.len() > page;
         views.truncate(page);
         let now = Instant::now();
