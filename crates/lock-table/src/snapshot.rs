@@ -7,7 +7,7 @@
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -56,8 +56,9 @@ impl LockTable {
         if version != VERSION {
             return Err(SnapshotError::UnknownVersion(version));
         }
-        let table: LockTable =
+        let mut table: LockTable =
             postcard::from_bytes(&body[6..]).map_err(|e| SnapshotError::Decode(e.to_string()))?;
+        table.rebuild_derived().map_err(SnapshotError::Decode)?;
         table.validate_decoded().map_err(SnapshotError::Decode)?;
         Ok(table)
     }

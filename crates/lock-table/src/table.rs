@@ -17,8 +17,12 @@ use std::ops::Bound;
 pub(crate) struct Session {
     pub(crate) ttl_ms: u64,
     pub(crate) opened_at_ms: u64,
+    /// Derived from `locks` (not in snapshots; rebuilt on decode so names stay shared).
+    #[serde(skip)]
     pub(crate) held: BTreeSet<LockName>,
     /// Locks this session waits for, with the request id of the acquire that queued it.
+    /// Derived from the locks' queues (not in snapshots; rebuilt on decode).
+    #[serde(skip)]
     pub(crate) waiting: BTreeMap<LockName, RequestId>,
     /// The last [`DEDUP_WINDOW`] outcomes by request id, oldest first.
     pub(crate) dedup: VecDeque<(RequestId, Outcome)>,
@@ -47,7 +51,7 @@ pub(crate) struct Waiter {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Lock {
     pub(crate) holder: Holder,
-    pub(crate) waiters: VecDeque<Waiter>,
+    pub(crate) waiters: Queue,
 }
 
 /// The replicated state of one group.
@@ -279,7 +283,7 @@ impl LockTable {
                     name.clone(),
                     Lock {
                         holder,
-                        waiters: VecDeque::new(),
+                        waiters: Queue::default(),
                     },
                 );
                 self.session_mut(session_id).held.insert(name.clone());
@@ -511,7 +515,7 @@ impl LockTable {
             );
             assert!(lock.holder.token.0 > 0, "token 0 is never issued");
             let mut seen = BTreeSet::new();
-            for w in &lock.waiters {
+            for w in lock.waiters.iter() {
                 assert!(seen.insert(w.session), "session waits twice for {name}");
                 assert_ne!(
                     w.session, lock.holder.session,
@@ -587,5 +591,82 @@ fn session_view(id: SessionId, s: &Session) -> SessionView {
         opened_at_ms: s.opened_at_ms,
         held: s.held.len() as u32,
         waiting: s.waiting.len() as u32,
+    }
+}
+
+/// A lock's FIFO queue. Most locks have no waiters, so an empty queue is one null pointer (8 bytes)
+/// instead of an empty `VecDeque` (32 bytes); it is never `Some` and empty, so equal queues encode alike.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(clippy::box_collection, reason = "the point: an empty queue costs one pointer, not an empty VecDeque")]
+pub(crate) struct Queue(Option<Box<VecDeque<Waiter>>>);
+
+impl Queue {
+    pub(crate) fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, |q| q.len())
+    }
+
+    pub(crate) fn push_back(&mut self, w: Waiter) {
+        self.0.get_or_insert_with(Default::default).push_back(w);
+    }
+
+    pub(crate) fn pop_front(&mut self) -> Option<Waiter> {
+        let q = self.0.as_mut()?;
+        let w = q.pop_front();
+        if q.is_empty() {
+            self.0 = None;
+        }
+        w
+    }
+
+    pub(crate) fn retain(&mut self, keep: impl FnMut(&Waiter) -> bool) {
+        if let Some(q) = self.0.as_mut() {
+            q.retain(keep);
+            if q.is_empty() {
+                self.0 = None;
+            }
+        }
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiter> {
+        self.0.iter().flat_map(|q| q.iter())
+    }
+
+    fn is_normal(&self) -> bool {
+        self.0.as_ref().is_none_or(|q| !q.is_empty())
+    }
+}
+
+impl LockTable {
+    /// Rebuilds what snapshots leave out (each session's held and waited-for locks) from the locks, sharing
+    /// the lock map's names.
+    pub(crate) fn rebuild_derived(&mut self) -> Result<(), String> {
+        for s in self.sessions.values_mut() {
+            s.held.clear();
+            s.waiting.clear();
+        }
+        for (name, lock) in &self.locks {
+            if !lock.waiters.is_normal() {
+                return Err(format!("lock {name} has an empty queue"));
+            }
+            self.sessions
+                .get_mut(&lock.holder.session)
+                .ok_or_else(|| {
+                    format!(
+                        "lock {name} is held by unknown session {}",
+                        lock.holder.session
+                    )
+                })?
+                .held
+                .insert(name.clone());
+            for w in lock.waiters.iter() {
+                let s = self.sessions.get_mut(&w.session).ok_or_else(|| {
+                    format!("lock {name} has a waiter of unknown session {}", w.session)
+                })?;
+                if s.waiting.insert(name.clone(), w.request).is_some() {
+                    return Err(format!("session {} waits twice for {name}", w.session));
+                }
+            }
+        }
+        Ok(())
     }
 }

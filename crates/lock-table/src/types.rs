@@ -20,16 +20,17 @@ pub struct GroupId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
-/// A validated lock name (see [`crate::validate_name`] for the rules).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct LockName(String);
+/// A validated lock name (see [`crate::validate_name`] for the rules). Shared (`Arc<str>`): the table keeps
+/// a held lock's name in the lock map and in its session's set, and both point at one allocation.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct LockName(std::sync::Arc<str>);
 
 impl LockName {
     /// Validates `name` and wraps it.
     pub fn new(name: impl Into<String>) -> Result<Self, crate::NameError> {
         let name = name.into();
         crate::validate_name(&name)?;
-        Ok(LockName(name))
+        Ok(LockName(name.into()))
     }
 
     pub fn as_str(&self) -> &str {
@@ -58,5 +59,14 @@ impl fmt::Display for LockName {
 impl std::borrow::Borrow<str> for LockName {
     fn borrow(&self) -> &str {
         &self.0
+    }
+}
+
+/// Names read back (from the log or a snapshot) are validated again: a decoder must not create a lock
+/// name the API would refuse.
+impl<'de> Deserialize<'de> for LockName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        LockName::new(s).map_err(serde::de::Error::custom)
     }
 }
