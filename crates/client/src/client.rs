@@ -100,8 +100,11 @@ impl Client {
         'outer: loop {
             for i in 0..inner.endpoints.len() {
                 let mut c = HoldfastClient::new(inner.channels[i].clone());
-                match tokio::time::timeout(options.attempt_timeout, c.status(pb::StatusRequest {}))
-                    .await
+                match tokio::time::timeout(
+                    options.attempt_timeout,
+                    c.status(pb::StatusRequest::default()),
+                )
+                .await
                 {
                     Ok(Ok(s)) => {
                         let s = s.into_inner();
@@ -339,7 +342,7 @@ impl Client {
         let mut c = HoldfastClient::new(self.inner.channels[index].clone());
         match tokio::time::timeout(
             self.inner.options.attempt_timeout,
-            c.status(pb::StatusRequest {}),
+            c.status(pb::StatusRequest::default()),
         )
         .await
         {

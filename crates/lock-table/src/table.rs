@@ -456,10 +456,6 @@ impl LockTable {
         self.waiter_count
     }
 
-    pub fn session(&self, id: SessionId) -> Option<SessionView> {
-        self.sessions.get(&id).map(|s| session_view(id, s))
-    }
-
     /// Every live session and its TTL, for a new leader to start its timers.
     pub fn session_ttls(&self) -> impl Iterator<Item = (SessionId, u64)> + '_ {
         self.sessions.iter().map(|(id, s)| (*id, s.ttl_ms))
@@ -491,14 +487,6 @@ impl LockTable {
             .take(limit)
             .map(|(id, s)| session_view(*id, s))
             .collect()
-    }
-
-    /// Names of the locks `session` holds.
-    pub fn held_by(&self, session: SessionId) -> Vec<LockName> {
-        self.sessions
-            .get(&session)
-            .map(|s| s.held.iter().cloned().collect())
-            .unwrap_or_default()
     }
 
     /// Checks every structural invariant; panics with a description on the first violation. O(size).
@@ -597,7 +585,10 @@ fn session_view(id: SessionId, s: &Session) -> SessionView {
 /// A lock's FIFO queue. Most locks have no waiters, so an empty queue is one null pointer (8 bytes)
 /// instead of an empty `VecDeque` (32 bytes); it is never `Some` and empty, so equal queues encode alike.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[allow(clippy::box_collection, reason = "the point: an empty queue costs one pointer, not an empty VecDeque")]
+#[allow(
+    clippy::box_collection,
+    reason = "the point: an empty queue costs one pointer, not an empty VecDeque"
+)]
 pub(crate) struct Queue(Option<Box<VecDeque<Waiter>>>);
 
 impl Queue {

@@ -207,10 +207,6 @@ impl Leases {
     pub fn next_deadline(&self) -> Option<Instant> {
         self.lock().heap.peek().map(|Reverse((d, _))| *d)
     }
-
-    pub fn session_count(&self) -> usize {
-        self.lock().timers.len()
-    }
 }
 
 #[cfg(test)]

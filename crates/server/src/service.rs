@@ -505,9 +505,9 @@ impl Holdfast for ClientService {
 
     async fn status(
         &self,
-        _r: Request<pb::StatusRequest>,
+        r: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        Ok(Response::new(self.node.status()))
+        Ok(Response::new(self.node.status(r.into_inner().with_digest)))
     }
 }
 

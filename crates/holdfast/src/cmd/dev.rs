@@ -149,7 +149,10 @@ async fn wait_ready(endpoints: &[String], children: &mut [Child]) -> anyhow::Res
             else {
                 continue;
             };
-            if let Ok(s) = HoldfastClient::new(channel).status(StatusRequest {}).await {
+            if let Ok(s) = HoldfastClient::new(channel)
+                .status(StatusRequest::default())
+                .await
+            {
                 let s = s.into_inner();
                 if s.groups.iter().all(|g| g.leader_id != 0) {
                     return Ok(s.groups.first().map_or(0, |g| g.leader_id));

@@ -14,14 +14,14 @@ pub struct StatusArgs {
     conn: Conn,
 }
 
-async fn status_of(endpoint: &str) -> anyhow::Result<StatusResponse> {
+async fn status_of(endpoint: &str, with_digest: bool) -> anyhow::Result<StatusResponse> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))?
         .connect_timeout(Duration::from_secs(1))
         .timeout(Duration::from_secs(2))
         .connect()
         .await?;
     Ok(HoldfastClient::new(channel)
-        .status(StatusRequest {})
+        .status(StatusRequest { with_digest })
         .await?
         .into_inner())
 }
@@ -30,7 +30,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let endpoints = args.conn.endpoint_list();
     let mut answers = Vec::new();
     for ep in &endpoints {
-        answers.push((ep.clone(), status_of(ep).await));
+        answers.push((ep.clone(), status_of(ep, args.conn.json).await));
     }
     // Lag: how far each server's applied index is behind the group leader's last log index.
     let leader_last = |group: u32| {

@@ -222,7 +222,7 @@ impl Cluster {
                 .await
                 .ok()?;
         let s = HoldfastClient::new(channel)
-            .status(StatusRequest {})
+            .status(StatusRequest { with_digest: true })
             .await
             .ok()?
             .into_inner();
