@@ -12,6 +12,8 @@ pub struct Report {
     pub ok_writes: usize,
     pub stale_refused: usize,
     pub applied_entries: usize,
+    /// Session expiries checked against the client's last acknowledged renewal (P6).
+    pub expiries_checked: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
@@ -25,6 +27,7 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     tokens(history, &mut r.violations);
     acknowledged_in_log(history, &merged, &grants, &mut r.violations);
     fenced_store(history, store, &mut r.violations);
+    r.expiries_checked = no_early_expiry(history, &merged, &mut r.violations);
     r.ok_grants = history
         .iter()
         .filter(|o| o.op == "acquire" && o.ok())
@@ -245,4 +248,37 @@ fn fenced_store(history: &[Op], store: &[StoreRecord], v: &mut Vec<String>) {
             v.push(format!("P4: acknowledged write is not in the store: {o:?}"));
         }
     }
+}
+
+/// How much earlier than renewal + TTL an expiry may be proposed before it counts as early: the leader's
+/// wall clock and the client's are the same machine's in the tests, so this only absorbs clock slewing.
+pub const EXPIRY_MARGIN_MS: u64 = 100;
+
+/// P6: an expiry is proposed (leader wall time `now_ms`) no earlier than the send time of the session's
+/// last acknowledged renewal plus its TTL. Returns how many expiries could be checked.
+fn no_early_expiry(
+    history: &[Op],
+    merged: &BTreeMap<u64, &AuditLine>,
+    v: &mut Vec<String>,
+) -> usize {
+    let renewals: HashMap<u64, (u64, u64)> = history
+        .iter()
+        .filter(|o| o.op == "lost")
+        .filter_map(|o| Some((o.session?, (o.renewed_sent_ms?, o.ttl_ms?))))
+        .collect();
+    let mut checked = 0;
+    for (index, line) in merged {
+        if let Command::ExpireSession { session, now_ms } = &line.command {
+            if let Some(&(sent, ttl)) = renewals.get(&session.0) {
+                checked += 1;
+                if now_ms + EXPIRY_MARGIN_MS < sent + ttl {
+                    v.push(format!(
+                        "P6: session {} expired at index {index} at {now_ms} ms, before its last renewal (sent {sent} ms) + TTL {ttl} ms",
+                        session.0
+                    ));
+                }
+            }
+        }
+    }
+    checked
 }

@@ -19,6 +19,9 @@ pub struct Op {
     pub session: Option<u64>,
     pub token: Option<u64>,
     pub value: Option<u64>,
+    /// On `lost`: when the session's last acknowledged renewal (or its open) was sent, and its TTL.
+    pub renewed_sent_ms: Option<u64>,
+    pub ttl_ms: Option<u64>,
 }
 
 impl Op {

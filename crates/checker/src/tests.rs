@@ -259,3 +259,38 @@ fn a_retried_release_replays_its_outcome_without_a_second_release() {
     let v = violations(&h, &[(1, log)], &store);
     assert!(v.is_empty(), "{v:?}");
 }
+
+#[test]
+fn an_expiry_before_the_last_renewal_plus_ttl_violates_p6() {
+    let (mut h, mut log, store) = good();
+    log.push(AuditLine {
+        index: 6,
+        command: Command::ExpireSession {
+            session: SessionId(1),
+            now_ms: 10_000,
+        },
+        outcome: Outcome::SessionClosed { released: 0 },
+        events: vec![Event::SessionEnded {
+            session: SessionId(1),
+        }],
+    });
+    let lost = |renewed: u64| Op {
+        op: "lost".into(),
+        session: Some(1),
+        renewed_sent_ms: Some(renewed),
+        ttl_ms: Some(3_000),
+        result: "ok".into(),
+        ..Op::default()
+    };
+    h.push(lost(7_000));
+    let report = check(&h, &[(1, log.clone())], &store);
+    assert!(
+        report.violations.is_empty() && report.expiries_checked == 1,
+        "{:?}",
+        report.violations
+    );
+    h.pop();
+    h.push(lost(7_500));
+    let v = violations(&h, &[(1, log)], &store);
+    assert!(v.iter().any(|v| v.starts_with("P6")), "{v:?}");
+}

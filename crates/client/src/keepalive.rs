@@ -107,6 +107,7 @@ async fn run(client: Weak<Inner>) {
             continue;
         }
         let sent = Instant::now();
+        let sent_wall_ms = crate::session::wall_ms();
         // A session is renewed when every group renewed it; the smallest TTL granted counts.
         let mut granted: Vec<Option<Duration>> = vec![Some(Duration::MAX); due.len()];
         for group in 0..client.groups() {
@@ -155,7 +156,7 @@ async fn run(client: Weak<Inner>) {
         }
         for (s, g) in due.iter().zip(granted) {
             match g {
-                Some(ttl) if ttl != Duration::MAX => s.renewed(sent, ttl),
+                Some(ttl) if ttl != Duration::MAX => s.renewed(sent, sent_wall_ms, ttl),
                 _ => s.retry_soon(Instant::now() + TICK),
             }
         }

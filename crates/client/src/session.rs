@@ -24,6 +24,8 @@ pub struct LeaseLost(pub String);
 #[derive(Clone, Debug)]
 struct Lease {
     valid_until: Instant,
+    /// Wall-clock ms when the last acknowledged renewal (or the open) was sent, for checkers.
+    renewed_sent_wall_ms: u64,
     /// When the batched keepalive task should next renew this session.
     next_due: Instant,
     lost: Option<LeaseLost>,
@@ -53,6 +55,13 @@ impl Drop for SessionInner {
     }
 }
 
+/// Wall-clock milliseconds since the Unix epoch.
+pub(crate) fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 fn margin(ttl: Duration) -> Duration {
     ttl / 10
 }
@@ -79,6 +88,7 @@ impl Client {
     /// TTL/3.
     pub async fn open_session(&self, ttl: Duration) -> Result<Session, Error> {
         let started = Instant::now();
+        let started_wall_ms = wall_ms();
         let mut ids = Vec::new();
         let mut granted = Duration::MAX;
         for group in 0..self.groups() {
@@ -100,6 +110,7 @@ impl Client {
         }
         let (lease, _) = watch::channel(Lease {
             valid_until: started + granted - margin(granted),
+            renewed_sent_wall_ms: started_wall_ms,
             next_due: started + granted / 3,
             lost: None,
         });
@@ -130,15 +141,14 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
             return;
         }
         let sent = Instant::now();
+        let sent_wall_ms = wall_ms();
         if sent >= valid_until {
             s.mark_lost("no keepalive succeeded within the TTL".into());
             return;
         }
         match s.renew(valid_until).await {
             Ok(granted) => {
-                let until = sent + granted - margin(granted);
-                s.lease
-                    .send_modify(|l| l.valid_until = l.valid_until.max(until));
+                s.renewed(sent, sent_wall_ms, granted);
                 drop(s);
                 tokio::time::sleep(interval).await;
             }
@@ -181,9 +191,10 @@ impl SessionInner {
     }
 
     /// A keepalive sent at `sent` was acknowledged with `ttl`.
-    pub(crate) fn renewed(&self, sent: Instant, ttl: Duration) {
+    pub(crate) fn renewed(&self, sent: Instant, sent_wall_ms: u64, ttl: Duration) {
         self.lease.send_modify(|l| {
             l.valid_until = l.valid_until.max(sent + ttl - margin(ttl));
+            l.renewed_sent_wall_ms = l.renewed_sent_wall_ms.max(sent_wall_ms);
             l.next_due = sent + ttl / 3;
         });
     }
@@ -275,6 +286,16 @@ impl Session {
     pub fn is_valid(&self) -> bool {
         let l = self.inner.lease.borrow();
         l.lost.is_none() && Instant::now() < l.valid_until
+    }
+
+    /// When the last keepalive the server acknowledged was sent (wall-clock ms since the Unix epoch; the
+    /// open, before any keepalive) and the TTL granted: the server keeps the session at least until then
+    /// plus the TTL. For checkers of "no early expiry".
+    pub fn last_renewal(&self) -> (u64, Duration) {
+        (
+            self.inner.lease.borrow().renewed_sent_wall_ms,
+            self.inner.ttl,
+        )
     }
 
     /// How long the client-side lease still runs, if valid.

@@ -144,6 +144,13 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
                 let s = match &session {
                     Some(s) if s.is_valid() => s.clone(),
                     _ => {
+                        if let Some(old) = session.take() {
+                            // For the checker's "no early expiry": the server must keep this session
+                            // until the last acknowledged renewal's send time plus the TTL.
+                            let (sent_ms, ttl) = old.last_renewal();
+                            let fields = json!({"session": old.ids()[0], "renewed_sent_ms": sent_ms, "ttl_ms": ttl.as_millis() as u64});
+                            history.record(c, "lost", "", now_ms(), "ok", fields);
+                        }
                         let invoke = now_ms();
                         match client.open_session(args.ttl).await {
                             Ok(s) => {
