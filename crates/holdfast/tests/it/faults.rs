@@ -47,8 +47,10 @@ async fn run(nemesis: Nemesis, seed: u64) {
         ..Options::default()
     })
     .await;
-    let work = tempfile::tempdir().unwrap();
-    let store_path = work.path().join("fence.log");
+    // Inside the cluster's directory, so a failed run keeps the history and the store with the logs.
+    let work = c.dir().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let store_path = work.join("fence.log");
     let store = Arc::new(FencedStore::open(&store_path).unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let store_addr = listener.local_addr().unwrap().to_string();
@@ -82,7 +84,7 @@ async fn run(nemesis: Nemesis, seed: u64) {
                 &(seed * 10 + p).to_string(),
             ])
             .arg("--history")
-            .arg(work.path().join(format!("history-{p}.jsonl")))
+            .arg(work.join(format!("history-{p}.jsonl")))
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
@@ -160,7 +162,7 @@ async fn run(nemesis: Nemesis, seed: u64) {
 
     let mut history: Vec<Op> = Vec::new();
     for p in 0..2 {
-        let text = std::fs::read_to_string(work.path().join(format!("history-{p}.jsonl"))).unwrap();
+        let text = std::fs::read_to_string(work.join(format!("history-{p}.jsonl"))).unwrap();
         history.extend(parse_lines::<Op>(&text).unwrap());
     }
     let mut audits = Vec::new();
