@@ -78,6 +78,8 @@ async fn run(nemesis: Nemesis, seed: u64) {
             .args([
                 "--duration",
                 &format!("{secs}s"),
+                "--min-ops",
+                "600",
                 "--store",
                 &store_addr,
                 "--seed",
