@@ -14,6 +14,8 @@ pub struct Report {
     pub applied_entries: usize,
     /// Session expiries checked against the client's last acknowledged renewal (P6).
     pub expiries_checked: usize,
+    /// Describe results checked for linearizability against the log.
+    pub reads_checked: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
@@ -23,7 +25,8 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     };
     let merged = agree(audits, &mut r.violations);
     r.applied_entries = merged.len();
-    let grants = one_holder(&merged, &mut r.violations);
+    let (grants, timelines) = one_holder(&merged, &mut r.violations);
+    r.reads_checked = reads(history, &timelines, &mut r.violations);
     tokens(history, &mut r.violations);
     acknowledged_in_log(history, &merged, &grants, &mut r.violations);
     fenced_store(history, store, &mut r.violations);
@@ -64,10 +67,14 @@ fn agree<'a>(
 }
 
 /// P1 and the log side of P3: replays the merged log; returns every grant as (lock, session, token).
+/// Each lock's holder over the log: (index, holder session and token after that index), at every change.
+type Timelines = HashMap<String, Vec<(u64, Option<(u64, u64)>)>>;
+
 fn one_holder(
     merged: &BTreeMap<u64, &AuditLine>,
     v: &mut Vec<String>,
-) -> HashSet<(String, u64, u64)> {
+) -> (HashSet<(String, u64, u64)>, Timelines) {
+    let mut timelines: Timelines = HashMap::new();
     let mut holders: HashMap<String, (SessionId, u64)> = HashMap::new();
     let mut last_token: HashMap<String, u64> = HashMap::new();
     let mut grants = HashSet::new();
@@ -110,6 +117,28 @@ fn one_holder(
         if replay {
             continue;
         }
+        let mut touched: Vec<String> = line
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Granted { name, .. } => Some(name.as_str().to_string()),
+                _ => None,
+            })
+            .collect();
+        match &line.command {
+            Command::Acquire { name, .. } | Command::Release { name, .. } => {
+                touched.push(name.as_str().to_string())
+            }
+            Command::CloseSession { session, .. } | Command::ExpireSession { session, .. } => {
+                touched.extend(
+                    holders
+                        .iter()
+                        .filter(|(_, (s, _))| s == session)
+                        .map(|(n, _)| n.clone()),
+                );
+            }
+            _ => {}
+        }
         match (&line.command, &line.outcome) {
             (Command::Acquire { session, name, .. }, Outcome::Granted { token }) if token.0 == index => {
                 grant(name.as_str(), *session, token.0, index, &mut holders, v);
@@ -136,8 +165,15 @@ fn one_holder(
                 grant(name.as_str(), *session, token.0, index, &mut holders, v);
             }
         }
+        for name in touched {
+            let now = holders.get(&name).map(|(s, t)| (s.0, *t));
+            let timeline = timelines.entry(name).or_default();
+            if timeline.last().map(|(_, h)| *h) != Some(now) {
+                timeline.push((index, now));
+            }
+        }
     }
-    grants
+    (grants, timelines)
 }
 
 /// P3 on the history: unique tokens per lock, and real-time order.
@@ -278,6 +314,64 @@ fn no_early_expiry(
                     ));
                 }
             }
+        }
+    }
+    checked
+}
+
+/// Linearizable reads: a describe returns the lock's holder as of some log index `r` between the entries it
+/// must follow and those it must precede. Entries whose log position the history knows (a grant's token
+/// and an open's session id are their log indexes) bound `r`: at least every such index that completed
+/// before the describe was invoked, and below every such index invoked after it completed.
+fn reads(history: &[Op], timelines: &Timelines, v: &mut Vec<String>) -> usize {
+    let positioned: Vec<(u64, u64, u64)> = history
+        .iter()
+        .filter(|o| o.ok())
+        .filter_map(|o| match o.op.as_str() {
+            "acquire" => Some((o.invoke_ms, o.complete_ms, o.token?)),
+            "open" => Some((o.invoke_ms, o.complete_ms, o.session?)),
+            _ => None,
+        })
+        .collect();
+    let empty = Vec::new();
+    let mut checked = 0;
+    for d in history.iter().filter(|o| o.op == "describe" && o.ok()) {
+        let observed = match (d.session, d.token) {
+            (Some(s), Some(t)) if s != 0 => Some((s, t)),
+            _ => None,
+        };
+        let low = positioned
+            .iter()
+            .filter(|p| p.1 < d.invoke_ms)
+            .map(|p| p.2)
+            .max()
+            .unwrap_or(0);
+        let high = positioned
+            .iter()
+            .filter(|p| p.0 > d.complete_ms)
+            .map(|p| p.2)
+            .min()
+            .unwrap_or(u64::MAX);
+        let timeline = timelines.get(&d.lock).unwrap_or(&empty);
+        let at_low = timeline
+            .iter()
+            .take_while(|(i, _)| *i <= low)
+            .last()
+            .and_then(|(_, h)| *h);
+        let possible = std::iter::once(at_low)
+            .chain(
+                timeline
+                    .iter()
+                    .filter(|(i, _)| *i > low && *i < high)
+                    .map(|(_, h)| *h),
+            )
+            .any(|h| h == observed);
+        checked += 1;
+        if !possible {
+            v.push(format!(
+                "linearizability: describe of {:?} returned {observed:?}, which the lock never had between log indexes {low} and {high}: {d:?}",
+                d.lock
+            ));
         }
     }
     checked

@@ -19,7 +19,9 @@
 //!   last acknowledged renewal plus its TTL (client and servers share the machine's wall clock; a 100 ms
 //!   margin absorbs slewing).
 //!
-//! Not covered here: linearizability of describe (not in the workload).
+//! - **linearizable reads**: every `describe` returns the lock's holder as of some log index between the
+//!   grants and opens (whose log indexes the history knows) that completed before it and those invoked
+//!   after it completed.
 
 mod check;
 mod model;

@@ -294,3 +294,38 @@ fn an_expiry_before_the_last_renewal_plus_ttl_violates_p6() {
     let v = violations(&h, &[(1, log)], &store);
     assert!(v.iter().any(|v| v.starts_with("P6")), "{v:?}");
 }
+
+#[test]
+fn a_describe_that_misses_a_completed_grant_is_not_linearizable() {
+    let (mut h, log, store) = good();
+    let describe = |holder: u64, token: u64| Op {
+        op: "describe".into(),
+        lock: "l".into(),
+        session: Some(holder),
+        token: Some(token),
+        invoke_ms: 20,
+        complete_ms: 21,
+        result: "ok".into(),
+        ..Op::default()
+    };
+    h.push(describe(2, 5));
+    let report = check(&h, &[(1, log.clone())], &store);
+    assert!(
+        report.violations.is_empty() && report.reads_checked == 1,
+        "{:?}",
+        report.violations
+    );
+    h.pop();
+    // Session 2's grant (token 5) completed before this describe began: it cannot still see session 1.
+    h.push(describe(1, 3));
+    let v = violations(&h, &[(1, log.clone())], &store);
+    assert!(v.iter().any(|v| v.starts_with("linearizability")), "{v:?}");
+    h.pop();
+    // A describe concurrent with the hand-over may see either holder.
+    h.push(Op {
+        invoke_ms: 12,
+        complete_ms: 17,
+        ..describe(1, 3)
+    });
+    assert!(violations(&h, &[(1, log)], &store).is_empty());
+}

@@ -207,9 +207,23 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
                     }
                 }
                 let invoke = now_ms();
-                match guard.release().await {
-                    Ok(()) => history.record(c, "release", &lock, invoke, "ok", json!({"session": sid, "token": token})),
-                    Err(e) => history.record(c, "release", &lock, invoke, classify(&e), json!({"session": sid, "token": token, "error": e.to_string()})),
+                let released = guard.release().await;
+                let (result, fields) = match &released {
+                    Ok(()) => ("ok", json!({"session": sid, "token": token})),
+                    Err(e) => (classify(e), json!({"session": sid, "token": token, "error": e.to_string()})),
+                };
+                history.record(c, "release", &lock, invoke, result, fields);
+                // Now and then a linearizable read of a lock, checked against the log by the checker.
+                if rng.next(3) == 0 {
+                    let read = format!("wl/{}", rng.next(args.locks as u64));
+                    let invoke = now_ms();
+                    match client.describe(&read).await {
+                        Ok(l) => {
+                            let (holder, token) = l.map_or((0, 0), |l| (l.holder_session_id, l.token));
+                            history.record(c, "describe", &read, invoke, "ok", json!({"session": holder, "token": token}));
+                        }
+                        Err(e) => history.record(c, "describe", &read, invoke, classify(&e), json!({"error": e.to_string()})),
+                    }
                 }
             }
             if let Some(s) = session {
