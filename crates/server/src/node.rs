@@ -101,6 +101,11 @@ impl Node {
                 election_timeout_min: config.election_timeout_min_ms,
                 election_timeout_max: config.election_timeout_max_ms,
                 enable_pre_vote: Some(true),
+                // A restarted leader must win a new election. With "leader restore" a leader killed while
+                // its own WAL write was still queued came back in the same term without entries its
+                // followers had already committed, and wrote a different entry at the same index (found by
+                // the kill-the-leader fault scenario: two replicas applied different entries at index 431).
+                enable_leader_restore: Some(false),
                 snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every_entries),
                 // Keep some log behind a snapshot so a briefly lagging follower catches up by log.
                 max_in_snapshot_log_to_keep: config.snapshot_keep_entries,
