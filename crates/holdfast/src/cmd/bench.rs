@@ -111,9 +111,7 @@ async fn availability(
     duration: Duration,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = Client::connect_with(endpoints, ClientOptions::default())
-        .await
-        .context("cannot reach the cluster")?;
+    let client = connect(endpoints, ClientOptions::default()).await?;
     let session = client
         .open_session(Duration::from_secs(10))
         .await
@@ -179,9 +177,7 @@ async fn acquire_release(
     duration: Duration,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = Client::connect_with(endpoints, ClientOptions::default())
-        .await
-        .context("cannot reach the cluster")?;
+    let client = connect(endpoints, ClientOptions::default()).await?;
     let mut sessions = Vec::new();
     for _ in 0..clients {
         sessions.push(
@@ -269,6 +265,12 @@ async fn acquire_release(
     Ok(ExitCode::SUCCESS)
 }
 
+async fn connect(endpoints: Vec<String>, options: ClientOptions) -> anyhow::Result<Client> {
+    Client::connect_with(endpoints, options)
+        .await
+        .context("cannot reach the cluster")
+}
+
 struct HoldSetup {
     sessions: usize,
     locks_per_session: usize,
@@ -330,9 +332,7 @@ async fn hold(
     duration: Duration,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = Client::connect_with(endpoints, options)
-        .await
-        .context("cannot reach the cluster")?;
+    let client = connect(endpoints, options).await?;
     let ttl = setup.ttl;
     let c = client.clone();
     let sessions = in_parallel(
