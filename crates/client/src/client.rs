@@ -26,6 +26,9 @@ pub struct ClientOptions {
     /// stream (the default). `false` makes every session send its own unary keepalives, which is what a
     /// benchmark of one-heartbeat-per-session load wants.
     pub batched_keepalives: bool,
+    /// Fixes the stream of session-open nonces (deterministic tests and the simulation). None, the
+    /// default: random per process. Two clients with the same seed would collide, so never share one.
+    pub nonce_seed: Option<u64>,
 }
 
 impl Default for ClientOptions {
@@ -35,6 +38,7 @@ impl Default for ClientOptions {
             attempt_timeout: Duration::from_secs(3),
             connect_timeout: Duration::from_millis(500),
             batched_keepalives: true,
+            nonce_seed: None,
         }
     }
 }
@@ -53,6 +57,8 @@ pub(crate) struct Inner {
     /// The endpoint index believed to lead each group.
     leaders: Mutex<Vec<usize>>,
     options: ClientOptions,
+    /// Opens so far, for [`ClientOptions::nonce_seed`].
+    pub(crate) opens: std::sync::atomic::AtomicU64,
 }
 
 impl Client {
@@ -79,9 +85,15 @@ impl Client {
             .map(|ep| {
                 Endpoint::from_shared(format!("http://{ep}"))
                     .map(|e| {
-                        e.connect_timeout(options.connect_timeout)
+                        // Pings detect a dead connection (half-open after a network fault) in ~4 s;
+                        // it is closed and the next call reconnects.
+                        let e = e
+                            .connect_timeout(options.connect_timeout)
                             .tcp_nodelay(true)
-                            .connect_lazy()
+                            .http2_keep_alive_interval(Duration::from_secs(2))
+                            .keep_alive_timeout(Duration::from_secs(2))
+                            .keep_alive_while_idle(true);
+                        holdfast_proto::transport::connect_lazy(e)
                     })
                     .map_err(|e| Error::InvalidArgument(format!("bad endpoint {ep:?}: {e}")))
             })
@@ -93,6 +105,7 @@ impl Client {
             groups: 1,
             leaders: Mutex::new(vec![0]),
             options: options.clone(),
+            opens: Default::default(),
         };
         // Learn the group count (and a first leader hint) from any server that answers.
         let deadline = Instant::now() + options.request_timeout;

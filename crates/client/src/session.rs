@@ -57,9 +57,12 @@ impl Drop for SessionInner {
 
 /// Wall-clock milliseconds since the Unix epoch.
 pub(crate) fn wall_ms() -> u64 {
-    std::time::SystemTime::now()
+    #[cfg(holdfast_sim)]
+    return turmoil::since_epoch().map_or(0, |d| d.as_millis() as u64);
+    #[cfg(not(holdfast_sim))]
+    return std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_millis() as u64);
 }
 
 fn margin(ttl: Duration) -> Duration {
@@ -68,9 +71,18 @@ fn margin(ttl: Duration) -> Duration {
 
 /// A nonce for `OpenSession`: random enough to be unique per open, without a randomness dependency
 /// (std's `RandomState` is seeded from the OS per process; mixed with time, pid and a counter).
-fn nonce() -> (u64, u64) {
+fn nonce(client: &Client) -> (u64, u64) {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    if let Some(seed) = client.options().nonce_seed {
+        // `DefaultHasher::new()` has fixed keys: a reproducible stream of (seed, n), distinct per seed.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        h.write_u64(seed);
+        h.write_u64(client.inner().opens.fetch_add(1, Relaxed));
+        let hi = h.finish();
+        h.write_u64(hi);
+        return (hi | 1, h.finish());
+    }
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -92,7 +104,7 @@ impl Client {
         let mut ids = Vec::new();
         let mut granted = Duration::MAX;
         for group in 0..self.groups() {
-            let (hi, lo) = nonce();
+            let (hi, lo) = nonce(self);
             let ttl_ms = ttl.as_millis() as u64;
             let r = self
                 .call(group, Duration::ZERO, |mut c| async move {

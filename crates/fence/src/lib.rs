@@ -16,6 +16,13 @@
 //! writes; the new holder's write then silently overwrites it and an acknowledged update is lost although
 //! no stale write was ever refused. See `docs/fencing.md`.
 
+/// The store's files: `std::fs`, or turmoil's simulated file system in the simulation (`--cfg holdfast_sim`).
+mod fs {
+    #[cfg(not(holdfast_sim))]
+    pub(crate) use std::fs::*;
+    #[cfg(holdfast_sim)]
+    pub(crate) use turmoil::fs::shim::std::fs::*;
+}
 pub mod service;
 pub mod sql;
 pub mod store;

@@ -20,6 +20,16 @@ fn status(e: FenceError) -> Status {
     }
 }
 
+/// File work off the async threads; inline in the simulation (a thread would run outside simulated time).
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
+    #[cfg(holdfast_sim)]
+    return Ok(f());
+    #[cfg(not(holdfast_sim))]
+    return tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(e.to_string()));
+}
+
 #[tonic::async_trait]
 impl FencedStoreApi for Service {
     async fn write(
@@ -28,9 +38,8 @@ impl FencedStoreApi for Service {
     ) -> Result<Response<pb::FencedWriteResponse>, Status> {
         let r = r.into_inner();
         let store = self.store.clone();
-        let mark = tokio::task::spawn_blocking(move || store.write(&r.key, r.token, &r.value))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
+        let mark = blocking(move || store.write(&r.key, r.token, &r.value))
+            .await?
             .map_err(status)?;
         Ok(Response::new(pb::FencedWriteResponse { mark }))
     }
@@ -41,9 +50,8 @@ impl FencedStoreApi for Service {
     ) -> Result<Response<pb::FencedReadResponse>, Status> {
         let r = r.into_inner();
         let store = self.store.clone();
-        let e = tokio::task::spawn_blocking(move || store.read(&r.key, r.token))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
+        let e = blocking(move || store.read(&r.key, r.token))
+            .await?
             .map_err(status)?;
         Ok(Response::new(pb::FencedReadResponse {
             found: e.value.is_some(),
@@ -55,15 +63,25 @@ impl FencedStoreApi for Service {
 }
 
 /// Serves `store` on `listener` until `shutdown` resolves.
+#[cfg(not(holdfast_sim))]
 pub async fn serve(
     listener: tokio::net::TcpListener,
     store: Arc<FencedStore>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    serve_listener(listener.into(), store, shutdown).await
+}
+
+/// Serves `store` on `listener` (real or simulated, see `holdfast_proto::transport`) until `shutdown`
+/// resolves.
+pub async fn serve_listener(
+    listener: holdfast_proto::transport::Listener,
+    store: Arc<FencedStore>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .add_service(FencedStoreServer::new(Service { store }))
-        .serve_with_incoming_shutdown(incoming, shutdown)
+        .serve_with_incoming_shutdown(listener.incoming(), shutdown)
         .await
 }
 
@@ -76,10 +94,13 @@ pub struct FenceClient {
 impl FenceClient {
     /// Connects to a fenced store at `host:port`.
     pub async fn connect(endpoint: &str) -> Result<FenceClient, FenceError> {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
             .map_err(|e| FenceError::Invalid(e.to_string()))?
             .timeout(std::time::Duration::from_secs(5))
-            .connect()
+            .http2_keep_alive_interval(std::time::Duration::from_secs(2))
+            .keep_alive_timeout(std::time::Duration::from_secs(2))
+            .keep_alive_while_idle(true);
+        let channel = holdfast_proto::transport::connect(endpoint)
             .await
             .map_err(|e| FenceError::Unavailable(e.to_string()))?;
         Ok(FenceClient {

@@ -8,7 +8,7 @@
 
 use crate::FenceError;
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use crate::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::Mutex;
@@ -202,7 +202,7 @@ pub struct Record {
 /// Every change a store file holds, in the order the store accepted them (for checkers). Stops at a
 /// torn tail.
 pub fn read_records(path: &Path) -> Result<Vec<Record>, FenceError> {
-    let bytes = std::fs::read(path)?;
+    let bytes = crate::fs::read(path)?;
     let mut out = Vec::new();
     let mut at = 0;
     while let Some((kind, token, key, value, len)) = decode(&bytes[at..]) {

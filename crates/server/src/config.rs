@@ -48,6 +48,11 @@ pub struct ServerConfig {
     pub fault_fsync_fail_after: Option<u64>,
     /// For the fault tests' checker: append one JSON line per applied command to `DATA_DIR/audit-gN.jsonl`.
     pub audit_log: bool,
+    /// Seed of Raft's randomized timeouts. None: drawn from the OS at start. The simulation fixes it.
+    pub rng_seed: Option<u64>,
+    /// Instead of `audit_log`'s files: where group N's audit lines go (the simulation keeps them in memory).
+    #[serde(skip)]
+    pub audit_sink: Option<AuditSink>,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -72,10 +77,24 @@ impl Default for ServerConfig {
             snapshot_keep_entries: 1_000,
             fault_fsync_fail_after: None,
             audit_log: false,
+            rng_seed: None,
+            audit_sink: None,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,
         }
+    }
+}
+
+/// Makes the audit writer of group N (see [`ServerConfig::audit_sink`]).
+#[derive(Clone)]
+pub struct AuditSink(
+    pub std::sync::Arc<dyn Fn(u32) -> Box<dyn std::io::Write + Send + Sync> + Send + Sync>,
+);
+
+impl std::fmt::Debug for AuditSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuditSink")
     }
 }
 

@@ -31,7 +31,23 @@ pub use node::Node;
 /// Wall-clock milliseconds since the Unix epoch, stamped into commands for display (granted-at). No
 /// decision depends on it.
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
+    #[cfg(holdfast_sim)]
+    return turmoil::since_epoch().map_or(0, |d| d.as_millis() as u64);
+    #[cfg(not(holdfast_sim))]
+    return std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_millis() as u64);
+}
+
+/// Runs blocking file work (snapshot files) off the async threads. In the simulation it runs inline: a
+/// thread would run outside simulated time and make runs irreproducible.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    #[cfg(holdfast_sim)]
+    return f();
+    #[cfg(not(holdfast_sim))]
+    return tokio::task::spawn_blocking(f)
+        .await
+        .map_err(std::io::Error::other)?;
 }

@@ -20,10 +20,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
+use holdfast_proto::transport::Listener;
+use holdfast_wal::fs;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::server::TcpIncoming;
 
 /// What the gRPC and HTTP handlers share.
 pub struct NodeShared {
@@ -47,7 +47,7 @@ pub struct Node {
     pub peer_addr: SocketAddr,
     pub http_addr: Option<SocketAddr>,
     /// Holds the data directory's lock for the life of the server.
-    _dir_lock: std::fs::File,
+    _dir_lock: Option<std::fs::File>,
 }
 
 fn parse_addr(s: &str) -> anyhow::Result<SocketAddr> {
@@ -59,7 +59,7 @@ impl Node {
     pub async fn start(config: ServerConfig) -> anyhow::Result<Node> {
         config.validate().map_err(|e| anyhow!(e))?;
         let config = Arc::new(config);
-        std::fs::create_dir_all(&config.data_dir)
+        fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
         let dir_lock = lock_data_dir(&config)?;
         check_identity(&config)?;
@@ -122,6 +122,7 @@ impl Node {
             .map(|m| (m.id, BasicNode::new(m.peer.clone())))
             .collect();
 
+        let rng_seed = config.rng_seed.unwrap_or_else(random_seed);
         let mut groups = Vec::new();
         for g in 0..config.groups {
             let log = GroupLog::replay(recovered.records.iter().filter(|r| r.group == g))
@@ -134,7 +135,9 @@ impl Node {
             let (sm, state) =
                 StateMachine::open(snapshots, event_sink(leases.clone(), waiters.clone()))
                     .map_err(|e| anyhow!("group {g}: {e}"))?;
-            let sm = if config.audit_log {
+            let sm = if let Some(sink) = &config.audit_sink {
+                sm.with_audit_writer((sink.0)(g))
+            } else if config.audit_log {
                 let path = config.data_dir.join(format!("audit-g{g}.jsonl"));
                 sm.with_audit_log(&path)
                     .with_context(|| format!("cannot open {}", path.display()))?
@@ -145,9 +148,14 @@ impl Node {
                 group: g,
                 peers: peers.clone(),
             };
-            let raft = Raft::new(config.node_id, raft_config.clone(), network, log_store, sm)
-                .await
-                .map_err(|e| anyhow!("group {g}: raft did not start: {e}"))?;
+            // openraft's tasks draw their randomness from this seed (see `raft_types::Runtime`).
+            let seed = rng_seed.wrapping_add(u64::from(g));
+            let raft = crate::raft_types::Runtime::scope(
+                seed,
+                Raft::new(config.node_id, raft_config.clone(), network, log_store, sm),
+            )
+            .await
+            .map_err(|e| anyhow!("group {g}: raft did not start: {e}"))?;
             // Every server initializes with the same membership; openraft makes that safe, and it means
             // the cluster forms whichever servers start first.
             if !raft.is_initialized().await.map_err(|e| anyhow!("{e}"))? {
@@ -178,10 +186,10 @@ impl Node {
             Some(a) => a,
             None => parse_addr(&me.peer)?,
         };
-        let peer_listener = TcpListener::bind(peer_listen)
+        let peer_listener = Listener::bind(peer_listen)
             .await
             .with_context(|| format!("cannot listen for peers on {peer_listen}"))?;
-        let client_listener = TcpListener::bind(client_listen)
+        let client_listener = Listener::bind(client_listen)
             .await
             .with_context(|| format!("cannot listen for clients on {client_listen}"))?;
         let peer_addr = peer_listener.local_addr()?;
@@ -194,11 +202,14 @@ impl Node {
         .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
         let mut rx = shutdown_rx.clone();
         tasks.push(tokio::spawn(async move {
-            let incoming = TcpIncoming::from(peer_listener).with_nodelay(Some(true));
+            let incoming = peer_listener.incoming();
             let stop = async move {
                 let _ = rx.changed().await;
             };
             if let Err(e) = tonic::transport::Server::builder()
+                // Close connections that stop answering (see `holdfast_proto::transport`).
+                .http2_keepalive_interval(Some(Duration::from_secs(1)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(1)))
                 .add_service(peer_service)
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await
@@ -214,7 +225,7 @@ impl Node {
             .max_decoding_message_size(MAX_REQUEST_BYTES);
         let mut rx = shutdown_rx.clone();
         tasks.push(tokio::spawn(async move {
-            let incoming = TcpIncoming::from(client_listener).with_nodelay(Some(true));
+            let incoming = client_listener.incoming();
             let stop = async move {
                 let _ = rx.changed().await;
             };
@@ -230,7 +241,7 @@ impl Node {
 
         let http_addr = match config.http_listen {
             Some(addr) => {
-                let listener = TcpListener::bind(addr)
+                let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .with_context(|| format!("cannot listen for http on {addr}"))?;
                 let local = listener.local_addr()?;
@@ -293,7 +304,11 @@ impl Node {
             t.abort();
         }
         let wal = self.wal.clone();
-        let _ = tokio::task::spawn_blocking(move || wal.close()).await;
+        let _ = crate::blocking(move || {
+            wal.close();
+            Ok(())
+        })
+        .await;
         tracing::info!("holdfast server stopped");
     }
 }
@@ -456,8 +471,25 @@ fn role(s: ServerState) -> &'static str {
     }
 }
 
+/// A seed for Raft's randomized timeouts that differs per process and start.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(crate::now_ms());
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Refuses to run two servers on one data directory (they would interleave WAL writes). The simulated
+/// file system has no locks, and a simulated host cannot run twice.
+#[cfg(holdfast_sim)]
+fn lock_data_dir(_config: &ServerConfig) -> anyhow::Result<Option<std::fs::File>> {
+    Ok(None)
+}
+
 /// Refuses to run two servers on one data directory (they would interleave WAL writes).
-fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<std::fs::File> {
+#[cfg(not(holdfast_sim))]
+fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<Option<std::fs::File>> {
     let path = config.data_dir.join("LOCK");
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -466,7 +498,7 @@ fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<std::fs::File> {
         .open(&path)
         .with_context(|| format!("cannot open {}", path.display()))?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
+        Ok(()) => Ok(Some(file)),
         Err(_) => bail!(
             "data dir {} is in use by another holdfast server",
             config.data_dir.display()
@@ -489,7 +521,7 @@ fn check_identity(config: &ServerConfig) -> anyhow::Result<()> {
         config.groups,
         members.join(",")
     );
-    match std::fs::read_to_string(&path) {
+    match fs::read_to_string(&path) {
         Ok(existing) if existing == identity => Ok(()),
         Ok(existing) => bail!(
             "data dir {} belongs to another configuration:\n{existing}this server was started with:\n{identity}(node id, groups and members are fixed at creation)",
@@ -497,10 +529,10 @@ fn check_identity(config: &ServerConfig) -> anyhow::Result<()> {
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, &identity)?;
-            std::fs::File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(&config.data_dir)?.sync_all()?;
+            fs::write(&tmp, &identity)?;
+            fs::File::open(&tmp)?.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            fs::sync_dir(&config.data_dir)?;
             Ok(())
         }
         Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),

@@ -53,9 +53,14 @@ impl Peers {
         }
         let channel = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("bad peer address {addr}: {e}"))?
-            .connect_timeout(Duration::from_millis(500))
+            .connect_timeout(holdfast_proto::transport::CONNECT_TIMEOUT)
             .tcp_nodelay(true)
-            .connect_lazy();
+            // A connection that stops answering pings (a half-open socket, a stalled simulated stream)
+            // is closed, and the next RPC reconnects instead of timing out on it forever.
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(1))
+            .keep_alive_while_idle(true);
+        let channel = holdfast_proto::transport::connect_lazy(channel);
         channels.insert(target, channel.clone());
         Ok(channel)
     }

@@ -28,7 +28,13 @@ openraft::declare_raft_types!(
         R = Response,
         NodeId = u64,
         Node = openraft::BasicNode,
+        AsyncRuntime = Runtime,
 );
+
+/// Tokio, with openraft's randomness (election timeouts, tick jitter) drawn from a seed given at start
+/// (`ServerConfig::rng_seed`): random per process in a real server, fixed by the simulation so that one
+/// seed replays one run exactly.
+pub type Runtime = openraft::rt::deterministic_rng::DeterministicRng<openraft::impls::TokioRuntime>;
 
 pub type NodeId = u64;
 pub type Raft = openraft::Raft<TypeConfig, crate::state_machine::StateMachine>;

@@ -7,9 +7,9 @@
 
 use crate::raft_types::SnapshotMeta;
 use holdfast_lock_table::LockTable;
-use std::fs;
+use holdfast_wal::fs;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 const MAGIC: &[u8; 8] = b"HFSNAP01";
 
@@ -85,7 +85,7 @@ impl SnapshotStore {
         file.write_all(bytes)?;
         file.sync_all()?;
         fs::rename(&tmp, &path)?;
-        sync_dir(&self.dir)?;
+        fs::sync_dir(&self.dir)?;
         for old in self.files()? {
             if old != path {
                 fs::remove_file(old)?;
@@ -113,8 +113,4 @@ impl SnapshotStore {
         files.sort();
         Ok(files)
     }
-}
-
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    fs::File::open(dir)?.sync_all()
 }

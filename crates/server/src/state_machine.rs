@@ -34,7 +34,7 @@ pub struct StateMachine {
     current: Arc<Mutex<Option<SnapshotMeta>>>,
     events: EventSink,
     /// `--audit-log`: one JSON line per applied command, for the fault tests' checker.
-    audit: Option<std::io::BufWriter<std::fs::File>>,
+    audit: Option<Box<dyn std::io::Write + Send + Sync>>,
 }
 
 /// One line of the audit log: what an applied entry did on this replica.
@@ -49,13 +49,18 @@ pub struct AuditLine {
 impl StateMachine {
     /// Appends a JSON line per applied command to `path` (created, or appended to after a restart, when
     /// re-applied entries are written again).
-    pub fn with_audit_log(mut self, path: &std::path::Path) -> std::io::Result<Self> {
-        let file = std::fs::OpenOptions::new()
+    pub fn with_audit_log(self, path: &std::path::Path) -> std::io::Result<Self> {
+        let file = holdfast_wal::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)?;
-        self.audit = Some(std::io::BufWriter::new(file));
-        Ok(self)
+        Ok(self.with_audit_writer(Box::new(std::io::BufWriter::new(file))))
+    }
+
+    /// Writes the audit lines to `out` instead of a file (the simulation collects them in memory).
+    pub fn with_audit_writer(mut self, out: Box<dyn std::io::Write + Send + Sync>) -> Self {
+        self.audit = Some(out);
+        self
     }
     /// Restores the newest snapshot on disk (if any); openraft then re-applies the committed log after it.
     pub fn open(
@@ -170,9 +175,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let loaded = SnapshotStore::decode(&bytes).map_err(io::Error::other)?;
         let index = meta.last_log_id.map_or(0, |l| l.index);
         let store = self.snapshots.clone();
-        tokio::task::spawn_blocking(move || store.save(index, &bytes))
-            .await
-            .map_err(io::Error::other)??;
+        crate::blocking(move || store.save(index, &bytes)).await?;
         let mut s = self.state.write().expect("state machine lock poisoned");
         s.table = loaded.table;
         s.last_applied = meta.last_log_id;
@@ -187,9 +190,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             return Ok(None);
         };
         let store = self.snapshots.clone();
-        let latest = tokio::task::spawn_blocking(move || store.latest())
-            .await
-            .map_err(io::Error::other)??;
+        let latest = crate::blocking(move || store.latest()).await?;
         Ok(latest.map(|(_, bytes)| Snapshot {
             meta,
             snapshot: std::io::Cursor::new(bytes),
@@ -235,9 +236,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let index = meta.last_log_id.map_or(0, |l| l.index);
         let store = self.snapshots.clone();
         // The bytes go to the blocking writer and come back, rather than being copied (tens of MB).
-        let bytes = tokio::task::spawn_blocking(move || store.save(index, &bytes).map(|()| bytes))
-            .await
-            .map_err(io::Error::other)??;
+        let bytes = crate::blocking(move || store.save(index, &bytes).map(|()| bytes)).await?;
         *self.current.lock().expect("snapshot meta lock") = Some(meta.clone());
         tracing::info!(index, bytes = bytes.len(), "built snapshot");
         Ok(Snapshot {

@@ -22,6 +22,7 @@
 //! On-disk format: see [`format`].
 
 pub mod format;
+pub mod fs;
 mod recover;
 mod writer;
 

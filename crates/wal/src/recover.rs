@@ -6,7 +6,7 @@ use crate::format::{
 };
 use crate::WalError;
 use std::collections::BTreeMap;
-use std::fs;
+use crate::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -115,9 +115,7 @@ fn save_and_cut(path: &Path, buf: &[u8], offset: usize, saved_to: &Path) -> Resu
 }
 
 pub(crate) fn sync_dir(dir: &Path) -> Result<(), WalError> {
-    fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err(dir))
+    fs::sync_dir(dir).map_err(io_err(dir))
 }
 
 /// What one segment's bytes hold.

@@ -6,7 +6,7 @@ use crate::format::{
 use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo};
 use crate::WalError;
 use std::collections::{BTreeMap, VecDeque};
-use std::fs::{File, OpenOptions};
+use crate::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -39,6 +39,10 @@ pub struct WalOptions {
     pub max_batch_bytes: usize,
     pub observer: Option<SyncObserver>,
     pub sync_fault: Option<SyncFault>,
+    /// In the simulation, how long a group commit's write and sync take in simulated time (a real
+    /// disk's latency; it decides how appends batch).
+    #[cfg(holdfast_sim)]
+    pub sim_sync_delay: Duration,
 }
 
 impl Default for WalOptions {
@@ -48,6 +52,8 @@ impl Default for WalOptions {
             max_batch_bytes: 4 << 20,
             observer: None,
             sync_fault: None,
+            #[cfg(holdfast_sim)]
+            sim_sync_delay: Duration::from_micros(500),
         }
     }
 }
@@ -61,12 +67,16 @@ enum Op {
 pub struct Wal {
     tx: Mutex<Option<mpsc::Sender<Op>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// In the simulation the writer is a task on the host's runtime (a thread would run outside
+    /// simulated time); this wakes it.
+    #[cfg(holdfast_sim)]
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl Wal {
     /// Recovers the log in `dir` (created if missing) and starts the writer on a fresh segment.
     pub fn open(dir: &Path, options: WalOptions) -> Result<(Wal, Recovered), WalError> {
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        crate::fs::create_dir_all(dir).map_err(io_err(dir))?;
         let (recovered, segments) = recover(dir)?;
         let mut sticky = BTreeMap::new();
         for r in recovered.records.iter().filter(|r| r.sticky) {
@@ -85,14 +95,25 @@ impl Wal {
         };
         writer.rotate()?;
         let (tx, rx) = mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name("holdfast-wal".into())
-            .spawn(move || writer.run(rx))
-            .map_err(io_err(dir))?;
+        #[cfg(not(holdfast_sim))]
+        let thread = Some(
+            std::thread::Builder::new()
+                .name("holdfast-wal".into())
+                .spawn(move || writer.run(rx))
+                .map_err(io_err(dir))?,
+        );
+        #[cfg(holdfast_sim)]
+        let (thread, wake) = {
+            let wake = Arc::new(tokio::sync::Notify::new());
+            tokio::spawn(writer.run_sim(rx, wake.clone()));
+            (None, wake)
+        };
         Ok((
             Wal {
                 tx: Mutex::new(Some(tx)),
-                thread: Mutex::new(Some(thread)),
+                thread: Mutex::new(thread),
+                #[cfg(holdfast_sim)]
+                wake,
             },
             recovered,
         ))
@@ -118,6 +139,8 @@ impl Wal {
             }
             None => done(Err(WalError::Closed)),
         }
+        #[cfg(holdfast_sim)]
+        self.wake.notify_one();
     }
 
     /// Appends and blocks until durable. For callers that are not latency-critical (votes, tests).
@@ -133,11 +156,15 @@ impl Wal {
         if let Some(tx) = self.tx.lock().expect("wal sender lock").as_ref() {
             let _ = tx.send(Op::Release(group, index));
         }
+        #[cfg(holdfast_sim)]
+        self.wake.notify_one();
     }
 
     /// Stops the writer after it has finished everything queued.
     pub fn close(&self) {
         self.tx.lock().expect("wal sender lock").take();
+        #[cfg(holdfast_sim)]
+        self.wake.notify_one();
         if let Some(thread) = self.thread.lock().expect("wal thread lock").take() {
             let _ = thread.join();
         }
@@ -196,6 +223,24 @@ impl Writer {
                 }
             }
             self.commit(ops);
+        }
+    }
+
+    /// The simulation's writer: the same batching and commit, as a task in simulated time.
+    #[cfg(holdfast_sim)]
+    async fn run_sim(mut self, rx: mpsc::Receiver<Op>, wake: Arc<tokio::sync::Notify>) {
+        loop {
+            match rx.try_recv() {
+                Ok(first) => {
+                    // Appends that arrive while the "disk" is busy join the next batch, as on a real one.
+                    tokio::time::sleep(self.options.sim_sync_delay).await;
+                    let mut ops = vec![first];
+                    ops.extend(rx.try_iter());
+                    self.commit(ops);
+                }
+                Err(mpsc::TryRecvError::Empty) => wake.notified().await,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
         }
     }
 
@@ -345,7 +390,7 @@ impl Writer {
             if !releasable {
                 break;
             }
-            std::fs::remove_file(&oldest.path).map_err(io_err(&oldest.path))?;
+            crate::fs::remove_file(&oldest.path).map_err(io_err(&oldest.path))?;
             self.segments.pop_front();
             deleted = true;
         }

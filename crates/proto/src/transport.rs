@@ -1,0 +1,140 @@
+//! How every Holdfast gRPC connection is opened and accepted: real TCP sockets, or, in the deterministic
+//! simulation (`--cfg holdfast_sim`, crates/sim), turmoil's simulated network. This is the one place that
+//! knows which, so servers, clients and the fenced store run the same code in both.
+//!
+//! Simulated TCP never retransmits: a segment dropped by a partition stalls its connection for good. That
+//! is also what a real half-open connection looks like, so callers set HTTP/2 keepalives (a dead
+//! connection is closed and the next call reconnects) and a timeout on every call.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// Longest wait for a TCP connection to be set up.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A channel that connects on first use and reconnects after the connection fails.
+pub fn connect_lazy(endpoint: Endpoint) -> Channel {
+    #[cfg(not(holdfast_sim))]
+    return endpoint.connect_lazy();
+    #[cfg(holdfast_sim)]
+    return endpoint.connect_with_connector_lazy(sim::connector());
+}
+
+/// A channel connected now (fails if the server cannot be reached).
+pub async fn connect(endpoint: Endpoint) -> Result<Channel, tonic::transport::Error> {
+    #[cfg(not(holdfast_sim))]
+    return endpoint.connect().await;
+    #[cfg(holdfast_sim)]
+    return endpoint.connect_with_connector(sim::connector()).await;
+}
+
+/// A listening socket for a gRPC server.
+pub struct Listener {
+    #[cfg(not(holdfast_sim))]
+    inner: tokio::net::TcpListener,
+    #[cfg(holdfast_sim)]
+    inner: turmoil::net::TcpListener,
+}
+
+#[cfg(not(holdfast_sim))]
+impl From<tokio::net::TcpListener> for Listener {
+    fn from(inner: tokio::net::TcpListener) -> Self {
+        Listener { inner }
+    }
+}
+
+impl Listener {
+    pub async fn bind(addr: SocketAddr) -> io::Result<Listener> {
+        #[cfg(not(holdfast_sim))]
+        let inner = tokio::net::TcpListener::bind(addr).await?;
+        #[cfg(holdfast_sim)]
+        let inner = turmoil::net::TcpListener::bind(addr).await?;
+        Ok(Listener { inner })
+    }
+
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    /// The accepted connections, for `tonic::transport::Server::serve_with_incoming*`.
+    #[cfg(not(holdfast_sim))]
+    pub fn incoming(self) -> tonic::transport::server::TcpIncoming {
+        tonic::transport::server::TcpIncoming::from(self.inner).with_nodelay(Some(true))
+    }
+
+    /// The accepted connections, for `tonic::transport::Server::serve_with_incoming*`.
+    #[cfg(holdfast_sim)]
+    pub fn incoming(self) -> impl futures::Stream<Item = io::Result<sim::Stream>> + Send + 'static {
+        futures::stream::unfold(self.inner, |listener| async move {
+            let accepted = listener.accept().await.map(|(s, _)| sim::Stream(s));
+            Some((accepted, listener))
+        })
+    }
+}
+
+#[cfg(holdfast_sim)]
+pub mod sim {
+    //! turmoil's TCP behind tonic's connector and incoming-stream traits.
+
+    use super::CONNECT_TIMEOUT;
+    use std::io;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    /// A tower service that opens a simulated TCP connection to the URI's host and port.
+    pub fn connector() -> impl tower::Service<
+        tonic::codegen::http::Uri,
+        Response = hyper_util::rt::TokioIo<turmoil::net::TcpStream>,
+        Error = io::Error,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        tower::service_fn(|uri: tonic::codegen::http::Uri| async move {
+            let host = uri.host().unwrap_or_default().to_string();
+            let port = uri.port_u16().unwrap_or(80);
+            let stream =
+                tokio::time::timeout(CONNECT_TIMEOUT, turmoil::net::TcpStream::connect((host, port)))
+                    .await
+                    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        })
+    }
+
+    /// An accepted simulated connection.
+    pub struct Stream(pub turmoil::net::TcpStream);
+
+    impl tonic::transport::server::Connected for Stream {
+        type ConnectInfo = ();
+        fn connect_info(&self) -> Self::ConnectInfo {}
+    }
+
+    impl AsyncRead for Stream {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Stream {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.0).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.0).poll_flush(cx)
+        }
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.0).poll_shutdown(cx)
+        }
+    }
+}
