@@ -35,6 +35,7 @@ pub const CHECK_AND_RAISE: &str = "INSERT INTO holdfast_fence (resource, token) 
 /// Reads the highest token seen for `resource` ($1), to name it in an error.
 pub const SEEN: &str = "SELECT token FROM holdfast_fence WHERE resource = $1";
 
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub(crate) fn to_sql_token(token: u64) -> Result<i64, crate::FenceError> {
     i64::try_from(token)
         .map_err(|_| crate::FenceError::Invalid(format!("token {token} does not fit a BIGINT")))

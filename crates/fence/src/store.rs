@@ -6,9 +6,9 @@
 //! (kind 1 = write, 2 = mark raised by a read). A bad record at the very end of the file is a torn write
 //! and is cut; a bad record followed by valid ones refuses to open.
 
+use crate::fs::{File, OpenOptions};
 use crate::FenceError;
 use std::collections::HashMap;
-use crate::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::Mutex;

@@ -96,10 +96,12 @@ pub mod sim {
         tower::service_fn(|uri: tonic::codegen::http::Uri| async move {
             let host = uri.host().unwrap_or_default().to_string();
             let port = uri.port_u16().unwrap_or(80);
-            let stream =
-                tokio::time::timeout(CONNECT_TIMEOUT, turmoil::net::TcpStream::connect((host, port)))
-                    .await
-                    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+            let stream = tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                turmoil::net::TcpStream::connect((host, port)),
+            )
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
             Ok(hyper_util::rt::TokioIo::new(stream))
         })
     }

@@ -12,7 +12,9 @@ use crate::service::{ClientService, MAX_REQUEST_BYTES};
 use crate::snapshot_store::SnapshotStore;
 use crate::state_machine::StateMachine;
 use anyhow::{anyhow, bail, Context};
+use holdfast_proto::transport::Listener;
 use holdfast_proto::v1 as pb;
+use holdfast_wal::fs;
 use holdfast_wal::{Wal, WalOptions};
 use openraft::{BasicNode, ServerState, SnapshotPolicy};
 use std::collections::BTreeMap;
@@ -20,8 +22,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
-use holdfast_proto::transport::Listener;
-use holdfast_wal::fs;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

@@ -4,9 +4,9 @@ use crate::format::{
     check_frame, decode_records, parse_segment_name, FrameCheck, Record, FRAME_MAGIC,
     SEGMENT_HEADER_BYTES, SEGMENT_MAGIC,
 };
+use crate::fs;
 use crate::WalError;
 use std::collections::BTreeMap;
-use crate::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

@@ -3,10 +3,10 @@
 use crate::format::{
     encode_frame, encode_record, segment_header, segment_name, Record, MAX_RECORD_BYTES,
 };
+use crate::fs::{File, OpenOptions};
 use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo};
 use crate::WalError;
 use std::collections::{BTreeMap, VecDeque};
-use crate::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -207,6 +207,7 @@ struct Writer {
 }
 
 impl Writer {
+    #[cfg(not(holdfast_sim))]
     fn run(mut self, rx: mpsc::Receiver<Op>) {
         while let Ok(first) = rx.recv() {
             let mut ops = vec![first];

@@ -1,0 +1,153 @@
+//! The simulated world's hosts: five real `holdfast_server::Node`s (`n1`..`n5`) and the reference fenced
+//! store (`store`), each a turmoil host with its own disk. A crashed host loses what it had not synced and
+//! is restarted by running its closure again, exactly like a process restart on a real machine.
+
+use holdfast_server::config::AuditSink;
+use holdfast_server::node::NodeShared;
+use holdfast_server::{Member, Node, ServerConfig};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+pub const CLIENT_PORT: u16 = 7001;
+pub const PEER_PORT: u16 = 7101;
+pub const STORE_PORT: u16 = 7300;
+pub const STORE_FILE: &str = "/store/fenced.log";
+
+pub fn server_name(i: usize) -> String {
+    format!("n{}", i + 1)
+}
+
+pub fn client_endpoints() -> Vec<String> {
+    (0..crate::plan::SERVERS)
+        .map(|i| format!("{}:{CLIENT_PORT}", server_name(i)))
+        .collect()
+}
+
+/// What the driver can see of the world without going through the network.
+#[derive(Default)]
+pub struct Shared {
+    /// The running server per index; a weak reference, so a crashed server's state is not kept alive.
+    pub nodes: Mutex<BTreeMap<usize, Weak<NodeShared>>>,
+    /// Every audit line each server wrote (group 0), across restarts (re-applied entries appear again).
+    pub audits: Vec<Arc<Mutex<Vec<u8>>>>,
+    /// How many times each server has started; part of its Raft seed.
+    pub boots: Mutex<Vec<u64>>,
+    /// Set by the driver at the end; the store host then copies its file's records into `store_records`.
+    pub dump_store: Mutex<bool>,
+    pub store_records: Mutex<Option<Vec<holdfast_fence::store::Record>>>,
+}
+
+impl Shared {
+    pub fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            audits: (0..crate::plan::SERVERS)
+                .map(|_| Arc::new(Mutex::new(Vec::new())))
+                .collect(),
+            boots: Mutex::new(vec![0; crate::plan::SERVERS]),
+            ..Shared::default()
+        })
+    }
+
+    pub fn node(&self, i: usize) -> Option<Arc<NodeShared>> {
+        self.nodes.lock().unwrap().get(&i).and_then(Weak::upgrade)
+    }
+}
+
+struct SinkWriter(Arc<Mutex<Vec<u8>>>);
+
+impl Write for SinkWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The configuration of server `i` on its `boot`-th start.
+pub fn server_config(i: usize, seed: u64, boot: u64, shared: &Arc<Shared>) -> ServerConfig {
+    let members = (0..crate::plan::SERVERS)
+        .map(|m| Member {
+            id: m as u64 + 1,
+            client: format!("{}:{CLIENT_PORT}", server_name(m)),
+            peer: format!("{}:{PEER_PORT}", server_name(m)),
+        })
+        .collect();
+    let audit = shared.audits[i].clone();
+    ServerConfig {
+        node_id: i as u64 + 1,
+        client_listen: Some(SocketAddr::from(([0, 0, 0, 0], CLIENT_PORT))),
+        peer_listen: Some(SocketAddr::from(([0, 0, 0, 0], PEER_PORT))),
+        http_listen: None,
+        data_dir: "/data".into(),
+        members,
+        // Small, so runs take and install snapshots and purge the log.
+        snapshot_every_entries: 300,
+        snapshot_keep_entries: 50,
+        rng_seed: Some(
+            seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9) ^ boot.wrapping_mul(0x85eb_ca6b),
+        ),
+        audit_sink: Some(AuditSink(Arc::new(move |_group| {
+            Box::new(SinkWriter(audit.clone()))
+        }))),
+        ..ServerConfig::default()
+    }
+}
+
+/// Registers the five servers and the store as turmoil hosts.
+pub fn add_hosts(sim: &mut turmoil::Sim<'_>, seed: u64, shared: &Arc<Shared>) {
+    for i in 0..crate::plan::SERVERS {
+        let shared = shared.clone();
+        sim.host(server_name(i), move || {
+            let shared = shared.clone();
+            async move {
+                let boot = {
+                    let mut boots = shared.boots.lock().unwrap();
+                    boots[i] += 1;
+                    boots[i]
+                };
+                let node = Node::start(server_config(i, seed, boot, &shared)).await?;
+                shared
+                    .nodes
+                    .lock()
+                    .unwrap()
+                    .insert(i, Arc::downgrade(&node.shared));
+                let reason = node.fatal().await;
+                Err(format!("server {} stopped: {reason}", i + 1).into())
+            }
+        });
+    }
+    let shared = shared.clone();
+    sim.host("store", move || {
+        let shared = shared.clone();
+        async move {
+            holdfast_wal::fs::create_dir_all(Path::new(STORE_FILE).parent().unwrap())?;
+            let store = Arc::new(holdfast_fence::store::FencedStore::open(Path::new(
+                STORE_FILE,
+            ))?);
+            let listener = holdfast_proto::transport::Listener::bind(SocketAddr::from((
+                [0, 0, 0, 0],
+                STORE_PORT,
+            )))
+            .await?;
+            tokio::spawn(holdfast_fence::service::serve_listener(
+                listener,
+                store,
+                std::future::pending(),
+            ));
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let dump = std::mem::take(&mut *shared.dump_store.lock().unwrap());
+                if dump {
+                    let records = holdfast_fence::store::read_records(Path::new(STORE_FILE))?;
+                    *shared.store_records.lock().unwrap() = Some(records);
+                }
+            }
+        }
+    });
+}

@@ -1,0 +1,132 @@
+//! What one seed does: the fault rates and the fault schedule, drawn from the seed alone (TigerBeetle's
+//! VOPR style: each seed also draws how hostile its world is, so some seeds are quiet and some are storms).
+
+use crate::rng::Rng;
+
+/// Servers in the simulated cluster.
+pub const SERVERS: usize = 5;
+/// Client hosts; each runs [`WORKERS_PER_HOST`] workload loops over one `holdfast_client::Client`.
+pub const CLIENT_HOSTS: usize = 3;
+pub const WORKERS_PER_HOST: usize = 2;
+/// Lock names the workload contends on.
+pub const LOCKS: u64 = 3;
+/// Session TTL of the workload's sessions (the smallest the server accepts, so pauses beat it easily).
+pub const TTL_MS: u64 = 2_000;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Cuts every link between `side` and the other servers, both ways (a single node, a minority or a
+    /// majority, depending on the side's size).
+    Partition { side: Vec<usize> },
+    /// Drops everything `from` sends to `to`; the other direction works.
+    OneWay { from: usize, to: usize },
+    /// Holds every message between two servers, then delivers them all late.
+    Hold { a: usize, b: usize },
+    /// Crashes a server (unsynced writes are lost), restarts it when the fault ends.
+    Crash { server: usize },
+    /// Crashes whichever server leads when the fault starts.
+    CrashLeader,
+    /// Holds every message of a client host (to servers and the store) for longer than the TTL: to the
+    /// cluster the client is paused; its in-flight writes arrive late, with old tokens.
+    PauseClient { host: usize },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub at_ms: u64,
+    pub duration_ms: u64,
+    pub fault: Fault,
+}
+
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub seed: u64,
+    /// Upper bound of the one-way network latency (turmoil draws each message's latency up to it).
+    pub max_latency_ms: u64,
+    /// Simulated time of one WAL group commit (write + fdatasync).
+    pub fsync_us: u64,
+    /// Probability that turmoil's disk makes an unsynced write durable on its own (as a real page cache
+    /// may), so crashes see many different disk states.
+    pub background_sync: f64,
+    /// How long the workload runs; faults happen inside it.
+    pub work_ms: u64,
+    pub events: Vec<Event>,
+}
+
+impl Plan {
+    pub fn new(seed: u64, work_ms: u64) -> Plan {
+        let mut rng = Rng::new(seed);
+        let max_latency_ms = rng.pick(&[1, 2, 5, 10, 25]);
+        let fsync_us = rng.pick(&[100, 500, 2_000, 8_000]);
+        let background_sync = rng.pick(&[0.0, 0.01, 0.2]);
+        // How hostile this seed is: the number of faults and which kinds it favours.
+        let count = rng.between(1, 3 + work_ms / 2_000);
+        let weights: Vec<u64> = (0..6).map(|_| rng.between(0, 4)).collect();
+        let total: u64 = weights.iter().sum::<u64>().max(1);
+        let mut events = Vec::new();
+        for _ in 0..count {
+            let at_ms = rng.between(500, work_ms.saturating_sub(1_500).max(600));
+            let mut pick = rng.between(0, total - 1);
+            let mut kind = 0;
+            for (i, w) in weights.iter().enumerate() {
+                if pick < *w {
+                    kind = i;
+                    break;
+                }
+                pick -= w;
+            }
+            let server = |rng: &mut Rng| rng.between(0, SERVERS as u64 - 1) as usize;
+            let (fault, duration_ms) = match kind {
+                0 => {
+                    let size = rng.pick(&[1, 1, 2, 3]);
+                    let mut side = Vec::new();
+                    while side.len() < size {
+                        let s = server(&mut rng);
+                        if !side.contains(&s) {
+                            side.push(s);
+                        }
+                    }
+                    side.sort_unstable();
+                    (Fault::Partition { side }, rng.between(300, 5_000))
+                }
+                1 => {
+                    let from = server(&mut rng);
+                    let to = (from + rng.between(1, SERVERS as u64 - 1) as usize) % SERVERS;
+                    (Fault::OneWay { from, to }, rng.between(300, 4_000))
+                }
+                2 => {
+                    let a = server(&mut rng);
+                    let b = (a + rng.between(1, SERVERS as u64 - 1) as usize) % SERVERS;
+                    (Fault::Hold { a, b }, rng.between(100, 2_500))
+                }
+                3 => (
+                    Fault::Crash {
+                        server: server(&mut rng),
+                    },
+                    rng.between(200, 4_000),
+                ),
+                4 => (Fault::CrashLeader, rng.between(200, 4_000)),
+                _ => (
+                    Fault::PauseClient {
+                        host: rng.between(0, CLIENT_HOSTS as u64 - 1) as usize,
+                    },
+                    rng.between(TTL_MS + 300, TTL_MS * 2 + 500),
+                ),
+            };
+            events.push(Event {
+                at_ms,
+                duration_ms,
+                fault,
+            });
+        }
+        events.sort_by_key(|e| e.at_ms);
+        Plan {
+            seed,
+            max_latency_ms,
+            fsync_us,
+            background_sync,
+            work_ms,
+            events,
+        }
+    }
+}

@@ -1,0 +1,363 @@
+//! Runs one seed: builds the world, plays the plan's faults, heals everything, checks that the cluster
+//! recovers (P7), then hands the history, the servers' audit logs and the store's records to the
+//! invariants. Everything that happens is a function of the seed, so `--seed N` replays a run exactly;
+//! [`Outcome::trace`] is what the determinism test compares.
+
+use crate::cluster::{self, server_name, Shared};
+use crate::plan::{Event, Fault, Plan, CLIENT_HOSTS, SERVERS};
+use crate::workload::{self, History};
+use holdfast_checker::{AuditLine, Op, StoreRecord};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, UNIX_EPOCH};
+
+/// After the faults heal: how long the cluster gets to serve a fresh client and converge (P7).
+pub const HEAL_BUDGET_MS: u64 = 15_000;
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How long the workload runs (simulated).
+    pub work_ms: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { work_ms: 12_000 }
+    }
+}
+
+/// What a run produced, for the invariants.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub seed: u64,
+    pub history: Vec<Op>,
+    /// Per server id, every audit line it wrote.
+    pub audits: Vec<(u64, Vec<AuditLine>)>,
+    pub store: Vec<StoreRecord>,
+    /// P7: how long after the heal a fresh client completed open + acquire + release, if it did.
+    pub recovered_after_ms: Option<u64>,
+    /// P7: how long after the heal every server had applied the same index with the same digest.
+    pub converged_after_ms: Option<u64>,
+    /// The fault log and every observable result, in order; equal for equal seeds.
+    pub trace: Vec<String>,
+    /// The first lines of `trace` are the plan and the fault log.
+    pub fault_log_len: usize,
+    /// An error the simulation itself reported (a host failed or panicked).
+    pub sim_error: Option<String>,
+}
+
+fn hosts_of(side: &[usize]) -> Vec<String> {
+    side.iter().map(|&s| server_name(s)).collect()
+}
+
+fn others(side: &[usize]) -> Vec<String> {
+    (0..SERVERS)
+        .filter(|s| !side.contains(s))
+        .map(server_name)
+        .collect()
+}
+
+/// Links cut or held, and servers down, so the heal undoes exactly what is still in force.
+#[derive(Default)]
+struct Damage {
+    cut: BTreeSet<(String, String)>,
+    held: BTreeSet<(String, String)>,
+    down: BTreeSet<usize>,
+}
+
+struct Driver<'a> {
+    sim: turmoil::Sim<'a>,
+    shared: Arc<Shared>,
+    damage: Damage,
+    trace: Vec<String>,
+    /// Active faults: when each ends, and which crash it was (for restarts).
+    ending: Vec<(u64, Fault, Option<usize>)>,
+}
+
+impl Driver<'_> {
+    fn now_ms(&self) -> u64 {
+        self.sim.elapsed().as_millis() as u64
+    }
+
+    fn log(&mut self, what: String) {
+        let line = format!("{:>6} {what}", self.now_ms());
+        self.trace.push(line);
+    }
+
+    fn leader(&mut self) -> Option<usize> {
+        let mut best: Option<(u64, usize)> = None;
+        for i in 0..SERVERS {
+            if self.damage.down.contains(&i) || !self.sim.is_host_running(server_name(i)) {
+                continue;
+            }
+            if let Some(node) = self.shared.node(i) {
+                let m = node.groups[0].raft_metrics();
+                if m.current_leader == Some(i as u64 + 1)
+                    && best.is_none_or(|(t, _)| m.current_term > t)
+                {
+                    best = Some((m.current_term, i));
+                }
+            }
+        }
+        best.map(|(_, i)| i)
+    }
+
+    fn cut(&mut self, a: String, b: String) {
+        self.sim.partition(a.as_str(), b.as_str());
+        self.damage.cut.insert((a, b));
+    }
+
+    fn start(&mut self, e: &Event) {
+        let end = self.now_ms() + e.duration_ms;
+        let mut crashed = None;
+        match &e.fault {
+            Fault::Partition { side } => {
+                for a in hosts_of(side) {
+                    for b in others(side) {
+                        self.cut(a.clone(), b);
+                    }
+                }
+            }
+            Fault::OneWay { from, to } => {
+                let (a, b) = (server_name(*from), server_name(*to));
+                self.sim.partition_oneway(a.as_str(), b.as_str());
+                self.damage.cut.insert((a, b));
+            }
+            Fault::Hold { a, b } => {
+                let (a, b) = (server_name(*a), server_name(*b));
+                self.sim.hold(a.as_str(), b.as_str());
+                self.damage.held.insert((a, b));
+            }
+            Fault::Crash { server } => crashed = Some(*server),
+            Fault::CrashLeader => crashed = self.leader(),
+            Fault::PauseClient { host } => {
+                let c = format!("c{}", host + 1);
+                for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
+                    self.sim.hold(c.as_str(), s.as_str());
+                    self.damage.held.insert((c.clone(), s));
+                }
+            }
+        }
+        if let Some(s) = crashed {
+            if self.damage.down.insert(s) {
+                self.sim.crash(server_name(s));
+            } else {
+                crashed = None;
+            }
+        }
+        self.log(format!(
+            "start {:?} for {} ms (crashed: {crashed:?})",
+            e.fault, e.duration_ms
+        ));
+        self.ending.push((end, e.fault.clone(), crashed));
+    }
+
+    fn stop(&mut self, fault: &Fault, crashed: Option<usize>) {
+        match fault {
+            Fault::Partition { side } => {
+                for a in hosts_of(side) {
+                    for b in others(side) {
+                        self.sim.repair(a.as_str(), b.as_str());
+                        self.damage.cut.remove(&(a.clone(), b));
+                    }
+                }
+            }
+            Fault::OneWay { from, to } => {
+                let (a, b) = (server_name(*from), server_name(*to));
+                self.sim.repair_oneway(a.as_str(), b.as_str());
+                self.damage.cut.remove(&(a, b));
+            }
+            Fault::Hold { a, b } => {
+                let (a, b) = (server_name(*a), server_name(*b));
+                self.sim.release(a.as_str(), b.as_str());
+                self.damage.held.remove(&(a, b));
+            }
+            Fault::Crash { .. } | Fault::CrashLeader => {
+                if let Some(s) = crashed {
+                    self.damage.down.remove(&s);
+                    self.sim.bounce(server_name(s));
+                }
+            }
+            Fault::PauseClient { host } => {
+                let c = format!("c{}", host + 1);
+                for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
+                    self.sim.release(c.as_str(), s.as_str());
+                    self.damage.held.remove(&(c.clone(), s));
+                }
+            }
+        }
+        self.log(format!("stop {fault:?}"));
+    }
+
+    fn heal(&mut self) {
+        for (a, b) in std::mem::take(&mut self.damage.cut) {
+            self.sim.repair(a.as_str(), b.as_str());
+        }
+        for (a, b) in std::mem::take(&mut self.damage.held) {
+            self.sim.release(a.as_str(), b.as_str());
+        }
+        for s in std::mem::take(&mut self.damage.down) {
+            self.sim.bounce(server_name(s));
+        }
+        self.ending.clear();
+        self.log("heal: every link repaired, every server running".into());
+    }
+
+    /// P7 part 2: every server applied the same index and has the same digest.
+    fn converged(&self) -> bool {
+        let mut seen = None;
+        for i in 0..SERVERS {
+            let Some(node) = self.shared.node(i) else {
+                return false;
+            };
+            let g = &node.status(true).groups[0];
+            let here = (g.applied_index, g.digest);
+            if g.applied_index == 0 || seen.is_some_and(|s| s != here) {
+                return false;
+            }
+            seen = Some(here);
+        }
+        true
+    }
+}
+
+/// Runs `seed` and returns everything the invariants need. Panics inside hosts are reported as
+/// `sim_error`, not propagated.
+pub fn run(seed: u64, options: &Options) -> Outcome {
+    let plan = Plan::new(seed, options.work_ms);
+    let heal_ms = options.work_ms + 500;
+    let mut builder = turmoil::Builder::new();
+    builder
+        .rng_seed(seed)
+        .epoch(UNIX_EPOCH + Duration::from_secs(1_790_000_000))
+        .simulation_duration(Duration::from_millis(heal_ms + HEAL_BUDGET_MS + 5_000))
+        .min_message_latency(Duration::from_micros(100))
+        .max_message_latency(Duration::from_millis(plan.max_latency_ms))
+        .tcp_capacity(4096);
+    builder.fs().sync_probability(plan.background_sync);
+    let mut sim = builder.build();
+    let shared = Shared::new();
+    cluster::add_hosts(&mut sim, seed, &shared);
+    let history: History = Arc::new(Mutex::new(Vec::new()));
+    let epoch_ms = 1_790_000_000_000u64;
+    for h in 0..CLIENT_HOSTS {
+        let history = history.clone();
+        let until = epoch_ms + options.work_ms;
+        sim.client(format!("c{}", h + 1), async move {
+            workload::client_host(h, seed, until, history).await
+        });
+    }
+    let probe: Arc<Mutex<Option<u64>>> = Arc::default();
+    {
+        let probe = probe.clone();
+        sim.client("probe", async move {
+            crate::invariants::p7_liveness::probe(seed, epoch_ms + heal_ms, probe).await
+        });
+    }
+
+    let mut d = Driver {
+        sim,
+        shared: shared.clone(),
+        damage: Damage::default(),
+        trace: vec![format!("seed {seed} plan {plan:?}")],
+        ending: Vec::new(),
+    };
+    let mut pending: std::collections::VecDeque<Event> = plan.events.iter().cloned().collect();
+    let mut healed = false;
+    let mut converged_after_ms = None;
+    let mut sim_error = None;
+    loop {
+        let now = d.now_ms();
+        while pending.front().is_some_and(|e| e.at_ms <= now) {
+            let e = pending.pop_front().unwrap();
+            d.start(&e);
+        }
+        let mut i = 0;
+        while i < d.ending.len() {
+            if d.ending[i].0 <= now {
+                let (_, fault, crashed) = d.ending.remove(i);
+                d.stop(&fault, crashed);
+            } else {
+                i += 1;
+            }
+        }
+        if !healed && now >= heal_ms {
+            d.heal();
+            healed = true;
+        }
+        if healed && converged_after_ms.is_none() && now % 50 == 0 && d.converged() {
+            converged_after_ms = Some(now - heal_ms);
+            d.log(format!("converged {} ms after the heal", now - heal_ms));
+        }
+        match d.sim.step() {
+            // Done when every client finished (the probe ends once it got through, or gave up) and the
+            // servers converged, or when the heal budget is spent.
+            Ok(clients_done)
+                if (clients_done && converged_after_ms.is_some())
+                    || now >= heal_ms + HEAL_BUDGET_MS =>
+            {
+                break
+            }
+            Ok(_) => {}
+            Err(e) => {
+                sim_error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+
+    // The store's records, read on the store host from its own disk.
+    *shared.dump_store.lock().unwrap() = true;
+    let mut store = Vec::new();
+    for _ in 0..1_000 {
+        if let Some(records) = shared.store_records.lock().unwrap().take() {
+            store = records
+                .into_iter()
+                .map(|r| StoreRecord {
+                    write: r.write,
+                    value: std::str::from_utf8(&r.value)
+                        .ok()
+                        .and_then(|v| v.parse().ok()),
+                    key: r.key,
+                    token: r.token,
+                })
+                .collect();
+            break;
+        }
+        if let Err(e) = d.sim.step() {
+            sim_error.get_or_insert(e.to_string());
+            break;
+        }
+    }
+
+    let mut history = std::mem::take(&mut *history.lock().unwrap());
+    history.sort_by_key(|o| (o.complete_ms, o.process, o.client));
+    let mut audits = Vec::new();
+    for (i, text) in shared.audits.iter().enumerate() {
+        let text = String::from_utf8_lossy(&text.lock().unwrap()).into_owned();
+        match holdfast_checker::parse_lines::<AuditLine>(&text) {
+            Ok(lines) => audits.push((i as u64 + 1, lines)),
+            Err(e) => sim_error = Some(format!("server {}: bad audit line: {e}", i + 1)),
+        }
+    }
+    let mut trace = std::mem::take(&mut d.trace);
+    let fault_log_len = trace.len();
+    trace.extend(history.iter().map(|o| format!("{o:?}")));
+    for (id, lines) in &audits {
+        trace.push(format!("server {id}: {} audit lines", lines.len()));
+        trace.extend(lines.iter().map(|l| format!("{id} {l:?}")));
+    }
+    trace.push(format!("store: {} records", store.len()));
+    let recovered_after_ms = *probe.lock().unwrap();
+    Outcome {
+        seed,
+        history,
+        audits,
+        store,
+        recovered_after_ms,
+        converged_after_ms,
+        trace,
+        fault_log_len,
+        sim_error,
+    }
+}

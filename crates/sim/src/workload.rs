@@ -1,0 +1,230 @@
+//! The simulated clients: the same lock-set workload as the real-process fault tests (`holdfast
+//! workload`), on turmoil hosts. Each worker loops: acquire one of [`LOCKS`] locks, read the lock's counter
+//! from the fenced store with its token, pause inside the critical section, write counter + 1 with its
+//! token, release, and now and then describe a lock. Every operation is recorded with its invoke and
+//! complete time (simulated wall clock) and `ok`, `fail` (did not happen) or `unknown` (may have).
+
+use crate::cluster::{client_endpoints, STORE_PORT};
+use crate::plan::{LOCKS, TTL_MS, WORKERS_PER_HOST};
+use crate::rng::Rng;
+use holdfast_checker::Op;
+use holdfast_client::{Client, ClientOptions, Error, Session};
+use holdfast_fence::service::FenceClient;
+use holdfast_fence::FenceError;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub type History = Arc<Mutex<Vec<Op>>>;
+
+/// Simulated wall-clock milliseconds (the same clock on every host).
+pub fn now_ms() -> u64 {
+    turmoil::since_epoch().map_or(0, |d| d.as_millis() as u64)
+}
+
+fn classify(e: &Error) -> &'static str {
+    match e {
+        Error::Unavailable(_) => "unknown",
+        _ => "fail",
+    }
+}
+
+struct Recorder {
+    history: History,
+    process: u32,
+    client: usize,
+}
+
+impl Recorder {
+    fn record(&self, op: &str, lock: &str, invoke_ms: u64, result: &str, f: impl FnOnce(&mut Op)) {
+        let mut o = Op {
+            process: self.process,
+            client: self.client,
+            op: op.into(),
+            lock: lock.into(),
+            invoke_ms,
+            complete_ms: now_ms(),
+            result: result.into(),
+            ..Op::default()
+        };
+        f(&mut o);
+        self.history.lock().unwrap().push(o);
+    }
+}
+
+/// One client host: a `Client` shared by [`WORKERS_PER_HOST`] workers, running until `until_ms`.
+pub async fn client_host(
+    host: usize,
+    seed: u64,
+    until_ms: u64,
+    history: History,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let options = ClientOptions {
+        request_timeout: Duration::from_secs(5),
+        nonce_seed: Some(seed ^ 0xc11e_0000 ^ host as u64),
+        ..ClientOptions::default()
+    };
+    let client = Client::connect_with(client_endpoints(), options).await?;
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS_PER_HOST {
+        let recorder = Recorder {
+            history: history.clone(),
+            process: host as u32 + 1,
+            client: w,
+        };
+        let rng =
+            Rng::new(seed ^ ((host * WORKERS_PER_HOST + w) as u64 + 1).wrapping_mul(0x2545_f491));
+        tasks.push(tokio::spawn(worker(
+            client.clone(),
+            recorder,
+            rng,
+            until_ms,
+        )));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    Ok(())
+}
+
+async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
+    let store = format!("store:{STORE_PORT}");
+    let mut fence: Option<FenceClient> = None;
+    let mut session: Option<Session> = None;
+    while now_ms() < until_ms {
+        let mut f = match &fence {
+            Some(f) => f.clone(),
+            None => match FenceClient::connect(&store).await {
+                Ok(f) => {
+                    fence = Some(f.clone());
+                    f
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let s = match &session {
+            Some(s) if s.is_valid() => s.clone(),
+            _ => {
+                if let Some(old) = session.take() {
+                    let (sent_ms, ttl) = old.last_renewal();
+                    let sid = old.ids()[0];
+                    rec.record("lost", "", now_ms(), "ok", |o| {
+                        o.session = Some(sid);
+                        o.renewed_sent_ms = Some(sent_ms);
+                        o.ttl_ms = Some(ttl.as_millis() as u64);
+                    });
+                }
+                let invoke = now_ms();
+                match client.open_session(Duration::from_millis(TTL_MS)).await {
+                    Ok(s) => {
+                        let sid = s.ids()[0];
+                        rec.record("open", "", invoke, "ok", |o| o.session = Some(sid));
+                        session = Some(s.clone());
+                        s
+                    }
+                    Err(e) => {
+                        rec.record("open", "", invoke, classify(&e), |_| {});
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                }
+            }
+        };
+        let lock = format!("wl/{}", rng.between(0, LOCKS - 1));
+        let sid = s.ids()[0];
+        let invoke = now_ms();
+        let guard = match s.acquire_timeout(&lock, Duration::from_secs(1)).await {
+            Ok(g) => {
+                let token = g.token();
+                rec.record("acquire", &lock, invoke, "ok", |o| {
+                    o.session = Some(sid);
+                    o.token = Some(token);
+                });
+                g
+            }
+            Err(e) => {
+                rec.record("acquire", &lock, invoke, classify(&e), |o| {
+                    o.session = Some(sid)
+                });
+                continue;
+            }
+        };
+        let token = guard.token();
+        let invoke = now_ms();
+        let value = match f.read(&lock, token).await {
+            Ok(v) => {
+                let n: u64 = v
+                    .as_ref()
+                    .and_then(|(b, _)| std::str::from_utf8(b).ok()?.parse().ok())
+                    .unwrap_or(0);
+                rec.record("read", &lock, invoke, "ok", |o| {
+                    o.session = Some(sid);
+                    o.token = Some(token);
+                    o.value = Some(n);
+                });
+                Some(n)
+            }
+            Err(e) => {
+                let result = if matches!(e, FenceError::Stale { .. }) {
+                    "fail"
+                } else {
+                    "unknown"
+                };
+                rec.record("read", &lock, invoke, result, |o| {
+                    o.session = Some(sid);
+                    o.token = Some(token);
+                });
+                if result == "unknown" {
+                    fence = None;
+                }
+                None
+            }
+        };
+        if let Some(n) = value {
+            tokio::time::sleep(Duration::from_millis(rng.between(0, 100))).await;
+            let invoke = now_ms();
+            let written = n + 1;
+            let result = match f.write(&lock, token, written.to_string().as_bytes()).await {
+                Ok(_) => "ok",
+                Err(FenceError::Stale { .. }) => "fail",
+                Err(_) => {
+                    fence = None;
+                    "unknown"
+                }
+            };
+            rec.record("write", &lock, invoke, result, |o| {
+                o.session = Some(sid);
+                o.token = Some(token);
+                o.value = Some(written);
+            });
+        }
+        let invoke = now_ms();
+        let result = match guard.release().await {
+            Ok(()) => "ok",
+            Err(e) => classify(&e),
+        };
+        rec.record("release", &lock, invoke, result, |o| {
+            o.session = Some(sid);
+            o.token = Some(token);
+        });
+        if rng.between(0, 2) == 0 {
+            let read = format!("wl/{}", rng.between(0, LOCKS - 1));
+            let invoke = now_ms();
+            match client.describe(&read).await {
+                Ok(l) => {
+                    let (holder, token) = l.map_or((0, 0), |l| (l.holder_session_id, l.token));
+                    rec.record("describe", &read, invoke, "ok", |o| {
+                        o.session = Some(holder);
+                        o.token = Some(token);
+                    });
+                }
+                Err(e) => rec.record("describe", &read, invoke, classify(&e), |_| {}),
+            }
+        }
+    }
+    if let Some(s) = session {
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.close()).await;
+    }
+}
