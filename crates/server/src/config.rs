@@ -53,6 +53,10 @@ pub struct ServerConfig {
     /// Instead of `audit_log`'s files: where group N's audit lines go (the simulation keeps them in memory).
     #[serde(skip)]
     pub audit_sink: Option<AuditSink>,
+    /// Simulation only: this server's lease clock runs this many parts per million fast (or slow).
+    #[cfg(holdfast_sim)]
+    #[serde(skip)]
+    pub clock_rate_ppm: i64,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -79,6 +83,8 @@ impl Default for ServerConfig {
             audit_log: false,
             rng_seed: None,
             audit_sink: None,
+            #[cfg(holdfast_sim)]
+            clock_rate_ppm: 0,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,

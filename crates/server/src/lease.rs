@@ -53,9 +53,30 @@ pub struct Leases {
     state: Mutex<State>,
     /// Woken when a deadline earlier than the ones the expiry task sleeps on may have appeared.
     pub wake: Notify,
+    /// The simulation's clock-rate error of this server: positive runs fast (TTLs end early in real
+    /// time). Always 0 outside the simulation.
+    rate_ppm: i64,
 }
 
 impl Leases {
+    /// Leases on a clock that runs `rate_ppm` parts per million fast (or slow, if negative). Only the
+    /// simulation uses it, to check that safety survives bounded clock-rate differences.
+    pub fn with_clock_rate_ppm(rate_ppm: i64) -> Leases {
+        Leases {
+            rate_ppm,
+            ..Leases::default()
+        }
+    }
+
+    /// How long `ttl` measured on this server's clock takes in real time.
+    fn span(&self, ttl: Duration) -> Duration {
+        if self.rate_ppm == 0 {
+            ttl
+        } else {
+            ttl.mul_f64(1e6 / (1e6 + self.rate_ppm as f64))
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("lease lock poisoned")
     }
@@ -74,16 +95,17 @@ impl Leases {
         s.heap.clear();
         for (id, ttl_ms) in sessions {
             let ttl = Duration::from_millis(ttl_ms);
+            let deadline = now + self.span(ttl);
             s.timers.insert(
                 id,
                 Timer {
                     ttl,
-                    deadline: now + ttl,
+                    deadline,
                     expiring: false,
                     retry: false,
                 },
             );
-            s.heap.push(Reverse((now + ttl, id)));
+            s.heap.push(Reverse((deadline, id)));
         }
         drop(s);
         self.wake.notify_one();
@@ -108,7 +130,7 @@ impl Leases {
             let id = SessionId(id);
             match s.timers.get_mut(&id) {
                 Some(t) if !t.expiring => {
-                    t.deadline = now + t.ttl;
+                    t.deadline = now + self.span(t.ttl);
                     s.heap.push(Reverse((t.deadline, id)));
                     out.push(KeepAlive::Alive {
                         ttl_ms: t.ttl.as_millis() as u64,
@@ -139,16 +161,17 @@ impl Leases {
             match event {
                 Event::SessionOpened { session, ttl_ms } => {
                     let ttl = Duration::from_millis(*ttl_ms);
+                    let deadline = now + self.span(ttl);
                     s.timers.insert(
                         *session,
                         Timer {
                             ttl,
-                            deadline: now + ttl,
+                            deadline,
                             expiring: false,
                             retry: false,
                         },
                     );
-                    s.heap.push(Reverse((now + ttl, *session)));
+                    s.heap.push(Reverse((deadline, *session)));
                     earlier = true;
                 }
                 Event::SessionEnded { session } => {
@@ -217,6 +240,27 @@ mod tests {
         let mut out = Vec::new();
         leases.keepalive(&[id], now, &mut out)?;
         out.pop()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fast_clock_ends_a_ttl_early_in_real_time_and_a_slow_one_late() {
+        let t0 = Instant::now();
+        // 5% fast: a 10 s TTL on this clock is 9.524 s of real time.
+        let fast = Leases::with_clock_rate_ppm(50_000);
+        fast.start_leading(1, [(SessionId(1), 10_000)].into_iter(), t0);
+        assert!(fast.take_due(t0 + Duration::from_millis(9_523)).is_empty());
+        assert_eq!(
+            fast.take_due(t0 + Duration::from_millis(9_524)),
+            vec![SessionId(1)]
+        );
+        // 5% slow: 10.526 s.
+        let slow = Leases::with_clock_rate_ppm(-50_000);
+        slow.start_leading(1, [(SessionId(2), 10_000)].into_iter(), t0);
+        assert!(slow.take_due(t0 + Duration::from_millis(10_526)).is_empty());
+        assert_eq!(
+            slow.take_due(t0 + Duration::from_millis(10_527)),
+            vec![SessionId(2)]
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -130,7 +130,10 @@ impl Node {
             let log_store = LogStore::new(g, log, wal.clone());
             let snapshots =
                 SnapshotStore::open(config.data_dir.join("snapshots").join(format!("g{g}")))?;
+            #[cfg(not(holdfast_sim))]
             let leases = Arc::new(Leases::default());
+            #[cfg(holdfast_sim)]
+            let leases = Arc::new(Leases::with_clock_rate_ppm(config.clock_rate_ppm));
             let waiters = Arc::new(Waiters::default());
             let (sm, state) =
                 StateMachine::open(snapshots, event_sink(leases.clone(), waiters.clone()))

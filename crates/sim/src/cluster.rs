@@ -2,6 +2,7 @@
 //! store (`store`), each a turmoil host with its own disk. A crashed host loses what it had not synced and
 //! is restarted by running its closure again, exactly like a process restart on a real machine.
 
+use crate::plan::Plan;
 use holdfast_server::config::AuditSink;
 use holdfast_server::node::NodeShared;
 use holdfast_server::{Member, Node, ServerConfig};
@@ -70,7 +71,8 @@ impl Write for SinkWriter {
 }
 
 /// The configuration of server `i` on its `boot`-th start.
-pub fn server_config(i: usize, seed: u64, boot: u64, shared: &Arc<Shared>) -> ServerConfig {
+pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> ServerConfig {
+    let seed = plan.seed;
     let members = (0..crate::plan::SERVERS)
         .map(|m| Member {
             id: m as u64 + 1,
@@ -95,23 +97,26 @@ pub fn server_config(i: usize, seed: u64, boot: u64, shared: &Arc<Shared>) -> Se
         audit_sink: Some(AuditSink(Arc::new(move |_group| {
             Box::new(SinkWriter(audit.clone()))
         }))),
+        clock_rate_ppm: plan.clock_ppm[i],
         ..ServerConfig::default()
     }
 }
 
 /// Registers the five servers and the store as turmoil hosts.
-pub fn add_hosts(sim: &mut turmoil::Sim<'_>, seed: u64, shared: &Arc<Shared>) {
+pub fn add_hosts(sim: &mut turmoil::Sim<'_>, plan: &Plan, shared: &Arc<Shared>) {
     for i in 0..crate::plan::SERVERS {
         let shared = shared.clone();
+        let plan = plan.clone();
         sim.host(server_name(i), move || {
             let shared = shared.clone();
+            let plan = plan.clone();
             async move {
                 let boot = {
                     let mut boots = shared.boots.lock().unwrap();
                     boots[i] += 1;
                     boots[i]
                 };
-                let node = Node::start(server_config(i, seed, boot, &shared)).await?;
+                let node = Node::start(server_config(i, &plan, boot, &shared)).await?;
                 shared
                     .nodes
                     .lock()

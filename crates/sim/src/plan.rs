@@ -10,6 +10,8 @@ pub const CLIENT_HOSTS: usize = 3;
 pub const WORKERS_PER_HOST: usize = 2;
 /// Lock names the workload contends on.
 pub const LOCKS: u64 = 3;
+/// Largest clock-rate error drawn for a server (2%, forty times what an undisciplined quartz clock drifts).
+pub const MAX_CLOCK_PPM: i64 = 20_000;
 /// Session TTL of the workload's sessions (the smallest the server accepts, so pauses beat it easily).
 pub const TTL_MS: u64 = 2_000;
 
@@ -17,11 +19,21 @@ pub const TTL_MS: u64 = 2_000;
 pub enum Fault {
     /// Cuts every link between `side` and the other servers, both ways (a single node, a minority or a
     /// majority, depending on the side's size).
-    Partition { side: Vec<usize> },
+    /// `clients` (client host indexes) are on `side`'s side; the other client hosts reach only the other
+    /// servers. The fenced store stays reachable from everywhere.
+    Partition {
+        side: Vec<usize>,
+        clients: Vec<usize>,
+    },
+    /// Cuts whichever server leads when the fault starts from the other servers, with `clients` on its
+    /// side: they keep talking to a deposed leader while the others move on.
+    IsolateLeader { clients: Vec<usize> },
     /// Drops everything `from` sends to `to`; the other direction works.
     OneWay { from: usize, to: usize },
     /// Holds every message between two servers, then delivers them all late.
     Hold { a: usize, b: usize },
+    /// Makes the link between two servers slow: each message takes up to `max_ms`.
+    Slow { a: usize, b: usize, max_ms: u64 },
     /// Crashes a server (unsynced writes are lost), restarts it when the fault ends.
     Crash { server: usize },
     /// Crashes whichever server leads when the fault starts.
@@ -50,7 +62,16 @@ pub struct Plan {
     pub background_sync: f64,
     /// How long the workload runs; faults happen inside it.
     pub work_ms: u64,
+    /// Each server's lease clock error in parts per million (positive: fast). Bounded by
+    /// [`MAX_CLOCK_PPM`]: the design assumes clocks whose rates differ by far less than the client's
+    /// TTL/10 safety margin.
+    pub clock_ppm: Vec<i64>,
     pub events: Vec<Event>,
+}
+
+/// A random subset of the client hosts (often empty).
+fn some_clients(rng: &mut Rng) -> Vec<usize> {
+    (0..CLIENT_HOSTS).filter(|_| rng.chance(0.3)).collect()
 }
 
 impl Plan {
@@ -59,9 +80,23 @@ impl Plan {
         let max_latency_ms = rng.pick(&[1, 2, 5, 10, 25]);
         let fsync_us = rng.pick(&[100, 500, 2_000, 8_000]);
         let background_sync = rng.pick(&[0.0, 0.01, 0.2]);
+        let clock_ppm = (0..SERVERS)
+            .map(|_| {
+                rng.pick(&[
+                    0,
+                    0,
+                    100,
+                    -100,
+                    5_000,
+                    -5_000,
+                    MAX_CLOCK_PPM,
+                    -MAX_CLOCK_PPM,
+                ])
+            })
+            .collect();
         // How hostile this seed is: the number of faults and which kinds it favours.
         let count = rng.between(1, 3 + work_ms / 2_000);
-        let weights: Vec<u64> = (0..6).map(|_| rng.between(0, 4)).collect();
+        let weights: Vec<u64> = (0..8).map(|_| rng.between(0, 4)).collect();
         let total: u64 = weights.iter().sum::<u64>().max(1);
         let mut events = Vec::new();
         for _ in 0..count {
@@ -87,7 +122,8 @@ impl Plan {
                         }
                     }
                     side.sort_unstable();
-                    (Fault::Partition { side }, rng.between(300, 5_000))
+                    let clients = some_clients(&mut rng);
+                    (Fault::Partition { side, clients }, rng.between(300, 5_000))
                 }
                 1 => {
                     let from = server(&mut rng);
@@ -106,6 +142,18 @@ impl Plan {
                     rng.between(200, 4_000),
                 ),
                 4 => (Fault::CrashLeader, rng.between(200, 4_000)),
+                6 => (
+                    Fault::IsolateLeader {
+                        clients: some_clients(&mut rng),
+                    },
+                    rng.between(1_000, 6_000),
+                ),
+                5 => {
+                    let a = server(&mut rng);
+                    let b = (a + rng.between(1, SERVERS as u64 - 1) as usize) % SERVERS;
+                    let max_ms = rng.pick(&[50, 200, 800]);
+                    (Fault::Slow { a, b, max_ms }, rng.between(500, 5_000))
+                }
                 _ => (
                     Fault::PauseClient {
                         host: rng.between(0, CLIENT_HOSTS as u64 - 1) as usize,
@@ -126,6 +174,7 @@ impl Plan {
             fsync_us,
             background_sync,
             work_ms,
+            clock_ppm,
             events,
         }
     }

@@ -46,15 +46,28 @@ pub struct Outcome {
     pub sim_error: Option<String>,
 }
 
-fn hosts_of(side: &[usize]) -> Vec<String> {
-    side.iter().map(|&s| server_name(s)).collect()
-}
-
-fn others(side: &[usize]) -> Vec<String> {
-    (0..SERVERS)
-        .filter(|s| !side.contains(s))
-        .map(server_name)
-        .collect()
+/// The links a partition cuts: between the servers in `side` (with the client hosts `clients`) and the
+/// other servers (with the other client hosts). Clients never talk to each other; the store is not cut.
+fn partition(side: &[usize], clients: &[usize]) -> Vec<(String, String)> {
+    let client = |c: usize| format!("c{}", c + 1);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for s in 0..SERVERS {
+        let to = if side.contains(&s) { &mut a } else { &mut b };
+        to.push((server_name(s), true));
+    }
+    for c in 0..CLIENT_HOSTS {
+        let to = if clients.contains(&c) { &mut a } else { &mut b };
+        to.push((client(c), false));
+    }
+    let mut cuts = Vec::new();
+    for (x, x_server) in &a {
+        for (y, y_server) in &b {
+            if *x_server || *y_server {
+                cuts.push((x.clone(), y.clone()));
+            }
+        }
+    }
+    cuts
 }
 
 /// Links cut or held, and servers down, so the heal undoes exactly what is still in force.
@@ -62,7 +75,16 @@ fn others(side: &[usize]) -> Vec<String> {
 struct Damage {
     cut: BTreeSet<(String, String)>,
     held: BTreeSet<(String, String)>,
+    slow: BTreeSet<(String, String)>,
     down: BTreeSet<usize>,
+}
+
+/// A fault in force: when it ends, the server it crashed and the links it cut (resolved when it started).
+struct Active {
+    end_ms: u64,
+    fault: Fault,
+    crashed: Option<usize>,
+    cuts: Vec<(String, String)>,
 }
 
 struct Driver<'a> {
@@ -71,7 +93,8 @@ struct Driver<'a> {
     damage: Damage,
     trace: Vec<String>,
     /// Active faults: when each ends, and which crash it was (for restarts).
-    ending: Vec<(u64, Fault, Option<usize>)>,
+    ending: Vec<Active>,
+    max_latency_ms: u64,
 }
 
 impl Driver<'_> {
@@ -102,20 +125,15 @@ impl Driver<'_> {
         best.map(|(_, i)| i)
     }
 
-    fn cut(&mut self, a: String, b: String) {
-        self.sim.partition(a.as_str(), b.as_str());
-        self.damage.cut.insert((a, b));
-    }
-
     fn start(&mut self, e: &Event) {
         let end = self.now_ms() + e.duration_ms;
         let mut crashed = None;
+        let mut cuts = Vec::new();
         match &e.fault {
-            Fault::Partition { side } => {
-                for a in hosts_of(side) {
-                    for b in others(side) {
-                        self.cut(a.clone(), b);
-                    }
+            Fault::Partition { side, clients } => cuts = partition(side, clients),
+            Fault::IsolateLeader { clients } => {
+                if let Some(leader) = self.leader() {
+                    cuts = partition(&[leader], clients);
                 }
             }
             Fault::OneWay { from, to } => {
@@ -127,6 +145,15 @@ impl Driver<'_> {
                 let (a, b) = (server_name(*a), server_name(*b));
                 self.sim.hold(a.as_str(), b.as_str());
                 self.damage.held.insert((a, b));
+            }
+            Fault::Slow { a, b, max_ms } => {
+                let (a, b) = (server_name(*a), server_name(*b));
+                self.sim.set_link_max_message_latency(
+                    a.as_str(),
+                    b.as_str(),
+                    Duration::from_millis(*max_ms),
+                );
+                self.damage.slow.insert((a, b));
             }
             Fault::Crash { server } => crashed = Some(*server),
             Fault::CrashLeader => crashed = self.leader(),
@@ -141,27 +168,35 @@ impl Driver<'_> {
         if let Some(s) = crashed {
             if self.damage.down.insert(s) {
                 self.sim.crash(server_name(s));
+                // Its state is gone with its runtime; the restarted server registers anew.
+                self.shared.nodes.lock().unwrap().remove(&s);
             } else {
                 crashed = None;
             }
         }
+        for (a, b) in &cuts {
+            self.sim.partition(a.as_str(), b.as_str());
+            self.damage.cut.insert((a.clone(), b.clone()));
+        }
         self.log(format!(
-            "start {:?} for {} ms (crashed: {crashed:?})",
+            "start {:?} for {} ms (crashed: {crashed:?}, cut: {cuts:?})",
             e.fault, e.duration_ms
         ));
-        self.ending.push((end, e.fault.clone(), crashed));
+        self.ending.push(Active {
+            end_ms: end,
+            fault: e.fault.clone(),
+            crashed,
+            cuts,
+        });
     }
 
-    fn stop(&mut self, fault: &Fault, crashed: Option<usize>) {
+    fn stop(&mut self, fault: &Fault, crashed: Option<usize>, cuts: Vec<(String, String)>) {
+        for (a, b) in cuts {
+            self.sim.repair(a.as_str(), b.as_str());
+            self.damage.cut.remove(&(a, b));
+        }
         match fault {
-            Fault::Partition { side } => {
-                for a in hosts_of(side) {
-                    for b in others(side) {
-                        self.sim.repair(a.as_str(), b.as_str());
-                        self.damage.cut.remove(&(a.clone(), b));
-                    }
-                }
-            }
+            Fault::Partition { .. } | Fault::IsolateLeader { .. } => {}
             Fault::OneWay { from, to } => {
                 let (a, b) = (server_name(*from), server_name(*to));
                 self.sim.repair_oneway(a.as_str(), b.as_str());
@@ -171,6 +206,15 @@ impl Driver<'_> {
                 let (a, b) = (server_name(*a), server_name(*b));
                 self.sim.release(a.as_str(), b.as_str());
                 self.damage.held.remove(&(a, b));
+            }
+            Fault::Slow { a, b, .. } => {
+                let (a, b) = (server_name(*a), server_name(*b));
+                self.sim.set_link_max_message_latency(
+                    a.as_str(),
+                    b.as_str(),
+                    Duration::from_millis(self.max_latency_ms),
+                );
+                self.damage.slow.remove(&(a, b));
             }
             Fault::Crash { .. } | Fault::CrashLeader => {
                 if let Some(s) = crashed {
@@ -195,6 +239,13 @@ impl Driver<'_> {
         }
         for (a, b) in std::mem::take(&mut self.damage.held) {
             self.sim.release(a.as_str(), b.as_str());
+        }
+        for (a, b) in std::mem::take(&mut self.damage.slow) {
+            self.sim.set_link_max_message_latency(
+                a.as_str(),
+                b.as_str(),
+                Duration::from_millis(self.max_latency_ms),
+            );
         }
         for s in std::mem::take(&mut self.damage.down) {
             self.sim.bounce(server_name(s));
@@ -237,7 +288,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
     builder.fs().sync_probability(plan.background_sync);
     let mut sim = builder.build();
     let shared = Shared::new();
-    cluster::add_hosts(&mut sim, seed, &shared);
+    cluster::add_hosts(&mut sim, &plan, &shared);
     let history: History = Arc::new(Mutex::new(Vec::new()));
     let epoch_ms = 1_790_000_000_000u64;
     for h in 0..CLIENT_HOSTS {
@@ -261,6 +312,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         damage: Damage::default(),
         trace: vec![format!("seed {seed} plan {plan:?}")],
         ending: Vec::new(),
+        max_latency_ms: plan.max_latency_ms,
     };
     let mut pending: std::collections::VecDeque<Event> = plan.events.iter().cloned().collect();
     let mut healed = false;
@@ -274,9 +326,14 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         }
         let mut i = 0;
         while i < d.ending.len() {
-            if d.ending[i].0 <= now {
-                let (_, fault, crashed) = d.ending.remove(i);
-                d.stop(&fault, crashed);
+            if d.ending[i].end_ms <= now {
+                let Active {
+                    fault,
+                    crashed,
+                    cuts,
+                    ..
+                } = d.ending.remove(i);
+                d.stop(&fault, crashed, cuts);
             } else {
                 i += 1;
             }
@@ -285,7 +342,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
             d.heal();
             healed = true;
         }
-        if healed && converged_after_ms.is_none() && now % 50 == 0 && d.converged() {
+        if healed && converged_after_ms.is_none() && now.is_multiple_of(50) && d.converged() {
             converged_after_ms = Some(now - heal_ms);
             d.log(format!("converged {} ms after the heal", now - heal_ms));
         }

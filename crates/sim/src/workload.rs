@@ -80,10 +80,42 @@ pub async fn client_host(
             until_ms,
         )));
     }
+    let reader = Recorder {
+        history: history.clone(),
+        process: host as u32 + 1,
+        client: WORKERS_PER_HOST,
+    };
+    let rng = Rng::new(seed ^ (host as u64 + 1).wrapping_mul(0x5851_f42d));
+    tasks.push(tokio::spawn(reader_loop(
+        client.clone(),
+        reader,
+        rng,
+        until_ms,
+    )));
     for t in tasks {
         t.await?;
     }
     Ok(())
+}
+
+/// Describes random locks in a loop. Reads that go to a deposed leader still believing it leads are
+/// what a stale-read bug would return; the workers' own describes come too rarely to catch one.
+async fn reader_loop(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
+    while now_ms() < until_ms {
+        let lock = format!("wl/{}", rng.between(0, LOCKS - 1));
+        let invoke = now_ms();
+        match client.describe(&lock).await {
+            Ok(l) => {
+                let (holder, token) = l.map_or((0, 0), |l| (l.holder_session_id, l.token));
+                rec.record("describe", &lock, invoke, "ok", |o| {
+                    o.session = Some(holder);
+                    o.token = Some(token);
+                });
+            }
+            Err(e) => rec.record("describe", &lock, invoke, classify(&e), |_| {}),
+        }
+        tokio::time::sleep(Duration::from_millis(rng.between(10, 60))).await;
+    }
 }
 
 async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {

@@ -1,0 +1,130 @@
+//! The simulation's CI entry points (built only with `--cfg holdfast_sim`; `scripts/sim-ci` runs them).
+//! Every seed runs in its own `holdfast-sim` process, exactly as `scripts/sim --seed N` replays it (see
+//! `src/main.rs` for why a fresh process matters).
+//!
+//! - `seeds_hold_every_invariant`: seeds `HOLDFAST_SIM_FROM..+HOLDFAST_SIM_SEEDS` (default 0..200), each
+//!   checked against P1–P7; a failure names the seed and the command that replays it.
+//! - `one_seed_twice_gives_the_identical_trace`: the same seed run twice prints the same fault log,
+//!   operations with their simulated times and results, and every server's applied entries, byte for byte.
+
+#![cfg(holdfast_sim)]
+
+use std::process::Command;
+use std::sync::Mutex;
+
+const BIN: &str = env!("CARGO_BIN_EXE_holdfast-sim");
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Default)]
+struct Totals {
+    seeds: u64,
+    ops: u64,
+    grants: u64,
+    writes: u64,
+    stale: u64,
+    expiries: u64,
+    reads: u64,
+}
+
+#[test]
+fn seeds_hold_every_invariant() {
+    let from = env("HOLDFAST_SIM_FROM", 0);
+    let count = env("HOLDFAST_SIM_SEEDS", 200);
+    let work_ms = env("HOLDFAST_SIM_WORK_MS", 12_000).to_string();
+    let started = std::time::Instant::now();
+    let totals = Mutex::new(Totals::default());
+    let failures = Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as u64);
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let (totals, failures, work_ms) = (&totals, &failures, &work_ms);
+            scope.spawn(move || {
+                for seed in (from..from + count).filter(|s| s % threads == t) {
+                    let out = Command::new(BIN)
+                        .args(["--seed", &seed.to_string(), "--json", "--work-ms", work_ms])
+                        .output()
+                        .expect("run holdfast-sim");
+                    let stdout = String::from_utf8_lossy(&out.stdout);
+                    let Some(r) = stdout
+                        .lines()
+                        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    else {
+                        failures.lock().unwrap().push(format!(
+                            "seed {seed}: no report ({}): {}\n  reproduce: scripts/sim --seed {seed}",
+                            out.status,
+                            String::from_utf8_lossy(&out.stderr)
+                        ));
+                        continue;
+                    };
+                    let n = |k: &str| r[k].as_u64().unwrap_or(0);
+                    let mut t = totals.lock().unwrap();
+                    t.seeds += 1;
+                    t.ops += n("ops");
+                    t.grants += n("ok_grants");
+                    t.writes += n("ok_writes");
+                    t.stale += n("stale_refused");
+                    t.expiries += n("expiries_checked");
+                    t.reads += n("reads_checked");
+                    let violations = r["violations"].as_array().cloned().unwrap_or_default();
+                    if !violations.is_empty() || !out.status.success() {
+                        failures.lock().unwrap().push(format!(
+                            "seed {seed}: {} violations, first: {}\n  reproduce: scripts/sim --seed {seed}",
+                            violations.len(),
+                            violations.first().map(|v| v.to_string()).unwrap_or_default()
+                        ));
+                    }
+                }
+            });
+        }
+    });
+    let t = totals.into_inner().unwrap();
+    let mut failures = failures.into_inner().unwrap();
+    failures.sort();
+    eprintln!(
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked",
+        t.seeds,
+        started.elapsed().as_secs_f64(),
+        t.ops,
+        t.grants,
+        t.writes,
+        t.stale,
+        t.expiries,
+        t.reads
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert_eq!(t.seeds, count, "every seed must report");
+    assert!(
+        t.ops >= count * 300,
+        "too few operations ran ({}): the workload is not exercising the cluster",
+        t.ops
+    );
+}
+
+#[test]
+fn one_seed_twice_gives_the_identical_trace() {
+    let seed = (env("HOLDFAST_SIM_FROM", 0) + 7).to_string();
+    let trace = || {
+        let out = Command::new(BIN)
+            .args(["--seed", &seed, "--trace"])
+            .output()
+            .expect("run holdfast-sim");
+        assert!(out.status.success(), "seed {seed} failed: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (a, b) = (trace(), trace());
+    assert!(a.lines().count() > 1_000, "a run must record something");
+    assert!(
+        a.contains("op: \"write\"") && a.contains("AuditLine"),
+        "the trace must include fenced writes and applied entries"
+    );
+    for (i, (x, y)) in a.lines().zip(b.lines()).enumerate() {
+        assert_eq!(x, y, "seed {seed}: traces differ at line {i}");
+    }
+    assert_eq!(a.len(), b.len(), "seed {seed}: traces differ in length");
+}
