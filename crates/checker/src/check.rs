@@ -3,8 +3,8 @@
 
 use crate::model::{AuditLine, Op, StoreRecord};
 use crate::properties::{
-    linearizable_reads, p1_one_holder, p2_replicas_agree, p3_tokens, p4_fenced_store,
-    p5_acknowledged_in_log, p6_no_early_expiry,
+    linearizable_locks, linearizable_reads, p1_one_holder, p2_replicas_agree, p3_tokens,
+    p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry,
 };
 
 #[derive(Debug, Default)]
@@ -19,6 +19,9 @@ pub struct Report {
     pub expiries_checked: usize,
     /// Describe results checked for linearizability against the log.
     pub reads_checked: usize,
+    /// Operations placed by the black-box linearizability search, and locks where it gave up.
+    pub linearized_ops: usize,
+    pub linearizability_inconclusive: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
@@ -34,6 +37,9 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     p5_acknowledged_in_log::check(history, &merged, &grants, &mut r.violations);
     p4_fenced_store::check(history, store, &mut r.violations);
     r.expiries_checked = p6_no_early_expiry::check(history, &merged, &mut r.violations);
+    let lin = linearizable_locks::check(history, &mut r.violations);
+    r.linearized_ops = lin.ops;
+    r.linearizability_inconclusive = lin.inconclusive;
     r.ok_grants = history
         .iter()
         .filter(|o| o.op == "acquire" && o.ok())

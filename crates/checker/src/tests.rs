@@ -329,3 +329,121 @@ fn a_describe_that_misses_a_completed_grant_is_not_linearizable() {
     });
     assert!(violations(&h, &[(1, log)], &store).is_empty());
 }
+
+/// The black-box linearizability search alone (no audit logs, no store).
+fn lin(history: &[Op]) -> Vec<String> {
+    let mut v = Vec::new();
+    crate::properties::linearizable_locks::check(history, &mut v);
+    v
+}
+
+fn describe(lock: &str, holder: Option<(u64, u64)>, invoke_ms: u64, complete_ms: u64) -> Op {
+    let (s, t) = holder.unwrap_or((0, 0));
+    op("describe", lock, s, t, invoke_ms, complete_ms, None)
+}
+
+#[test]
+fn wgl_accepts_waits_concurrent_reads_unknown_outcomes_and_expired_holders() {
+    let (mut h, _, _) = good();
+    // A read overlapping the hand-over may see either holder; a later one sees the second.
+    h.push(describe("l", Some((1, 3)), 13, 17));
+    h.push(describe("l", Some((2, 5)), 14, 17));
+    h.push(describe("l", Some((2, 5)), 19, 20));
+    // An acquire that timed out (unknown) and never took effect, and a failed one.
+    let mut unknown = op("acquire", "l", 3, 0, 12, 13, None);
+    unknown.result = "unknown".into();
+    unknown.token = None;
+    h.push(unknown);
+    let mut failed = op("acquire", "l", 4, 0, 12, 13, None);
+    failed.result = "fail".into();
+    h.push(failed);
+    // Session 2 expires without a client operation; session 5 then gets the lock with a larger token.
+    h.push(op("acquire", "l", 5, 9, 30, 31, None));
+    h.push(describe("l", Some((5, 9)), 32, 33));
+    h.push(op("release", "l", 5, 9, 33, 34, None));
+    h.push(describe("l", None, 35, 36));
+    assert!(lin(&h).is_empty(), "{:?}", lin(&h));
+}
+
+#[test]
+fn wgl_learns_the_token_of_an_unknown_grant_from_a_read() {
+    let mut unknown = op("acquire", "l", 1, 0, 0, 1, None);
+    unknown.result = "unknown".into();
+    unknown.token = None;
+    let h = vec![
+        unknown,
+        describe("l", Some((1, 4)), 5, 6),
+        describe("l", Some((1, 4)), 7, 8),
+    ];
+    assert!(lin(&h).is_empty(), "{:?}", lin(&h));
+    // The same read twice with different tokens cannot both be right.
+    let mut unknown = op("acquire", "l", 1, 0, 0, 1, None);
+    unknown.result = "unknown".into();
+    unknown.token = None;
+    let h = vec![
+        unknown,
+        describe("l", Some((1, 4)), 5, 6),
+        describe("l", Some((1, 6)), 7, 8),
+    ];
+    assert_eq!(lin(&h).len(), 1);
+}
+
+#[test]
+fn wgl_rejects_two_holders() {
+    // B was granted while A held, and A then released as the holder.
+    let h = vec![
+        op("acquire", "l", 1, 3, 0, 1, None),
+        op("acquire", "l", 2, 4, 2, 3, None),
+        op("release", "l", 1, 3, 4, 5, None),
+    ];
+    let v = lin(&h);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].contains("linearizability (WGL)"), "{v:?}");
+}
+
+#[test]
+fn wgl_rejects_stale_reads_and_tokens_that_go_down() {
+    // A read after the release completed still sees the holder.
+    let stale = vec![
+        op("acquire", "l", 1, 3, 0, 1, None),
+        op("release", "l", 1, 3, 2, 3, None),
+        describe("l", Some((1, 3)), 4, 5),
+    ];
+    assert_eq!(lin(&stale).len(), 1);
+    // A read that misses a grant that completed before it.
+    let missed = vec![
+        op("acquire", "l", 1, 3, 0, 1, None),
+        describe("l", None, 2, 3),
+    ];
+    assert!(
+        lin(&missed).is_empty(),
+        "the holder may have expired in between"
+    );
+    let missed = vec![
+        op("acquire", "l", 1, 3, 0, 1, None),
+        describe("l", None, 2, 3),
+        op("release", "l", 1, 3, 4, 5, None),
+    ];
+    assert_eq!(lin(&missed).len(), 1, "it still held: it released later");
+    // A later grant with a smaller token.
+    let down = vec![
+        op("acquire", "l", 1, 5, 0, 1, None),
+        op("release", "l", 1, 5, 2, 3, None),
+        op("acquire", "l", 2, 4, 4, 5, None),
+    ];
+    assert_eq!(lin(&down).len(), 1);
+    // Releasing a lock the session never held.
+    let foreign = vec![
+        op("acquire", "l", 1, 3, 0, 1, None),
+        op("release", "l", 2, 3, 2, 3, None),
+    ];
+    assert_eq!(lin(&foreign).len(), 1);
+}
+
+#[test]
+fn the_aggregate_check_runs_the_search() {
+    let (h, log, store) = good();
+    let report = check(&h, &[(1, log)], &store);
+    assert_eq!(report.linearized_ops, 3);
+    assert_eq!(report.linearizability_inconclusive, 0);
+}

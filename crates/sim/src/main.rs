@@ -92,6 +92,8 @@ fn main() -> std::process::ExitCode {
                 "stale_refused": report.stale_refused,
                 "expiries_checked": report.expiries_checked,
                 "reads_checked": report.reads_checked,
+                "linearized_ops": report.linearized_ops,
+                "linearizability_inconclusive": report.linearizability_inconclusive,
                 "applied_entries": report.applied_entries,
                 "recovered_after_ms": outcome.recovered_after_ms,
                 "converged_after_ms": outcome.converged_after_ms,

@@ -30,6 +30,8 @@ struct Totals {
     stale: u64,
     expiries: u64,
     reads: u64,
+    linearized: u64,
+    inconclusive: u64,
 }
 
 #[test]
@@ -71,6 +73,8 @@ fn seeds_hold_every_invariant() {
                     t.stale += n("stale_refused");
                     t.expiries += n("expiries_checked");
                     t.reads += n("reads_checked");
+                    t.linearized += n("linearized_ops");
+                    t.inconclusive += n("linearizability_inconclusive");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
                     if !violations.is_empty() || !out.status.success() {
                         failures.lock().unwrap().push(format!(
@@ -87,7 +91,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive)",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -95,7 +99,9 @@ fn seeds_hold_every_invariant() {
         t.writes,
         t.stale,
         t.expiries,
-        t.reads
+        t.reads,
+        t.linearized,
+        t.inconclusive
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert_eq!(t.seeds, count, "every seed must report");

@@ -9,8 +9,10 @@
 //! 4. [`p3_tokens`] checks the history's tokens;
 //! 5. [`p5_acknowledged_in_log`] checks acknowledged operations against the [`MergedLog`] and [`Grants`];
 //! 6. [`p4_fenced_store`] checks the fenced store's log against the history;
-//! 7. [`p6_no_early_expiry`] checks expiries in the [`MergedLog`] against the history's renewals.
+//! 7. [`p6_no_early_expiry`] checks expiries in the [`MergedLog`] against the history's renewals;
+//! 8. [`linearizable_locks`] searches the history alone for a linearization of each lock's operations.
 
+pub mod linearizable_locks;
 pub mod linearizable_reads;
 pub mod p1_one_holder;
 pub mod p2_replicas_agree;

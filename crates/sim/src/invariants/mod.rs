@@ -18,6 +18,8 @@ pub struct Report {
     pub applied_entries: usize,
     pub expiries_checked: usize,
     pub reads_checked: usize,
+    pub linearized_ops: usize,
+    pub linearizability_inconclusive: usize,
 }
 
 pub fn check_all(run: &Outcome) -> Report {
@@ -37,6 +39,8 @@ pub fn check_all(run: &Outcome) -> Report {
         applied_entries: r.applied_entries,
         expiries_checked: r.expiries_checked,
         reads_checked: r.reads_checked,
+        linearized_ops: r.linearized_ops,
+        linearizability_inconclusive: r.linearizability_inconclusive,
     }
 }
 
@@ -50,6 +54,8 @@ pub struct Totals {
     pub stale_refused: usize,
     pub expiries_checked: usize,
     pub reads_checked: usize,
+    pub linearized_ops: usize,
+    pub linearizability_inconclusive: usize,
 }
 
 impl Totals {
@@ -61,6 +67,8 @@ impl Totals {
         self.stale_refused += r.stale_refused;
         self.expiries_checked += r.expiries_checked;
         self.reads_checked += r.reads_checked;
+        self.linearized_ops += r.linearized_ops;
+        self.linearizability_inconclusive += r.linearizability_inconclusive;
     }
 }
 
@@ -68,8 +76,15 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked",
-            self.ops, self.ok_grants, self.ok_writes, self.stale_refused, self.expiries_checked, self.reads_checked
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive)",
+            self.ops,
+            self.ok_grants,
+            self.ok_writes,
+            self.stale_refused,
+            self.expiries_checked,
+            self.reads_checked,
+            self.linearized_ops,
+            self.linearizability_inconclusive
         )
     }
 }
