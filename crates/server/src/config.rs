@@ -57,6 +57,10 @@ pub struct ServerConfig {
     #[cfg(holdfast_sim)]
     #[serde(skip)]
     pub clock_rate_ppm: i64,
+    /// Simulation only: how long one WAL group commit takes between its write and its sync.
+    #[cfg(holdfast_sim)]
+    #[serde(skip)]
+    pub sim_fsync: std::time::Duration,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -85,6 +89,8 @@ impl Default for ServerConfig {
             audit_sink: None,
             #[cfg(holdfast_sim)]
             clock_rate_ppm: 0,
+            #[cfg(holdfast_sim)]
+            sim_fsync: std::time::Duration::from_micros(500),
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,

@@ -84,6 +84,8 @@ impl Node {
                 });
                 fault
             }),
+            #[cfg(holdfast_sim)]
+            sim_sync_delay: config.sim_fsync,
             ..WalOptions::default()
         };
         let (wal, recovered) = Wal::open(&config.data_dir.join("wal"), wal_options)?;

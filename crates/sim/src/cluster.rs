@@ -98,6 +98,7 @@ pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> 
             Box::new(SinkWriter(audit.clone()))
         }))),
         clock_rate_ppm: plan.clock_ppm[i],
+        sim_fsync: Duration::from_micros(plan.fsync_us),
         ..ServerConfig::default()
     }
 }

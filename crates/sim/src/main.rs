@@ -28,7 +28,8 @@ fn main() -> std::process::ExitCode {
     let mut from = 0u64;
     let mut count = 1u64;
     let mut options = Options::default();
-    let (mut trace, mut json, mut net) = (false, false, false);
+    let (mut trace, mut json) = (false, false);
+    let mut log: Option<String> = None;
     while let Some(a) = args.next() {
         let mut value = || -> u64 {
             args.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
@@ -43,19 +44,21 @@ fn main() -> std::process::ExitCode {
             "--work-ms" => options.work_ms = value(),
             "--trace" => trace = true,
             "--json" => json = true,
-            "--net-trace" => net = true,
+            "--net-trace" => log = Some("turmoil=trace".into()),
+            "--log" => log = args.next(),
             _ => {
                 eprintln!(
-                    "usage: holdfast-sim [--seed N | --from N --seeds COUNT] [--work-ms MS] [--trace] [--json] [--net-trace]"
+                    "usage: holdfast-sim [--seed N | --from N --seeds COUNT] [--work-ms MS] [--trace] [--json] [--net-trace | --log FILTER]"
                 );
                 return std::process::ExitCode::from(2);
             }
         }
     }
-    if net {
-        // turmoil's packet log (every send, delivery and receive with its bytes) on standard error.
+    if let Some(filter) = log {
+        // Server logs (`--log warn`) or turmoil's packet log (`--net-trace`: every send, delivery and
+        // receive with its bytes) on standard error.
         tracing_subscriber::fmt()
-            .with_env_filter("turmoil=trace")
+            .with_env_filter(filter)
             .without_time()
             .with_ansi(false)
             .with_writer(std::io::stderr)

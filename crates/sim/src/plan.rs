@@ -60,6 +60,9 @@ pub struct Plan {
     /// Probability that turmoil's disk makes an unsynced write durable on its own (as a real page cache
     /// may), so crashes see many different disk states.
     pub background_sync: f64,
+    /// Disk block size for torn writes: on a crash a pending (unsynced) write may survive in part,
+    /// block by block. None: pending writes are lost or kept whole.
+    pub torn_block: Option<u64>,
     /// How long the workload runs; faults happen inside it.
     pub work_ms: u64,
     /// Each server's lease clock error in parts per million (positive: fast). Bounded by
@@ -80,6 +83,9 @@ impl Plan {
         let max_latency_ms = rng.pick(&[1, 2, 5, 10, 25]);
         let fsync_us = rng.pick(&[100, 500, 2_000, 8_000]);
         let background_sync = rng.pick(&[0.0, 0.01, 0.2]);
+        // Small blocks tear even the small frames of this workload (real disks tear at 512 bytes or
+        // more, but the log must survive a tear at any byte).
+        let torn_block = rng.pick(&[None, Some(16), Some(64), Some(512)]);
         let clock_ppm = (0..SERVERS)
             .map(|_| {
                 rng.pick(&[
@@ -173,6 +179,7 @@ impl Plan {
             max_latency_ms,
             fsync_us,
             background_sync,
+            torn_block,
             work_ms,
             clock_ppm,
             events,

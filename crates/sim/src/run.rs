@@ -286,6 +286,9 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         .max_message_latency(Duration::from_millis(plan.max_latency_ms))
         .tcp_capacity(4096);
     builder.fs().sync_probability(plan.background_sync);
+    if let Some(block) = plan.torn_block {
+        builder.fs().block_size(block);
+    }
     let mut sim = builder.build();
     let shared = Shared::new();
     cluster::add_hosts(&mut sim, &plan, &shared);

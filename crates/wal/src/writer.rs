@@ -193,6 +193,18 @@ struct Active {
     max_index: BTreeMap<u32, u64>,
 }
 
+/// A group commit between its write and its sync.
+#[derive(Default)]
+struct Batch {
+    dones: Vec<Done>,
+    releases: Vec<(u32, u64)>,
+    sticky: Vec<Record>,
+    index: BTreeMap<u32, u64>,
+    records: usize,
+    /// The frame's length, or why writing it failed; None if the batch had no appends.
+    written: Option<Result<u64, WalError>>,
+}
+
 struct Writer {
     dir: PathBuf,
     options: WalOptions,
@@ -233,11 +245,13 @@ impl Writer {
         loop {
             match rx.try_recv() {
                 Ok(first) => {
-                    // Appends that arrive while the "disk" is busy join the next batch, as on a real one.
-                    tokio::time::sleep(self.options.sim_sync_delay).await;
                     let mut ops = vec![first];
                     ops.extend(rx.try_iter());
-                    self.commit(ops);
+                    // Written, then synced after the simulated disk time: a crash in between finds the
+                    // frame pending, which turmoil's disk loses, keeps, or tears.
+                    let batch = self.write(ops);
+                    tokio::time::sleep(self.options.sim_sync_delay).await;
+                    self.sync(batch);
                 }
                 Err(mpsc::TryRecvError::Empty) => wake.notified().await,
                 Err(mpsc::TryRecvError::Disconnected) => return,
@@ -245,39 +259,58 @@ impl Writer {
         }
     }
 
+    #[cfg(not(holdfast_sim))]
     fn commit(&mut self, ops: Vec<Op>) {
+        let batch = self.write(ops);
+        self.sync(batch);
+    }
+
+    /// First half of a group commit: encodes the batch and writes it (not yet durable).
+    fn write(&mut self, ops: Vec<Op>) -> Batch {
         let mut body = Vec::new();
-        let mut dones = Vec::new();
-        let mut releases = Vec::new();
-        let mut batch_sticky = Vec::new();
-        let mut batch_index: BTreeMap<u32, u64> = BTreeMap::new();
-        let mut records = 0;
+        let mut b = Batch::default();
         for op in ops {
             match op {
                 Op::Append(rs, done) => {
                     for r in &rs {
                         encode_record(&mut body, r);
                         if r.sticky {
-                            batch_sticky.push(r.clone());
+                            b.sticky.push(r.clone());
                         } else {
-                            let m = batch_index.entry(r.group).or_insert(0);
+                            let m = b.index.entry(r.group).or_insert(0);
                             *m = r.index.max(*m);
                         }
                     }
-                    records += rs.len();
-                    dones.push(done);
+                    b.records += rs.len();
+                    b.dones.push(done);
                 }
-                Op::Release(group, index) => releases.push((group, index)),
+                Op::Release(group, index) => b.releases.push((group, index)),
             }
         }
-        let result = (!dones.is_empty()).then(|| self.write_frame(&body, records));
+        if !b.dones.is_empty() {
+            b.written = Some(self.write_frame(&body));
+        }
+        b
+    }
+
+    /// Second half: syncs what [`Writer::write`] wrote, then completes the batch's appends.
+    fn sync(&mut self, b: Batch) {
+        let Batch {
+            dones,
+            releases,
+            sticky,
+            index,
+            records,
+            written,
+        } = b;
+        let result = written.map(|w| w.and_then(|frame| self.sync_frame(frame, records)));
         match &result {
             Some(Ok(())) => {
-                for r in batch_sticky {
+                for r in sticky {
                     self.sticky.insert((r.group, r.kind), r);
                 }
                 let active = self.active.as_mut().expect("an active segment");
-                for (g, i) in batch_index {
+                for (g, i) in index {
                     let m = active.max_index.entry(g).or_insert(0);
                     *m = i.max(*m);
                 }
@@ -309,7 +342,8 @@ impl Writer {
         }
     }
 
-    fn write_frame(&mut self, body: &[u8], records: usize) -> Result<(), WalError> {
+    /// Appends one frame to the active segment (rotating first if it would not fit). Returns its length.
+    fn write_frame(&mut self, body: &[u8]) -> Result<u64, WalError> {
         if let Some(p) = &self.poisoned {
             return Err(WalError::Poisoned(p.clone()));
         }
@@ -327,16 +361,22 @@ impl Writer {
             .file
             .write_all(&frame)
             .map_err(io_err(&active.path))?;
+        Ok(frame.len() as u64)
+    }
+
+    /// Makes the frame just written durable.
+    fn sync_frame(&mut self, frame_len: u64, records: usize) -> Result<(), WalError> {
+        let active = self.active.as_mut().expect("an active segment");
         let started = Instant::now();
         if let Some(fault) = &self.options.sync_fault {
             fault().map_err(io_err(&active.path))?;
         }
         active.file.sync_data().map_err(io_err(&active.path))?;
-        active.len += frame.len() as u64;
+        active.len += frame_len;
         if let Some(observer) = &self.options.observer {
             observer(SyncStats {
                 records,
-                bytes: frame.len(),
+                bytes: frame_len as usize,
                 sync_duration: started.elapsed(),
             });
         }

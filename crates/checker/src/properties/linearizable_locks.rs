@@ -130,7 +130,10 @@ impl Search<'_> {
             .min_by_key(|&i| self.calls[i].complete);
         let horizon = first.map_or(u64::MAX, |i| self.calls[i].complete);
         if let Some(i) = first {
-            if self.furthest.is_none_or(|(left, _, _)| remaining_must < left) {
+            if self
+                .furthest
+                .is_none_or(|(left, _, _)| remaining_must < left)
+            {
                 self.furthest = Some((remaining_must, state, i));
             }
         }
@@ -234,7 +237,9 @@ pub fn check(history: &[Op], v: &mut Vec<String>) -> Summary {
                 .map(|t| t.join().unwrap_or(false))
         });
         let Ok(found) = found else {
-            v.push(format!("linearizability (WGL): could not start the search for {lock:?}"));
+            v.push(format!(
+                "linearizability (WGL): could not start the search for {lock:?}"
+            ));
             continue;
         };
         if found {
