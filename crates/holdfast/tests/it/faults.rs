@@ -186,8 +186,8 @@ async fn run(nemesis: Nemesis, seed: u64) {
         .collect();
     let report = check(&history, &audits, &store);
     eprintln!(
-        "{nemesis:?} seed {seed}: {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked; faults: {}",
-        report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, faults.join(", ")
+        "{nemesis:?} seed {seed}: {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive); faults: {}",
+        report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, report.linearized_ops, report.linearizability_inconclusive, faults.join(", ")
     );
     assert!(
         report.violations.is_empty(),
