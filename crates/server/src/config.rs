@@ -48,7 +48,9 @@ pub struct ServerConfig {
     pub fault_fsync_fail_after: Option<u64>,
     /// For the fault tests' checker: append one JSON line per applied command to `DATA_DIR/audit-gN.jsonl`.
     pub audit_log: bool,
-    /// Seed of Raft's randomized timeouts. None: drawn from the OS at start. The simulation fixes it.
+    /// Seed of Raft's randomized timeouts (mixed with the node id and group). None: drawn from the OS
+    /// at start. Only the simulation sets it, so it is not read from config files.
+    #[serde(skip)]
     pub rng_seed: Option<u64>,
     /// Instead of `audit_log`'s files: where group N's audit lines go (the simulation keeps them in memory).
     #[serde(skip)]

@@ -154,7 +154,9 @@ impl Node {
                 peers: peers.clone(),
             };
             // openraft's tasks draw their randomness from this seed (see `raft_types::Runtime`).
-            let seed = rng_seed.wrapping_add(u64::from(g));
+            let seed = rng_seed
+                ^ config.node_id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                ^ u64::from(g).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             let raft = crate::raft_types::Runtime::scope(
                 seed,
                 Raft::new(config.node_id, raft_config.clone(), network, log_store, sm),
@@ -214,7 +216,7 @@ impl Node {
             if let Err(e) = tonic::transport::Server::builder()
                 // Close connections that stop answering (see `holdfast_proto::transport`).
                 .http2_keepalive_interval(Some(Duration::from_secs(1)))
-                .http2_keepalive_timeout(Some(Duration::from_secs(1)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(3)))
                 .add_service(peer_service)
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await

@@ -58,7 +58,8 @@ impl Peers {
             // A connection that stops answering pings (a half-open socket, a stalled simulated stream)
             // is closed, and the next RPC reconnects instead of timing out on it forever.
             .http2_keep_alive_interval(Duration::from_secs(1))
-            .keep_alive_timeout(Duration::from_secs(1))
+            // Not too tight: a late ping answer closes the connection and fails every RPC on it.
+            .keep_alive_timeout(Duration::from_secs(3))
             .keep_alive_while_idle(true);
         let channel = holdfast_proto::transport::connect_lazy(channel);
         channels.insert(target, channel.clone());

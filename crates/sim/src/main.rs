@@ -8,11 +8,13 @@
 //! scripts/sim --from 5000 --seeds 200 --work-ms 30000
 //! ```
 //!
-//! Standard output is a function of the arguments alone (wall-clock timings go to standard error), so
-//! two runs of one seed print the same bytes. Run one seed per process when that matters: tokio numbers
-//! tasks with a process-wide counter and, when a simulated host crashes, drops its tasks (closing their
-//! sockets, each close drawing a simulated latency) in an order that depends on those numbers, so a seed
-//! run after other seeds in the same process can take a different, equally valid, path.
+//! Standard output is a function of the arguments alone (wall-clock timings go to standard error; only
+//! the order of a failing seed's violation lines may vary), so the same command prints the same run.
+//! A seed run alone (`--seed N`) and the same seed run after others in one process (`--from`/`--seeds`)
+//! can take different, equally valid, paths: tokio numbers tasks with a process-wide counter and, when a
+//! simulated host crashes, drops its tasks (closing their sockets, each close drawing a simulated
+//! latency) in an order that depends on those numbers. So a failure found by `--seeds` replays with the
+//! same `--from`/`--seeds` command, and CI runs every seed in its own process.
 
 #[cfg(not(holdfast_sim))]
 fn main() -> std::process::ExitCode {

@@ -174,7 +174,8 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
             }
         };
         let lock = format!("wl/{}", rng.between(0, LOCKS - 1));
-        let sid = s.ids()[0];
+        // The session's id in the lock's group (what describe reports as the holder).
+        let sid = s.id_for(&lock);
         let invoke = now_ms();
         let guard = match s.acquire_timeout(&lock, Duration::from_secs(1)).await {
             Ok(g) => {

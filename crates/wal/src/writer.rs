@@ -239,7 +239,8 @@ impl Writer {
         }
     }
 
-    /// The simulation's writer: the same batching and commit, as a task in simulated time.
+    /// The simulation's writer: the same commit, as a task in simulated time (batches are whatever
+    /// queued up, without `max_batch_bytes`: the simulation's batches are small).
     #[cfg(holdfast_sim)]
     async fn run_sim(mut self, rx: mpsc::Receiver<Op>, wake: Arc<tokio::sync::Notify>) {
         loop {

@@ -176,7 +176,8 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
                     }
                 };
                 let lock = format!("wl/{}", rng.next(args.locks as u64));
-                let sid = s.ids()[0];
+                // The session's id in the lock's group (what describe reports as the holder).
+                let sid = s.id_for(&lock);
                 let invoke = now_ms();
                 let guard = match s.acquire_timeout(&lock, Duration::from_secs(1)).await {
                     Ok(g) => {

@@ -1,6 +1,7 @@
-//! What every seed must satisfy. P1–P6 and linearizable reads are the same checks the real-process fault
+//! What every seed must satisfy. P1–P6 and linearizability are the same checks the real-process fault
 //! tests run, one file per property in `holdfast_checker::properties` (P1 one holder, P2 replicas agree,
-//! P3 tokens, P4 fenced store, P5 acknowledged in log, P6 no early expiry, linearizable reads); P7
+//! P3 tokens, P4 fenced store, P5 acknowledged in log, P6 no early expiry, reads against the log, and the
+//! Wing–Gong–Lowe search over each lock's history); P7
 //! liveness after the heal is simulation-only and lives in [`p7_liveness`]. A host that failed or
 //! panicked (openraft panics on a broken Raft invariant) is a violation too.
 

@@ -24,14 +24,18 @@ pub async fn probe(
     let now = now_ms();
     tokio::time::sleep(Duration::from_millis(heal_at_ms.saturating_sub(now))).await;
     let give_up = heal_at_ms + HEAL_BUDGET_MS;
-    let options = ClientOptions {
-        request_timeout: Duration::from_secs(3),
-        nonce_seed: Some(seed ^ 0x9b0b_e000),
-        ..ClientOptions::default()
-    };
+    let mut attempts = 0u64;
     while now_ms() < give_up {
+        attempts += 1;
+        // A fresh client per attempt, with its own nonces: a repeated nonce would get back the session
+        // an earlier attempt opened, which may have expired since.
+        let options = ClientOptions {
+            request_timeout: Duration::from_secs(3),
+            nonce_seed: Some(seed ^ 0x9b0b_e000 ^ (attempts << 40)),
+            ..ClientOptions::default()
+        };
         let attempt = async {
-            let client = Client::connect_with(client_endpoints(), options.clone()).await?;
+            let client = Client::connect_with(client_endpoints(), options).await?;
             let session = client.open_session(Duration::from_secs(2)).await?;
             let guard = session
                 .acquire_timeout("probe/p7", Duration::from_secs(2))
