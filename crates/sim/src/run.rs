@@ -234,12 +234,20 @@ impl Driver<'_> {
     }
 
     fn heal(&mut self) {
-        for (a, b) in std::mem::take(&mut self.damage.cut) {
-            self.sim.repair(a.as_str(), b.as_str());
+        // Every link, not just the ones `damage` lists: overlapping faults on one link can leave a
+        // direction cut that no record names (an isolation's cut, partly repaired by a one-way fault
+        // ending on the same pair, stayed cut after the heal in seed 2648: a false P7 failure).
+        let mut hosts: Vec<String> = (0..SERVERS).map(server_name).collect();
+        hosts.push("store".into());
+        hosts.extend((0..CLIENT_HOSTS).map(|c| format!("c{}", c + 1)));
+        for (i, a) in hosts.iter().enumerate() {
+            for b in &hosts[i + 1..] {
+                self.sim.repair(a.as_str(), b.as_str());
+                self.sim.release(a.as_str(), b.as_str());
+            }
         }
-        for (a, b) in std::mem::take(&mut self.damage.held) {
-            self.sim.release(a.as_str(), b.as_str());
-        }
+        self.damage.cut.clear();
+        self.damage.held.clear();
         for (a, b) in std::mem::take(&mut self.damage.slow) {
             self.sim.set_link_max_message_latency(
                 a.as_str(),
