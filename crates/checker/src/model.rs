@@ -48,6 +48,18 @@ pub struct StoreRecord {
     pub value: Option<u64>,
 }
 
+impl StoreRecord {
+    /// A record of the fenced store's file; the workload's values are decimal counters.
+    pub fn new(write: bool, key: String, token: u64, value: &[u8]) -> StoreRecord {
+        StoreRecord {
+            write,
+            key,
+            token,
+            value: std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()),
+        }
+    }
+}
+
 /// Parses JSON lines, naming the first bad line.
 pub fn parse_lines<T: serde::de::DeserializeOwned>(text: &str) -> Result<Vec<T>, String> {
     text.lines()

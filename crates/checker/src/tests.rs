@@ -342,6 +342,14 @@ fn describe(lock: &str, holder: Option<(u64, u64)>, invoke_ms: u64, complete_ms:
     op("describe", lock, s, t, invoke_ms, complete_ms, None)
 }
 
+/// An acquire of "l" by `session` whose outcome the client never learned.
+fn unknown_acquire(session: u64, invoke_ms: u64, complete_ms: u64) -> Op {
+    let mut o = op("acquire", "l", session, 0, invoke_ms, complete_ms, None);
+    o.result = "unknown".into();
+    o.token = None;
+    o
+}
+
 #[test]
 fn wgl_accepts_waits_concurrent_reads_unknown_outcomes_and_expired_holders() {
     let (mut h, _, _) = good();
@@ -350,10 +358,7 @@ fn wgl_accepts_waits_concurrent_reads_unknown_outcomes_and_expired_holders() {
     h.push(describe("l", Some((2, 5)), 14, 17));
     h.push(describe("l", Some((2, 5)), 19, 20));
     // An acquire that timed out (unknown) and never took effect, and a failed one.
-    let mut unknown = op("acquire", "l", 3, 0, 12, 13, None);
-    unknown.result = "unknown".into();
-    unknown.token = None;
-    h.push(unknown);
+    h.push(unknown_acquire(3, 12, 13));
     let mut failed = op("acquire", "l", 4, 0, 12, 13, None);
     failed.result = "fail".into();
     h.push(failed);
@@ -367,21 +372,15 @@ fn wgl_accepts_waits_concurrent_reads_unknown_outcomes_and_expired_holders() {
 
 #[test]
 fn wgl_learns_the_token_of_an_unknown_grant_from_a_read() {
-    let mut unknown = op("acquire", "l", 1, 0, 0, 1, None);
-    unknown.result = "unknown".into();
-    unknown.token = None;
     let h = vec![
-        unknown,
+        unknown_acquire(1, 0, 1),
         describe("l", Some((1, 4)), 5, 6),
         describe("l", Some((1, 4)), 7, 8),
     ];
     assert!(lin(&h).is_empty(), "{:?}", lin(&h));
     // The same read twice with different tokens cannot both be right.
-    let mut unknown = op("acquire", "l", 1, 0, 0, 1, None);
-    unknown.result = "unknown".into();
-    unknown.token = None;
     let h = vec![
-        unknown,
+        unknown_acquire(1, 0, 1),
         describe("l", Some((1, 4)), 5, 6),
         describe("l", Some((1, 6)), 7, 8),
     ];

@@ -42,6 +42,24 @@ pub enum Error {
     Other(String),
 }
 
+impl Error {
+    /// True if the request certainly was not applied. False if it may have been: the client retries
+    /// with the same request id, so an earlier attempt can have been applied before a later one failed
+    /// (a retried acquire can be granted, then meet SESSION_UNKNOWN because the session expired since).
+    pub fn not_applied(&self) -> bool {
+        matches!(
+            self,
+            Error::LockHeld { .. }
+                | Error::AlreadyHeld(_)
+                | Error::LimitExceeded { .. }
+                | Error::InvalidArgument(_)
+                | Error::LeaseLost(_)
+                | Error::StaleToken { .. }
+                | Error::NotHolder(_)
+        )
+    }
+}
+
 /// What the retry loop should do with a failed attempt.
 pub(crate) enum Disposition {
     /// Try the leader at this endpoint.

@@ -29,10 +29,4 @@ impl Rng {
     pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
         items[(self.next_u64() % items.len() as u64) as usize]
     }
-
-    /// A derived seed for a sub-stream (a host, a client), so adding draws in one place does not shift
-    /// every other stream.
-    pub fn fork(&mut self) -> u64 {
-        self.next_u64()
-    }
 }

@@ -99,19 +99,12 @@ impl Rng {
     }
 }
 
-/// `fail` only for errors that mean the request was not applied; anything else may have been applied by
-/// an earlier attempt (a retried acquire can be granted and then meet SESSION_UNKNOWN because the
-/// session expired meanwhile: found by the linearizability search, which saw the grant in a read).
+/// `fail` (did not happen) or `unknown` (may have happened): see [`Error::not_applied`].
 fn classify(e: &Error) -> &'static str {
-    match e {
-        Error::LockHeld { .. }
-        | Error::AlreadyHeld(_)
-        | Error::LimitExceeded { .. }
-        | Error::InvalidArgument(_)
-        | Error::LeaseLost(_)
-        | Error::StaleToken { .. }
-        | Error::NotHolder(_) => "fail",
-        _ => "unknown",
+    if e.not_applied() {
+        "fail"
+    } else {
+        "unknown"
     }
 }
 

@@ -175,14 +175,7 @@ async fn run(nemesis: Nemesis, seed: u64) {
     let store: Vec<StoreRecord> = holdfast_fence::store::read_records(&store_path)
         .unwrap()
         .into_iter()
-        .map(|r| StoreRecord {
-            write: r.write,
-            value: std::str::from_utf8(&r.value)
-                .ok()
-                .and_then(|v| v.parse().ok()),
-            key: r.key,
-            token: r.token,
-        })
+        .map(|r| StoreRecord::new(r.write, r.key, r.token, &r.value))
         .collect();
     let report = check(&history, &audits, &store);
     eprintln!(

@@ -9,40 +9,16 @@ pub mod p7_liveness;
 
 use crate::run::Outcome;
 
-#[derive(Debug, Default)]
-pub struct Report {
-    pub violations: Vec<String>,
-    pub ops: usize,
-    pub ok_grants: usize,
-    pub ok_writes: usize,
-    pub stale_refused: usize,
-    pub applied_entries: usize,
-    pub expiries_checked: usize,
-    pub reads_checked: usize,
-    pub linearized_ops: usize,
-    pub linearizability_inconclusive: usize,
-}
+pub use holdfast_checker::Report;
 
+/// The checker's report for the run, with P7's violations and any host failure added.
 pub fn check_all(run: &Outcome) -> Report {
-    let mut violations = Vec::new();
+    let mut r = holdfast_checker::check(&run.history, &run.audits, &run.store);
     if let Some(e) = &run.sim_error {
-        violations.push(format!("a host failed: {e}"));
+        r.violations.insert(0, format!("a host failed: {e}"));
     }
-    let r = holdfast_checker::check(&run.history, &run.audits, &run.store);
-    violations.extend(r.violations);
-    violations.extend(p7_liveness::check(run));
-    Report {
-        violations,
-        ops: r.ops,
-        ok_grants: r.ok_grants,
-        ok_writes: r.ok_writes,
-        stale_refused: r.stale_refused,
-        applied_entries: r.applied_entries,
-        expiries_checked: r.expiries_checked,
-        reads_checked: r.reads_checked,
-        linearized_ops: r.linearized_ops,
-        linearizability_inconclusive: r.linearizability_inconclusive,
-    }
+    r.violations.extend(p7_liveness::check(run));
+    r
 }
 
 /// Sums over many seeds, for the summary line.
