@@ -32,10 +32,16 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{0}")]
     RequestIdTooOld(String),
+    /// The acquire was cancelled ([`crate::Session::cancel_acquire`]) before this retry of it: nothing is
+    /// held or queued for it any more (a grant it had may have been visible until then).
+    #[error("{0}")]
+    Abandoned(String),
     /// No server could complete the request in time; the outcome may be unknown.
     #[error("unavailable: {0}")]
     Unavailable(String),
-    /// The session's lease may have expired on the server (the client could not renew it in time).
+    /// The session's lease may have expired on the server (the client could not renew it in time). From
+    /// an acquire, the grant (if one arrived) was not returned and is released; the outcome counts as
+    /// unknown, since another client may have seen the grant meanwhile.
     #[error("session lease lost: {0}")]
     LeaseLost(String),
     #[error("{0}")]
@@ -53,7 +59,6 @@ impl Error {
                 | Error::AlreadyHeld(_)
                 | Error::LimitExceeded { .. }
                 | Error::InvalidArgument(_)
-                | Error::LeaseLost(_)
                 | Error::StaleToken { .. }
                 | Error::NotHolder(_)
         )
@@ -111,5 +116,6 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
         }
         Reason::AlreadyHeld => Disposition::Fail(Error::AlreadyHeld(msg)),
         Reason::RequestIdTooOld => Disposition::Fail(Error::RequestIdTooOld(msg)),
+        Reason::AcquireAbandoned => Disposition::Fail(Error::Abandoned(msg)),
     }
 }

@@ -95,6 +95,24 @@ fn nonce(client: &Client) -> (u64, u64) {
     (hi | 1, h.finish())
 }
 
+/// An acquire in flight. Dropped while armed (the caller's future was dropped, or the call failed with an
+/// unknown outcome), it cancels the acquire through the log, so no grant is left that nobody knows of.
+struct PendingAcquire<'a> {
+    session: Session,
+    name: &'a str,
+    request_id: u64,
+    armed: bool,
+}
+
+impl Drop for PendingAcquire<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.session
+                .cancel_in_background(self.name.to_string(), self.request_id);
+        }
+    }
+}
+
 impl Client {
     /// Opens a session with `ttl` (zero for the server's default) and starts keeping it alive every
     /// TTL/3.
@@ -340,6 +358,11 @@ impl Session {
 
     /// [`Session::acquire_timeout`] that stores `value` (at most 1,024 bytes) with the grant; describe
     /// returns it as the holder's value. Leader election uses it for the leader's name or address.
+    ///
+    /// Dropping the returned future before it resolves (a `select!`, a timeout, a shutdown) cancels the
+    /// acquire through the log in the background: its wait is removed, or the lock released if it was
+    /// granted meanwhile. A grant that arrives when this session's client-side lease may have lapsed is
+    /// never returned: it is released and the call fails with [`Error::LeaseLost`].
     pub async fn acquire_with_value(
         &self,
         name: &str,
@@ -350,10 +373,47 @@ impl Session {
             return Err(Error::LeaseLost(lost.0));
         }
         let group = crate::group_for(name, self.inner.client.groups());
+        let mut pending = PendingAcquire {
+            session: self.clone(),
+            name,
+            request_id: self.next_request_id(),
+            armed: true,
+        };
+        match self
+            .acquire_once(name, group, pending.request_id, wait, value)
+            .await
+        {
+            Ok(token) => {
+                if !self.is_valid() {
+                    // The server may already have expired this session and granted the lock to someone
+                    // else: a guard now would be a lie. The pending acquire releases the grant.
+                    return Err(Error::LeaseLost(format!(
+                        "the grant of lock {name:?} (token {token}) arrived after this session's lease may have lapsed; it is released"
+                    )));
+                }
+                pending.armed = false;
+                Ok(LockGuard::new(self.clone(), name.to_string(), group, token))
+            }
+            Err(e) => {
+                // Certainly not applied: nothing to cancel. Otherwise the pending acquire is cancelled
+                // when it drops here, since this caller will never learn its outcome.
+                pending.armed = !e.not_applied();
+                Err(e)
+            }
+        }
+    }
+
+    /// One acquire call (with retries under the same request id); the token granted.
+    async fn acquire_once(
+        &self,
+        name: &str,
+        group: u32,
+        request_id: u64,
+        wait: Duration,
+        value: &[u8],
+    ) -> Result<u64, Error> {
         let session_id = self.inner.ids[group as usize];
-        let request_id = self.next_request_id();
         let wait_ms = wait.as_millis() as u64;
-        let n = name.to_string();
         let started = Instant::now();
         let r = self
             .inner
@@ -366,19 +426,65 @@ impl Session {
                     group,
                     session_id,
                     request_id,
-                    name: n.clone(),
+                    name: name.to_string(),
                     wait_timeout_ms: if wait_ms == 0 { 0 } else { left.max(1) },
                     value: value.to_vec(),
+                    // This client retries with the same request id after a failed attempt and cancels
+                    // the acquire itself when its caller gives up (PendingAcquire), so the server must
+                    // not abandon it when an attempt times out or its connection breaks.
+                    client_cancels: true,
                 };
                 async move { c.acquire(req).await }
             })
             .await?;
-        Ok(LockGuard::new(
-            self.clone(),
-            name.to_string(),
-            group,
-            r.token,
-        ))
+        Ok(r.token)
+    }
+
+    /// Cancels the acquire `request_id` of `name` (see `CancelAcquire` in the proto): its wait is removed,
+    /// or the lock released if it was granted. Idempotent.
+    pub async fn cancel_acquire(&self, name: &str, request_id: u64) -> Result<(), Error> {
+        let group = crate::group_for(name, self.inner.client.groups());
+        let session_id = self.inner.ids[group as usize];
+        self.inner
+            .client
+            .call(group, Duration::ZERO, |mut c| {
+                let req = pb::CancelAcquireRequest {
+                    group,
+                    session_id,
+                    request_id,
+                    name: name.to_string(),
+                };
+                async move { c.cancel_acquire(req).await }
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Cancels in the background until the server confirms, the session is gone, or its lease is lost
+    /// (the client stops renewing a lost session, so the server expires it, and its locks with it).
+    fn cancel_in_background(&self, name: String, request_id: u64) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let session = self.clone();
+        rt.spawn(async move {
+            loop {
+                match session.cancel_acquire(&name, request_id).await {
+                    Ok(()) | Err(Error::SessionUnknown(_)) => return,
+                    Err(e @ (Error::InvalidArgument(_) | Error::Other(_))) => {
+                        tracing::warn!(%e, name, "cancelling an abandoned acquire failed");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::debug!(%e, name, "cancelling an abandoned acquire; retrying")
+                    }
+                }
+                if session.inner.is_lost() || !session.is_valid() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
     }
 
     /// Releases a lock by name and token (what [`LockGuard::release`] does).

@@ -191,6 +191,7 @@ fn write_corpus() {
         name: "jobs/a".into(),
         wait_timeout_ms: 100,
         value: b"x".to_vec(),
+        client_cancels: false,
     };
     write(
         "client_request",

@@ -56,6 +56,17 @@ pub enum Command {
         name: LockName,
         now_ms: u64,
     },
+    /// The caller of the acquire `request` went away before it learned the outcome, so nobody may be left
+    /// holding or waiting because of it: its wait is removed, or, if it was granted and the grant is still
+    /// current, the lock is released (to the next waiter). A request id this session has not used yet is
+    /// remembered as abandoned, so an acquire with it that reaches the log later changes nothing. A retry
+    /// of the acquire after this entry gets [`Outcome::Abandoned`].
+    AbandonAcquire {
+        session: SessionId,
+        request: RequestId,
+        name: LockName,
+        now_ms: u64,
+    },
 }
 
 impl Command {
@@ -66,7 +77,8 @@ impl Command {
             | Command::ExpireSession { now_ms, .. }
             | Command::Acquire { now_ms, .. }
             | Command::Release { now_ms, .. }
-            | Command::CancelWait { now_ms, .. } => *now_ms,
+            | Command::CancelWait { now_ms, .. }
+            | Command::AbandonAcquire { now_ms, .. } => *now_ms,
         }
     }
 }
@@ -94,6 +106,9 @@ pub enum Outcome {
     /// The waiter was removed before it was granted.
     Cancelled,
     Refused(Refusal),
+    /// The acquire was abandoned ([`Command::AbandonAcquire`]): its wait or grant is gone. Also what a
+    /// retry of that acquire gets, so the caller knows to start again with a new request id.
+    Abandoned,
 }
 
 /// Why a command changed nothing.
@@ -170,6 +185,13 @@ pub enum Event {
         name: LockName,
         session: SessionId,
         request: RequestId,
+        token: FencingToken,
+    },
+    /// An abandoned acquire's grant was released ([`Command::AbandonAcquire`]); a `Granted` for the next
+    /// waiter may follow in the same entry.
+    GrantAbandoned {
+        name: LockName,
+        session: SessionId,
         token: FencingToken,
     },
     /// A waiter left its queue without being granted (cancelled, or its session ended).

@@ -145,6 +145,12 @@ impl LockTable {
                 name,
                 now_ms,
             } => self.cancel_wait(index, *session, *request, name, *now_ms),
+            Command::AbandonAcquire {
+                session,
+                request,
+                name,
+                now_ms,
+            } => self.abandon(index, *session, *request, name, *now_ms),
         }
     }
 
@@ -356,19 +362,11 @@ impl LockTable {
         name: &LockName,
         _now_ms: u64,
     ) -> Outcome {
-        let Some(session) = self.sessions.get_mut(&session_id) else {
+        let Some(session) = self.sessions.get(&session_id) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
         if session.waiting.get(name) == Some(&request) {
-            session.waiting.remove(name);
-            let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-            lock.waiters.retain(|w| w.session != session_id);
-            self.waiter_count -= 1;
-            self.events.push(Event::WaiterRemoved {
-                name: name.clone(),
-                session: session_id,
-                request,
-            });
+            self.remove_waiter(session_id, request, name);
             // A retry of the acquire must now learn that it was cancelled, not that it is queued.
             self.update_remembered(session_id, request, Outcome::Cancelled);
             return Outcome::Cancelled;
@@ -381,6 +379,61 @@ impl LockTable {
             }
             _ => Outcome::Refused(Refusal::NotWaiting),
         }
+    }
+
+    fn abandon(
+        &mut self,
+        index: u64,
+        session_id: SessionId,
+        request: RequestId,
+        name: &LockName,
+        now_ms: u64,
+    ) -> Outcome {
+        let Some(session) = self.sessions.get(&session_id) else {
+            // A session that is gone holds and waits for nothing.
+            return Outcome::Refused(Refusal::UnknownSession);
+        };
+        if session.waiting.get(name) == Some(&request) {
+            self.remove_waiter(session_id, request, name);
+            self.update_remembered(session_id, request, Outcome::Abandoned);
+            return Outcome::Abandoned;
+        }
+        let granted = self
+            .locks
+            .get(name)
+            .filter(|l| l.holder.session == session_id && l.holder.request == request)
+            .map(|l| l.holder.token);
+        if let Some(token) = granted {
+            self.events.push(Event::GrantAbandoned {
+                name: name.clone(),
+                session: session_id,
+                token,
+            });
+            self.session_mut(session_id).held.remove(name);
+            self.hand_over(index, name, now_ms);
+            self.update_remembered(session_id, request, Outcome::Abandoned);
+            return Outcome::Abandoned;
+        }
+        // Neither waiting nor holding: the acquire ended already (refused, released, cancelled), or its
+        // entry has not reached the log yet. In the second case it must find itself abandoned.
+        if self.replay(session, request).is_none() {
+            self.remember(session_id, request, &Outcome::Abandoned);
+        }
+        Outcome::Abandoned
+    }
+
+    /// Removes the wait that `request` of `session_id` has in `name`'s queue (the caller checked it exists).
+    fn remove_waiter(&mut self, session_id: SessionId, request: RequestId, name: &LockName) {
+        let removed = self.session_mut(session_id).waiting.remove(name);
+        assert_eq!(removed, Some(request), "the session records this wait");
+        let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
+        lock.waiters.retain(|w| w.session != session_id);
+        self.waiter_count -= 1;
+        self.events.push(Event::WaiterRemoved {
+            name: name.clone(),
+            session: session_id,
+            request,
+        });
     }
 
     /// The holder of `name` is gone (its session already forgot the lock): grant the next waiter with token
@@ -443,6 +496,10 @@ impl LockTable {
     }
 
     // ---- reads ----
+
+    pub fn has_session(&self, session: SessionId) -> bool {
+        self.sessions.contains_key(&session)
+    }
 
     pub fn session_count(&self) -> usize {
         self.sessions.len()

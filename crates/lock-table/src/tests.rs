@@ -42,6 +42,14 @@ fn cancel(s: u64, r: u64, n: &str) -> Command {
         now_ms: 0,
     }
 }
+fn abandon(s: u64, r: u64, n: &str) -> Command {
+    Command::AbandonAcquire {
+        session: SessionId(s),
+        request: RequestId(r),
+        name: name(n),
+        now_ms: 0,
+    }
+}
 fn expire(s: u64) -> Command {
     Command::ExpireSession {
         session: SessionId(s),
@@ -207,6 +215,67 @@ fn spec_cases() -> Vec<(&'static str, Vec<(Command, Outcome)>)> {
                 (rel(1, 2, "a", 4), Released),
                 (cancel(3, 1, "a"), granted(9)),
                 (cancel(3, 5, "a"), refused(Refusal::NotWaiting)),
+            ],
+        ),
+        (
+            "an abandoned wait leaves the queue and its retry learns it was abandoned",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (open(3), opened(3)),
+                (acq(1, 1, "a", Try), granted(4)),
+                (acq(2, 1, "a", Wait), Queued { position: 1 }),
+                (acq(3, 1, "a", Wait), Queued { position: 2 }),
+                (abandon(2, 1, "a"), Abandoned),
+                (acq(2, 1, "a", Wait), Abandoned),
+                (rel(1, 2, "a", 4), Released),
+                (
+                    acq(1, 3, "a", Try),
+                    refused(Refusal::Held {
+                        holder: SessionId(3),
+                        token: FencingToken(9),
+                    }),
+                ),
+            ],
+        ),
+        (
+            "an abandoned grant is released to the next waiter; a later abandon changes nothing",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (open(3), opened(3)),
+                (acq(1, 1, "a", Try), granted(4)),
+                (acq(2, 1, "a", Wait), Queued { position: 1 }),
+                (acq(3, 1, "a", Wait), Queued { position: 2 }),
+                (rel(1, 2, "a", 4), Released),
+                (abandon(2, 1, "a"), Abandoned),
+                (
+                    acq(1, 3, "a", Try),
+                    refused(Refusal::Held {
+                        holder: SessionId(3),
+                        token: FencingToken(8),
+                    }),
+                ),
+                (abandon(2, 1, "a"), Abandoned),
+                (rel(3, 2, "a", 8), Released),
+                (acq(1, 4, "a", Try), granted(12)),
+            ],
+        ),
+        (
+            "an abandon that reaches the log before its acquire makes the acquire change nothing",
+            vec![
+                (open(1), opened(1)),
+                (abandon(1, 7, "a"), Abandoned),
+                (acq(1, 7, "a", Wait), Abandoned),
+                (acq(1, 8, "a", Try), granted(4)),
+                (abandon(1, 7, "a"), Abandoned),
+                (
+                    acq(1, 9, "a", Try),
+                    refused(Refusal::AlreadyHolder {
+                        token: FencingToken(4),
+                    }),
+                ),
+                (abandon(9, 1, "a"), refused(Refusal::UnknownSession)),
             ],
         ),
         (
@@ -464,6 +533,8 @@ enum Op {
     Acquire(usize, usize, bool),
     Release(usize, usize, bool),
     Cancel(usize, usize),
+    /// Abandon the acquire of session `.0` for lock `.1`: its wait, its grant, or (`.2`) a fresh id.
+    Abandon(usize, usize, bool),
     Retry,
 }
 
@@ -475,6 +546,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, w)| Op::Acquire(s, n, w)),
         4 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, stale)| Op::Release(s, n, stale)),
         1 => (0..6usize, 0..4usize).prop_map(|(s, n)| Op::Cancel(s, n)),
+        1 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, fresh)| Op::Abandon(s, n, fresh)),
         2 => Just(Op::Retry),
     ]
 }
@@ -508,6 +580,16 @@ proptest! {
                     let r = model.queues.get(names[n]).and_then(|q| q.iter().find(|w| w.0 == s)).map_or(1, |w| w.1);
                     cancel(s, r, names[n])
                 }
+                Op::Abandon(k, n, fresh) => {
+                    let s = sess(k);
+                    let waiting = model.queues.get(names[n]).and_then(|q| q.iter().find(|w| w.0 == s)).map(|w| w.1);
+                    let holding = model.holders.get(names[n]).filter(|h| h.0 == s).map(|h| h.2);
+                    let r = match (fresh, waiting.or(holding)) {
+                        (false, Some(r)) => r,
+                        _ => { next_request += 1; next_request }
+                    };
+                    abandon(s, r, names[n])
+                }
                 Op::Retry => match &last { Some((c, _)) => c.clone(), None => continue },
             };
             let got = table.apply(index, &command);
@@ -517,14 +599,15 @@ proptest! {
             // (a queued acquire that was granted or cancelled meanwhile reports that).
             if let (Op::Retry, Some((_, first))) = (&op, &last) {
                 match (&command, first, &got) {
-                    (Command::Acquire { .. }, Queued { .. }, Granted { .. } | Cancelled) => {}
-                    (Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. }, _, _) => {}
+                    (Command::Acquire { .. }, Queued { .. }, Granted { .. } | Cancelled | Abandoned) => {}
+                    (Command::Acquire { .. }, Granted { .. }, Abandoned) => {}
+                    (Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. } | Command::AbandonAcquire { .. }, _, _) => {}
                     (Command::Acquire { .. }, Queued { .. }, Queued { .. }) => {}
                     _ => prop_assert_eq!(first, &got, "retry of {:?}", command),
                 }
                 last = None;
                 // The model ignores retries of deduplicated requests; ends and cancels are recomputed.
-                if !matches!(command, Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. }) {
+                if !matches!(command, Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. } | Command::AbandonAcquire { .. }) {
                     continue;
                 }
             }
@@ -583,6 +666,20 @@ proptest! {
                         prop_assert_eq!(&got, &granted(ht));
                     } else {
                         prop_assert_eq!(&got, &refused(Refusal::NotWaiting));
+                    }
+                }
+                Command::AbandonAcquire { session, request, name, .. } => {
+                    let s = session.0;
+                    let n = name.as_str();
+                    if !model.sessions.contains(&s) {
+                        prop_assert_eq!(&got, &refused(Refusal::UnknownSession));
+                    } else {
+                        prop_assert_eq!(&got, &Abandoned);
+                        if let Some(pos) = model.queues.get(n).and_then(|q| q.iter().position(|w| *w == (s, request.0))) {
+                            model.queues.get_mut(n).unwrap().remove(pos);
+                        } else if model.holders.get(n).is_some_and(|h| h.0 == s && h.2 == request.0) {
+                            model.hand_over(n, index);
+                        }
                     }
                 }
             }

@@ -9,8 +9,10 @@
 //! - [`log_store`]: openraft's log storage on top of the shared WAL (`holdfast-wal`).
 //! - [`peer`]: Raft traffic between servers over gRPC.
 //! - [`service`], [`errors`]: the client gRPC API and how refusals become statuses.
+//! - [`abandon`]: acquires whose caller went away are abandoned through the log.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod abandon;
 pub mod config;
 pub mod errors;
 pub mod group;

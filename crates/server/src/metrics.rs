@@ -96,6 +96,8 @@ pub struct GroupMetrics {
     pub proposals: AtomicU64,
     pub leader_changes: AtomicU64,
     pub expiries: AtomicU64,
+    /// Acquires abandoned by this server as leader (their caller went away, or CancelAcquire).
+    pub abandons: AtomicU64,
 }
 
 impl Default for GroupMetrics {
@@ -105,6 +107,7 @@ impl Default for GroupMetrics {
             proposals: AtomicU64::new(0),
             leader_changes: AtomicU64::new(0),
             expiries: AtomicU64::new(0),
+            abandons: AtomicU64::new(0),
         }
     }
 }

@@ -434,6 +434,12 @@ impl NodeShared {
             "Sessions expired by this server as leader.",
             &per_group(&|g| g.metrics.expiries.load(Relaxed)),
         );
+        metrics::counter(
+            &mut out,
+            "holdfast_acquires_abandoned_total",
+            "Acquires abandoned through the log by this server as leader: their caller went away before the answer, or sent CancelAcquire.",
+            &per_group(&|g| g.metrics.abandons.load(Relaxed)),
+        );
         let gauges: Vec<(String, [u64; 6])> = self
             .groups
             .iter()

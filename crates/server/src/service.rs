@@ -4,6 +4,7 @@
 //! Invariant: nothing reaches the log unless it passed validation here (name rules, group, TTL bounds,
 //! request id, sizes), so the lock table only ever sees well-formed commands. Protobuf types stop here.
 
+use crate::abandon::{self, Calls, OnDrop};
 use crate::errors::{self, invalid, limit, not_leader, refusal, session_unknown};
 use crate::group::{Group, ProposeError, WaitEnd};
 use crate::lease::KeepAlive;
@@ -232,6 +233,15 @@ fn nonzero(v: u64, what: &str) -> Result<u64, Status> {
     }
 }
 
+fn abandoned(request: RequestId, name: &str) -> Status {
+    errors::status(
+        tonic::Code::Aborted,
+        pb::Reason::AcquireAbandoned,
+        format!("the acquire of lock {name:?} with request id {} was abandoned (cancelled, or its first call went away before it was answered); nothing is held or queued for it: acquire again with a new request id", request.0),
+        pb::ErrorDetail::default(),
+    )
+}
+
 fn unexpected(o: Outcome) -> Status {
     errors::unavailable(format!("unexpected outcome {o:?}"))
 }
@@ -364,6 +374,14 @@ impl Holdfast for ClientService {
                 ),
             ));
         }
+        // From here on, a handler dropped before it answers abandons the acquire through the log, unless
+        // the client said it cancels by itself.
+        let on_drop = if r.client_cancels {
+            OnDrop::Detach
+        } else {
+            OnDrop::Abandon
+        };
+        let call = Calls::attach(&self.node, group, session, request, &name, on_drop).await?;
         let started = Instant::now();
         let deadline = started + Duration::from_millis(r.wait_timeout_ms);
         let mode = if r.wait_timeout_ms > 0 {
@@ -404,11 +422,28 @@ impl Holdfast for ClientService {
                 ),
                 pb::ErrorDetail::default(),
             )),
+            Ok(Outcome::Abandoned) => Err(abandoned(request, name.as_str())),
             Ok(Outcome::Refused(r)) => Err(refusal(r, session.0, name.as_str())),
             Ok(other) => Err(unexpected(other)),
         };
         group.waiters.forget(session, request);
+        call.answered();
         result.map(|token| Response::new(pb::AcquireResponse { token: token.0 }))
+    }
+
+    async fn cancel_acquire(
+        &self,
+        r: Request<pb::CancelAcquireRequest>,
+    ) -> Result<Response<pb::CancelAcquireResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let session = SessionId(nonzero(r.session_id, "session_id")?);
+        let request = RequestId(nonzero(r.request_id, "request_id")?);
+        let name = self.lock_name(r.name, r.group)?;
+        abandon::cancel(group, session, request, &name)
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        Ok(Response::new(pb::CancelAcquireResponse {}))
     }
 
     async fn release(

@@ -75,7 +75,9 @@ pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines)
             .events
             .iter()
             .filter_map(|e| match e {
-                Event::Granted { name, .. } => Some(name.as_str().to_string()),
+                Event::Granted { name, .. } | Event::GrantAbandoned { name, .. } => {
+                    Some(name.as_str().to_string())
+                }
                 _ => None,
             })
             .collect();
@@ -109,14 +111,24 @@ pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines)
             _ => {}
         }
         for e in &line.events {
-            if let Event::Granted {
-                name,
-                session,
-                token,
-                ..
-            } = e
-            {
-                grant(name.as_str(), *session, token.0, index, &mut holders, v);
+            match e {
+                Event::GrantAbandoned {
+                    name,
+                    session,
+                    token,
+                } => match holders.get(name.as_str()) {
+                    Some((s, t)) if s == session && *t == token.0 => {
+                        holders.remove(name.as_str());
+                    }
+                    other => v.push(format!("P1: at index {index} session {} abandoned {name} (token {}) but the holder was {other:?}", session.0, token.0)),
+                },
+                Event::Granted {
+                    name,
+                    session,
+                    token,
+                    ..
+                } => grant(name.as_str(), *session, token.0, index, &mut holders, v),
+                _ => {}
             }
         }
         for name in touched {

@@ -2,9 +2,11 @@
 //!
 //! CMD gets `HOLDFAST_LOCK`, `HOLDFAST_TOKEN` (the fencing token: pass it to whatever CMD writes) and
 //! `HOLDFAST_SESSION` in its environment. If the lease may be lost, CMD is stopped (SIGTERM, then SIGKILL
-//! after `--kill-after`) and holdfast exits with 75. Otherwise holdfast exits with CMD's exit code
-//! (128 + signal if CMD was killed by a signal) after releasing the lock. SIGINT and SIGTERM are passed on
-//! to CMD.
+//! after `--kill-after`) and holdfast exits with 75; a grant that arrives when the lease may already have
+//! lapsed is released without running CMD, also 75. If CMD cannot be started the lock is released at once
+//! and holdfast exits with 127 (not found) or 126 (found but not executable), as shells do. Otherwise
+//! holdfast exits with CMD's exit code (128 + signal if CMD was killed by a signal) after releasing the
+//! lock. SIGINT and SIGTERM are passed on to CMD.
 
 use super::duration::parse_duration;
 use super::Conn;
@@ -16,8 +18,12 @@ use std::time::Duration;
 use tokio::process::Command;
 use tokio::signal::unix::{signal, SignalKind};
 
-/// Exit code when the lease was lost while CMD ran (EX_TEMPFAIL: try again).
+/// Exit code when the lease was lost while CMD ran, or before it could start (EX_TEMPFAIL: try again).
 pub const EXIT_LEASE_LOST: u8 = 75;
+/// Exit code when CMD does not exist (what shells use).
+pub const EXIT_NOT_FOUND: u8 = 127;
+/// Exit code when CMD exists but cannot be run (what shells use).
+pub const EXIT_CANNOT_RUN: u8 = 126;
 
 #[derive(Args, Debug)]
 pub struct LockArgs {
@@ -47,18 +53,38 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
         .context("cannot open a session")?;
     let guard = match session.acquire_timeout(&args.name, args.wait).await {
         Ok(g) => g,
+        Err(e @ holdfast_client::Error::LeaseLost(_)) => {
+            eprintln!("holdfast: cannot acquire {:?}: {e}", args.name);
+            let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
+            return Ok(ExitCode::from(EXIT_LEASE_LOST));
+        }
         Err(e) => {
             let _ = session.close().await;
             bail!("cannot acquire {:?}: {e}", args.name);
         }
     };
-    let mut child = Command::new(&args.command[0])
+    let spawned = Command::new(&args.command[0])
         .args(&args.command[1..])
         .env("HOLDFAST_LOCK", &args.name)
         .env("HOLDFAST_TOKEN", guard.token().to_string())
         .env("HOLDFAST_SESSION", session.id_for(&args.name).to_string())
-        .spawn()
-        .with_context(|| format!("cannot run {:?}", args.command[0]))?;
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            // Nothing runs under the lock, so nobody should wait for it: release it now.
+            let code = match e.kind() {
+                std::io::ErrorKind::NotFound => EXIT_NOT_FOUND,
+                _ => EXIT_CANNOT_RUN,
+            };
+            eprintln!("holdfast: cannot run {:?}: {e}", args.command[0]);
+            if let Err(e) = guard.release().await {
+                eprintln!("holdfast: releasing {:?}: {e}", args.name);
+            }
+            let _ = session.close().await;
+            return Ok(ExitCode::from(code));
+        }
+    };
     let pid = child.id().unwrap_or(0);
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;

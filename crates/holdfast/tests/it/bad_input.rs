@@ -88,6 +88,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         name: name.into(),
         wait_timeout_ms: 0,
         value: vec![],
+        client_cancels: false,
     };
     let token = raw
         .acquire(acq(a, 1, &lock))

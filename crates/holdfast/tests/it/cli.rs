@@ -59,6 +59,35 @@ async fn lock_runs_the_command_with_its_token_and_exits_with_its_code() {
     );
 }
 
+/// A command that cannot start does not keep the lock: it is released before `holdfast lock` exits, which
+/// exits 127 (not found) or 126 (not executable) as a shell would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_releases_at_once_when_the_command_cannot_start() {
+    let c = Cluster::start(three()).await;
+    let client = c.client().await;
+    let work = tempfile::tempdir().unwrap();
+    let not_executable = work.path().join("script.sh");
+    std::fs::write(&not_executable, "#!/bin/sh\necho hi\n").unwrap();
+    for (command, code) in [
+        (work.path().join("missing").display().to_string(), 127),
+        (not_executable.display().to_string(), 126),
+    ] {
+        let out = c
+            .holdfast()
+            .args(["lock", "jobs/broken", "--", &command])
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{command}: {stderr}");
+        assert!(stderr.contains("cannot run"), "{stderr}");
+        assert!(
+            client.describe("jobs/broken").await.unwrap().is_none(),
+            "{command}: the lock is still held after holdfast lock exited"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_stops_the_command_when_the_lease_is_lost() {
     let c = Cluster::start(three()).await;

@@ -14,7 +14,7 @@ fn three() -> Options {
 }
 
 /// Polls describe until `check` holds for the lock (or 30 s pass).
-async fn until(
+pub(crate) async fn until(
     client: &holdfast_client::Client,
     name: &str,
     what: &str,

@@ -143,6 +143,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         name: "shared".into(),
         wait_timeout_ms: 0,
         value: vec![],
+        client_cancels: false,
     };
     let first = raw.acquire(req).await.unwrap().into_inner().token;
 
@@ -191,6 +192,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         name: "other".into(),
         wait_timeout_ms: 0,
         value: vec![],
+        client_cancels: false,
     };
     let err = raw.acquire(req).await.unwrap_err();
     assert_eq!(reason(&err), Reason::SessionUnknown, "{err:?}");
@@ -296,6 +298,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         name: "iso/new".into(),
         wait_timeout_ms: 0,
         value: vec![],
+        client_cancels: false,
     };
     let r = raw_old.acquire(acquire).await;
     assert!(r.is_err(), "an isolated leader granted a lock: {r:?}");

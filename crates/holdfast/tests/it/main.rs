@@ -1,5 +1,6 @@
 //! Integration tests of the `holdfast` binary: real server processes, real disks, real gRPC.
 
+mod abandon;
 mod bad_input;
 mod cli;
 mod client;
