@@ -34,6 +34,7 @@ fn acquire(index: u64, session: u64, lock: &str, outcome: Outcome) -> AuditLine 
             name: name(lock),
             mode: AcquireMode::Wait,
             value: Box::default(),
+            attempt: index,
             now_ms: 0,
         },
         outcome,

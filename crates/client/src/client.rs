@@ -9,7 +9,7 @@ use crate::error::{classify, Disposition, Error};
 use holdfast_proto::v1 as pb;
 use holdfast_proto::v1::holdfast_client::HoldfastClient;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
@@ -29,6 +29,11 @@ pub struct ClientOptions {
     /// Fixes the stream of session-open nonces (deterministic tests and the simulation). None, the
     /// default: random per process. Two clients with the same seed would collide, so never share one.
     pub nonce_seed: Option<u64>,
+    /// Learn every member's advertised client endpoint from the first server that answers, and follow a
+    /// `NOT_LEADER` redirect to a leader outside the endpoints given (the default): a partial endpoint
+    /// list is enough. `false` uses only the endpoints given, for a client that reaches the servers
+    /// through addresses other than the ones they advertise (a proxy, NAT, a port forward).
+    pub discover: bool,
 }
 
 impl Default for ClientOptions {
@@ -39,6 +44,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_millis(500),
             batched_keepalives: true,
             nonce_seed: None,
+            discover: true,
         }
     }
 }
@@ -51,18 +57,116 @@ pub struct Client {
 
 pub(crate) struct Inner {
     pub(crate) registry: crate::keepalive::Registry,
-    endpoints: Vec<String>,
-    channels: Vec<Channel>,
+    /// The servers this client knows: the endpoints it was given, then every member a server reported
+    /// and every leader a redirect named. Only grows (at most [`MAX_SERVERS`]), so indexes stay valid.
+    servers: RwLock<Vec<Server>>,
     groups: u32,
-    /// The endpoint index believed to lead each group.
+    /// The server index believed to lead each group.
     leaders: Mutex<Vec<usize>>,
     options: ClientOptions,
     /// Opens so far, for [`ClientOptions::nonce_seed`].
     pub(crate) opens: std::sync::atomic::AtomicU64,
 }
 
+struct Server {
+    endpoint: String,
+    channel: Channel,
+}
+
+/// Most servers one client keeps channels to: members and redirect targets beyond this are not added
+/// (a cluster has 3 or 5; a misconfigured one could name endless addresses).
+const MAX_SERVERS: usize = 64;
+
+/// Checks that `endpoint` is `host:port`, the form every Holdfast endpoint takes, so that a typo is an
+/// error at once instead of 15 seconds of retries.
+pub fn check_endpoint(endpoint: &str) -> Result<(), Error> {
+    let bad = |why: &str| {
+        Err(Error::InvalidArgument(format!(
+            "endpoint {endpoint:?} {why}"
+        )))
+    };
+    if endpoint.contains("://") {
+        return bad("has a scheme: give host:port, such as 127.0.0.1:7001");
+    }
+    let Some((host, port)) = endpoint.rsplit_once(':') else {
+        return bad("is not host:port (such as 127.0.0.1:7001)");
+    };
+    if host.is_empty() || host.contains(char::is_whitespace) || host.contains('/') {
+        return bad("has no valid host: give host:port, such as 127.0.0.1:7001");
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => bad("has no valid port (1..=65535)"),
+    }
+}
+
+fn channel_to(endpoint: &str, options: &ClientOptions) -> Result<Channel, Error> {
+    check_endpoint(endpoint)?;
+    let e = Endpoint::from_shared(format!("http://{endpoint}"))
+        .map_err(|e| Error::InvalidArgument(format!("bad endpoint {endpoint:?}: {e}")))?;
+    // Pings detect a dead connection (half-open after a network fault) in ~4 s; it is closed and the
+    // next call reconnects.
+    let e = e
+        .connect_timeout(options.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_while_idle(true);
+    Ok(holdfast_proto::transport::connect_lazy(e))
+}
+
+/// A failed call in words an operator can act on: tonic's own message for transport failures is often
+/// just "transport error", with the cause (connection refused, ...) in the error's sources.
+pub fn describe_status(status: &tonic::Status) -> String {
+    use std::error::Error as _;
+    if status.code() == tonic::Code::Unimplemented {
+        return "not a Holdfast client port (it does not serve holdfast.v1.Holdfast: a peer or HTTP port?)"
+            .into();
+    }
+    let mut parts = vec![status.message().to_string()];
+    let mut source = status.source();
+    while let Some(e) = source {
+        let text = e.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = e.source();
+    }
+    parts.retain(|p| !p.is_empty());
+    let text = parts.join(": ");
+    if text.contains("frame with invalid size") || text.contains("http2 error") {
+        return format!("not a gRPC server (the HTTP/2 handshake failed: {text})");
+    }
+    if text.is_empty() {
+        format!("{:?}", status.code())
+    } else {
+        text
+    }
+}
+
+/// The index of `endpoint` in `servers`, adding it if it is new; `None` if malformed or the list is full.
+fn index_or_add(
+    servers: &mut Vec<Server>,
+    endpoint: &str,
+    options: &ClientOptions,
+) -> Option<usize> {
+    if let Some(i) = servers.iter().position(|s| s.endpoint == endpoint) {
+        return Some(i);
+    }
+    if servers.len() >= MAX_SERVERS {
+        return None;
+    }
+    let channel = channel_to(endpoint, options).ok()?;
+    servers.push(Server {
+        endpoint: endpoint.to_string(),
+        channel,
+    });
+    Some(servers.len() - 1)
+}
+
 impl Client {
-    /// Connects to a cluster given some of its servers' client endpoints (`host:port`).
+    /// Connects to a cluster given some of its servers' client endpoints (`host:port`). One reachable
+    /// server is enough: the client learns the others from it.
     pub async fn connect<I, S>(endpoints: I) -> Result<Client, Error>
     where
         I: IntoIterator<Item = S>,
@@ -80,39 +184,33 @@ impl Client {
         if endpoints.is_empty() {
             return Err(Error::InvalidArgument("no endpoints given".into()));
         }
-        let channels = endpoints
+        let servers = endpoints
             .iter()
             .map(|ep| {
-                Endpoint::from_shared(format!("http://{ep}"))
-                    .map(|e| {
-                        // Pings detect a dead connection (half-open after a network fault) in ~4 s;
-                        // it is closed and the next call reconnects.
-                        let e = e
-                            .connect_timeout(options.connect_timeout)
-                            .tcp_nodelay(true)
-                            .http2_keep_alive_interval(Duration::from_secs(2))
-                            .keep_alive_timeout(Duration::from_secs(2))
-                            .keep_alive_while_idle(true);
-                        holdfast_proto::transport::connect_lazy(e)
-                    })
-                    .map_err(|e| Error::InvalidArgument(format!("bad endpoint {ep:?}: {e}")))
+                Ok(Server {
+                    endpoint: ep.clone(),
+                    channel: channel_to(ep, &options)?,
+                })
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, Error>>()?;
         let mut inner = Inner {
             registry: Default::default(),
-            endpoints,
-            channels,
+            servers: RwLock::new(servers),
             groups: 1,
             leaders: Mutex::new(vec![0]),
             options: options.clone(),
             opens: Default::default(),
         };
-        // Learn the group count (and a first leader hint) from any server that answers.
+        // Learn the group count, the members and a first leader hint from any server that answers.
         let deadline = Instant::now() + options.request_timeout;
-        let mut last = String::new();
+        let mut errors: Vec<String> = vec![String::new(); endpoints.len()];
         'outer: loop {
-            for i in 0..inner.endpoints.len() {
-                let mut c = HoldfastClient::new(inner.channels[i].clone());
+            let mut not_holdfast = 0;
+            for (i, ep) in endpoints.iter().enumerate() {
+                let channel = inner.servers.read().expect("servers lock")[i]
+                    .channel
+                    .clone();
+                let mut c = HoldfastClient::new(channel);
                 match tokio::time::timeout(
                     options.attempt_timeout,
                     c.status(pb::StatusRequest::default()),
@@ -122,16 +220,21 @@ impl Client {
                     Ok(Ok(s)) => {
                         let s = s.into_inner();
                         inner.groups = s.group_count.max(1);
+                        let servers = inner.servers.get_mut().expect("servers lock");
+                        if options.discover {
+                            for m in &s.members {
+                                index_or_add(servers, &m.client_endpoint, &options);
+                            }
+                        }
                         let leaders = (0..inner.groups)
                             .map(|g| {
                                 s.groups
                                     .iter()
                                     .find(|gs| gs.group == g)
                                     .and_then(|gs| {
-                                        inner
-                                            .endpoints
+                                        servers
                                             .iter()
-                                            .position(|e| *e == gs.leader_endpoint)
+                                            .position(|s| s.endpoint == gs.leader_endpoint)
                                     })
                                     .unwrap_or(i)
                             })
@@ -139,12 +242,24 @@ impl Client {
                         inner.leaders = Mutex::new(leaders);
                         break 'outer;
                     }
-                    Ok(Err(e)) => last = format!("{}: {}", inner.endpoints[i], e.message()),
-                    Err(_) => last = format!("{}: no answer", inner.endpoints[i]),
+                    Ok(Err(status)) => {
+                        not_holdfast += usize::from(status.code() == tonic::Code::Unimplemented);
+                        errors[i] = format!("{ep}: {}", describe_status(&status));
+                    }
+                    Err(_) => {
+                        errors[i] = format!(
+                            "{ep}: no answer within {:?} (paused, or not a gRPC server?)",
+                            options.attempt_timeout
+                        )
+                    }
                 }
             }
-            if Instant::now() > deadline {
-                return Err(Error::Unavailable(format!("no server answered: {last}")));
+            // Every endpoint answered that it is not a Holdfast client port: waiting will not help.
+            if not_holdfast == endpoints.len() || Instant::now() > deadline {
+                return Err(Error::Unavailable(format!(
+                    "no server answered: {}",
+                    errors.join("; ")
+                )));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -153,13 +268,50 @@ impl Client {
         })
     }
 
+    /// The index of `endpoint`, adding it if it is new (a member or leader a server told us about).
+    /// `None` if it is malformed or the list is full.
+    pub(crate) fn server_index(&self, endpoint: &str) -> Option<usize> {
+        let known = self
+            .inner
+            .servers
+            .read()
+            .expect("servers lock")
+            .iter()
+            .position(|s| s.endpoint == endpoint);
+        known.or_else(|| {
+            if !self.inner.options.discover {
+                return None;
+            }
+            let mut servers = self.inner.servers.write().expect("servers lock");
+            index_or_add(&mut servers, endpoint, &self.inner.options)
+        })
+    }
+
+    pub(crate) fn server_count(&self) -> usize {
+        self.inner.servers.read().expect("servers lock").len()
+    }
+
+    fn endpoint(&self, index: usize) -> String {
+        self.inner.servers.read().expect("servers lock")[index]
+            .endpoint
+            .clone()
+    }
+
     /// Number of Raft groups lock names are spread over.
     pub fn groups(&self) -> u32 {
         self.inner.groups
     }
 
-    pub fn endpoints(&self) -> &[String] {
-        &self.inner.endpoints
+    /// Every server this client knows: the endpoints it was given, then the members and leaders the
+    /// cluster told it about.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.inner
+            .servers
+            .read()
+            .expect("servers lock")
+            .iter()
+            .map(|s| s.endpoint.clone())
+            .collect()
     }
 
     pub fn options(&self) -> &ClientOptions {
@@ -195,12 +347,11 @@ impl Client {
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let inner = &self.inner;
-        let n = inner.endpoints.len();
         let mut target = self.leader_of(group);
         let mut backoff = Duration::from_millis(20);
         let mut redirects = 0;
         loop {
-            let client = HoldfastClient::new(inner.channels[target].clone());
+            let client = HoldfastClient::new(self.channel(target));
             let limit = (inner.options.attempt_timeout + extra)
                 .min(deadline.saturating_duration_since(Instant::now()));
             let attempt = tokio::time::timeout(limit, f(client)).await;
@@ -211,31 +362,37 @@ impl Client {
                 }
                 Ok(Err(status)) => match classify(&status) {
                     Disposition::Fail(e) => return Err(e),
-                    Disposition::Redirect(ep) => {
-                        match inner.endpoints.iter().position(|e| *e == ep) {
-                            Some(i) if redirects < 2 * n => {
-                                redirects += 1;
-                                target = i;
-                                self.set_leader(group, i);
-                                continue;
-                            }
-                            _ => format!("redirected to {ep}, which is not among the endpoints"),
+                    // The leader's advertised endpoint, followed even if it was not among the ones this
+                    // client was given.
+                    Disposition::Redirect(ep) => match self.server_index(&ep) {
+                        Some(i) if redirects < 2 * self.server_count() => {
+                            redirects += 1;
+                            target = i;
+                            self.set_leader(group, i);
+                            continue;
                         }
+                        Some(_) => format!("redirected too often (last to {ep})"),
+                        None if !inner.options.discover => format!(
+                            "redirected to {ep}, which is not among the endpoints (discovery is off)"
+                        ),
+                        None => format!("redirected to {ep:?}, which is not a usable endpoint"),
+                    },
+                    Disposition::Retry(msg) => {
+                        format!("{}: {msg}", self.endpoint(target))
                     }
-                    Disposition::Retry(msg) => msg,
                 },
                 Err(_) => format!(
                     "{} did not answer within {limit:?}",
-                    inner.endpoints[target]
+                    self.endpoint(target)
                 ),
             };
             if Instant::now() + backoff > deadline {
                 return Err(Error::Unavailable(reason));
             }
-            tracing::debug!(endpoint = %inner.endpoints[target], %reason, "retrying on another server");
+            tracing::debug!(%reason, "retrying on another server");
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
-            target = (target + 1) % n;
+            target = (target + 1) % self.server_count();
             redirects = 0;
         }
     }
@@ -249,7 +406,9 @@ impl Client {
     }
 
     pub(crate) fn channel(&self, index: usize) -> Channel {
-        self.inner.channels[index].clone()
+        self.inner.servers.read().expect("servers lock")[index]
+            .channel
+            .clone()
     }
 
     /// The endpoint index believed to lead `group`.
@@ -350,9 +509,11 @@ impl Client {
         Ok(all)
     }
 
-    /// Asks one server (by endpoint index) for its own view of the cluster. Not linearizable.
+    /// Asks one server (by its index in [`Client::endpoints`]) for its own view of the cluster. Not
+    /// linearizable.
     pub async fn status_of(&self, index: usize) -> Result<pb::StatusResponse, Error> {
-        let mut c = HoldfastClient::new(self.inner.channels[index].clone());
+        let endpoint = self.endpoint(index);
+        let mut c = HoldfastClient::new(self.channel(index));
         match tokio::time::timeout(
             self.inner.options.attempt_timeout,
             c.status(pb::StatusRequest::default()),
@@ -361,14 +522,10 @@ impl Client {
         {
             Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(s)) => Err(Error::Unavailable(format!(
-                "{}: {}",
-                self.inner.endpoints[index],
-                s.message()
+                "{endpoint}: {}",
+                describe_status(&s)
             ))),
-            Err(_) => Err(Error::Unavailable(format!(
-                "{}: no answer",
-                self.inner.endpoints[index]
-            ))),
+            Err(_) => Err(Error::Unavailable(format!("{endpoint}: no answer"))),
         }
     }
 }

@@ -176,7 +176,7 @@ async fn round(
         session_ids: ids,
     };
     let timeout = client.options().attempt_timeout;
-    for _attempt in 0..client.endpoints().len() + 1 {
+    for _attempt in 0..client.server_count() + 1 {
         let stream = match streams.get_mut(&group) {
             Some(s) => s,
             None => {
@@ -196,7 +196,7 @@ async fn round(
                         continue;
                     }
                     Err(_) => {
-                        client.set_leader(group, (endpoint + 1) % client.endpoints().len());
+                        client.set_leader(group, (endpoint + 1) % client.server_count());
                         continue;
                     }
                 }
@@ -229,7 +229,7 @@ async fn round(
             }
             Err(_) => {
                 streams.remove(&group);
-                client.set_leader(group, (endpoint + 1) % client.endpoints().len());
+                client.set_leader(group, (endpoint + 1) % client.server_count());
                 return Err(format!("no keepalive answer within {timeout:?}"));
             }
         }
@@ -239,12 +239,12 @@ async fn round(
 
 fn next_target(client: &Client, group: u32, endpoint: usize, status: &tonic::Status) {
     let next = match classify(status) {
-        Disposition::Redirect(ep) => client.endpoints().iter().position(|e| *e == ep),
+        Disposition::Redirect(ep) => client.server_index(&ep),
         _ => None,
     };
     client.set_leader(
         group,
-        next.unwrap_or((endpoint + 1) % client.endpoints().len()),
+        next.unwrap_or((endpoint + 1) % client.server_count()),
     );
 }
 

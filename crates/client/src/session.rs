@@ -386,7 +386,10 @@ impl Session {
             Ok(token) => {
                 if !self.is_valid() {
                     // The server may already have expired this session and granted the lock to someone
-                    // else: a guard now would be a lie. The pending acquire releases the grant.
+                    // else: a guard now would be a lie. The session is lost for good (it is renewed no
+                    // more, so the server expires it), and the pending acquire releases the grant now.
+                    self.inner
+                        .mark_lost("no keepalive succeeded within the TTL".into());
                     return Err(Error::LeaseLost(format!(
                         "the grant of lock {name:?} (token {token}) arrived after this session's lease may have lapsed; it is released"
                     )));
@@ -453,6 +456,7 @@ impl Session {
                     session_id,
                     request_id,
                     name: name.to_string(),
+                    attempt: 0,
                 };
                 async move { c.cancel_acquire(req).await }
             })
@@ -460,8 +464,8 @@ impl Session {
         Ok(())
     }
 
-    /// Cancels in the background until the server confirms, the session is gone, or its lease is lost
-    /// (the client stops renewing a lost session, so the server expires it, and its locks with it).
+    /// Cancels in the background until the server answers, the session is gone, or it is lost (a lost
+    /// session is renewed no more, so the server expires it, and its locks with it).
     fn cancel_in_background(&self, name: String, request_id: u64) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
@@ -471,7 +475,9 @@ impl Session {
             loop {
                 match session.cancel_acquire(&name, request_id).await {
                     Ok(()) | Err(Error::SessionUnknown(_)) => return,
-                    Err(e @ (Error::InvalidArgument(_) | Error::Other(_))) => {
+                    Err(
+                        e @ (Error::InvalidArgument(_) | Error::Other(_) | Error::NotHolder(_)),
+                    ) => {
                         tracing::warn!(%e, name, "cancelling an abandoned acquire failed");
                         return;
                     }
@@ -479,7 +485,7 @@ impl Session {
                         tracing::debug!(%e, name, "cancelling an abandoned acquire; retrying")
                     }
                 }
-                if session.inner.is_lost() || !session.is_valid() {
+                if session.inner.is_lost() {
                     return;
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;

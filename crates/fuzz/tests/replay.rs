@@ -122,6 +122,7 @@ fn write_corpus() {
         name: LockName::new(n).unwrap(),
         mode: AcquireMode::Wait,
         value: b"v".to_vec().into(),
+        attempt: r,
         now_ms: 5,
     };
     table.apply(

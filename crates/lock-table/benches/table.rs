@@ -63,6 +63,7 @@ fn main() {
                 name: LockName::new(format!("tenant-{s}/job-{l}")).expect("valid name"),
                 mode: AcquireMode::Try,
                 value: Box::default(),
+                attempt: index,
                 now_ms: 0,
             };
             table.apply(index, &command);

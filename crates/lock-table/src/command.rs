@@ -30,9 +30,9 @@ pub enum Command {
     CloseSession { session: SessionId, now_ms: u64 },
     /// The leader saw no keepalive for a full TTL: same effect as a close.
     ExpireSession { session: SessionId, now_ms: u64 },
-    /// `value` is stored with the grant and shown by describe (at most [`crate::limits::MAX_VALUE_BYTES`]);
-    /// leader election puts the leader's name or address there.
-    Acquire {
+    /// [`Command::Acquire`] as logs written before acquire attempts existed encode it (this position in
+    /// the enum is its encoding). Applied as an acquire of attempt 0; never proposed any more.
+    AcquireBeforeAttempts {
         session: SessionId,
         request: RequestId,
         name: LockName,
@@ -56,15 +56,36 @@ pub enum Command {
         name: LockName,
         now_ms: u64,
     },
-    /// The caller of the acquire `request` went away before it learned the outcome, so nobody may be left
-    /// holding or waiting because of it: its wait is removed, or, if it was granted and the grant is still
-    /// current, the lock is released (to the next waiter). A request id this session has not used yet is
-    /// remembered as abandoned, so an acquire with it that reaches the log later changes nothing. A retry
-    /// of the acquire after this entry gets [`Outcome::Abandoned`].
+    /// Nobody will learn the outcome of the acquire `request`, so nobody may be left holding or waiting
+    /// because of it: its wait is removed, or, if it was granted and the grant is still current, the lock
+    /// is released (to the next waiter). A retry of the acquire after this entry gets
+    /// [`Outcome::Abandoned`].
+    ///
+    /// `attempt` says whose decision this is. `None`: the client's own (it gave up): it applies to the
+    /// request whatever call made it, and a request id the session has not used yet is remembered as
+    /// abandoned, so an acquire with it that reaches the log later changes nothing. `Some(a)`: a server's,
+    /// because the call that made attempt `a` went away before it was answered: it applies only while the
+    /// wait or grant still belongs to attempt `a`. A retry of the request by a newer call (after a
+    /// connection failure, possibly on another server) takes the wait or grant over, and then this
+    /// abandon changes nothing.
     AbandonAcquire {
         session: SessionId,
         request: RequestId,
         name: LockName,
+        attempt: Option<u64>,
+        now_ms: u64,
+    },
+    /// `value` is stored with the grant and shown by describe (at most [`crate::limits::MAX_VALUE_BYTES`]);
+    /// leader election puts the leader's name or address there. `attempt` identifies the call that
+    /// proposed this entry (chosen by the server, unique per call, never 0): a retry of a queued or
+    /// granted request makes the wait or grant its own, see [`Command::AbandonAcquire`].
+    Acquire {
+        session: SessionId,
+        request: RequestId,
+        name: LockName,
+        mode: AcquireMode,
+        value: Box<[u8]>,
+        attempt: u64,
         now_ms: u64,
     },
 }
@@ -75,6 +96,7 @@ impl Command {
             Command::OpenSession { now_ms, .. }
             | Command::CloseSession { now_ms, .. }
             | Command::ExpireSession { now_ms, .. }
+            | Command::AcquireBeforeAttempts { now_ms, .. }
             | Command::Acquire { now_ms, .. }
             | Command::Release { now_ms, .. }
             | Command::CancelWait { now_ms, .. }

@@ -3,11 +3,15 @@
 //! Layout: `b"HFLT"`, a little-endian `u16` format version, the postcard encoding of the table, then a
 //! little-endian CRC-32 of everything before it. Ordered maps make the encoding canonical, so equal tables
 //! have equal bytes and the digest (FNV-1a 64 of the bytes) can be compared across replicas (property P2).
+//!
+//! Versions: 3 (written now) adds each wait's and grant's acquire attempt; 2 is still read (its waits
+//! and grants get attempt 0, which no server's abandon matches), so a data directory written before
+//! attempts existed still starts.
 
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -15,7 +19,9 @@ pub enum SnapshotError {
     Truncated { len: usize },
     #[error("lock table snapshot has bad magic")]
     BadMagic,
-    #[error("lock table snapshot has format version {0}, this build reads version {VERSION}")]
+    #[error(
+        "lock table snapshot has format version {0}, this build reads versions 2 and {VERSION}"
+    )]
     UnknownVersion(u16),
     #[error(
         "lock table snapshot checksum mismatch (stored {stored:#010x}, computed {computed:#010x})"
@@ -53,11 +59,14 @@ impl LockTable {
             return Err(SnapshotError::BadMagic);
         }
         let version = u16::from_le_bytes([body[4], body[5]]);
-        if version != VERSION {
-            return Err(SnapshotError::UnknownVersion(version));
-        }
-        let mut table: LockTable =
-            postcard::from_bytes(&body[6..]).map_err(|e| SnapshotError::Decode(e.to_string()))?;
+        let decode = |e: postcard::Error| SnapshotError::Decode(e.to_string());
+        let mut table: LockTable = match version {
+            VERSION => postcard::from_bytes(&body[6..]).map_err(decode)?,
+            2 => postcard::from_bytes::<v2::LockTable>(&body[6..])
+                .map_err(decode)?
+                .into(),
+            _ => return Err(SnapshotError::UnknownVersion(version)),
+        };
         table.rebuild_derived().map_err(SnapshotError::Decode)?;
         table.validate_decoded().map_err(SnapshotError::Decode)?;
         Ok(table)
@@ -73,5 +82,85 @@ impl LockTable {
     fn validate_decoded(&self) -> Result<(), String> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check_invariants()))
             .map_err(|_| "snapshot breaks a lock table invariant".to_string())
+    }
+}
+
+/// Format version 2: waits and grants without their acquire attempt.
+mod v2 {
+    use crate::table::{self, Session};
+    use crate::types::{FencingToken, LockName, RequestId, SessionId};
+    use serde::Deserialize;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Deserialize)]
+    pub(super) struct LockTable {
+        sessions: BTreeMap<SessionId, Session>,
+        locks: BTreeMap<LockName, Lock>,
+        open_nonces: BTreeMap<u128, (SessionId, u64)>,
+        open_nonce_order: VecDeque<u128>,
+        waiter_count: u64,
+    }
+
+    #[derive(Deserialize)]
+    struct Lock {
+        holder: Holder,
+        // A `Box` in the table; the encoding is the same.
+        waiters: Option<VecDeque<Waiter>>,
+    }
+
+    #[derive(Deserialize)]
+    struct Holder {
+        session: SessionId,
+        token: FencingToken,
+        request: RequestId,
+        granted_at_ms: u64,
+        value: Box<[u8]>,
+    }
+
+    #[derive(Deserialize)]
+    struct Waiter {
+        session: SessionId,
+        request: RequestId,
+        enqueued_at_ms: u64,
+        value: Box<[u8]>,
+    }
+
+    impl From<LockTable> for table::LockTable {
+        fn from(t: LockTable) -> Self {
+            let locks = t
+                .locks
+                .into_iter()
+                .map(|(name, l)| {
+                    let h = l.holder;
+                    let holder = table::Holder {
+                        session: h.session,
+                        token: h.token,
+                        request: h.request,
+                        granted_at_ms: h.granted_at_ms,
+                        value: h.value,
+                        attempt: 0,
+                    };
+                    let mut waiters = table::Queue::default();
+                    for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
+                        waiters.push_back(table::Waiter {
+                            session: w.session,
+                            request: w.request,
+                            enqueued_at_ms: w.enqueued_at_ms,
+                            value: w.value,
+                            attempt: 0,
+                        });
+                    }
+                    (name, table::Lock { holder, waiters })
+                })
+                .collect();
+            table::LockTable {
+                sessions: t.sessions,
+                locks,
+                open_nonces: t.open_nonces,
+                open_nonce_order: t.open_nonce_order,
+                waiter_count: t.waiter_count,
+                events: Vec::new(),
+            }
+        }
     }
 }

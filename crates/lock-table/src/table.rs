@@ -37,6 +37,8 @@ pub(crate) struct Holder {
     pub(crate) request: RequestId,
     pub(crate) granted_at_ms: u64,
     pub(crate) value: Box<[u8]>,
+    /// The acquire call that last reported on this grant (see [`Command::AbandonAcquire`]).
+    pub(crate) attempt: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +47,8 @@ pub(crate) struct Waiter {
     pub(crate) request: RequestId,
     pub(crate) enqueued_at_ms: u64,
     pub(crate) value: Box<[u8]>,
+    /// The acquire call that last reported on this wait (see [`Command::AbandonAcquire`]).
+    pub(crate) attempt: u64,
 }
 
 /// A lock exists in the table exactly while it has a holder; waiters exist only behind a holder.
@@ -124,14 +128,25 @@ impl LockTable {
             | Command::ExpireSession { session, now_ms } => {
                 self.end_session(index, *session, *now_ms)
             }
-            Command::Acquire {
+            Command::AcquireBeforeAttempts {
                 session,
                 request,
                 name,
                 mode,
                 value,
                 now_ms,
-            } => self.acquire(index, *session, *request, name, *mode, value, *now_ms),
+            } => self.acquire(index, *session, *request, name, *mode, value, 0, *now_ms),
+            Command::Acquire {
+                session,
+                request,
+                name,
+                mode,
+                value,
+                attempt,
+                now_ms,
+            } => self.acquire(
+                index, *session, *request, name, *mode, value, *attempt, *now_ms,
+            ),
             Command::Release {
                 session,
                 request,
@@ -149,8 +164,9 @@ impl LockTable {
                 session,
                 request,
                 name,
+                attempt,
                 now_ms,
-            } => self.abandon(index, *session, *request, name, *now_ms),
+            } => self.abandon(index, *session, *request, name, *attempt, *now_ms),
         }
     }
 
@@ -241,25 +257,35 @@ impl LockTable {
         name: &LockName,
         mode: AcquireMode,
         value: &[u8],
+        attempt: u64,
         now_ms: u64,
     ) -> Outcome {
         let Some(session) = self.sessions.get(&session_id) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
-        // A retry sees the current state of its own request first: a queued acquire may have been granted.
-        let lock = self.locks.get(name);
-        if let Some(lock) = lock {
+        // A retry sees the current state of its own request first: a queued acquire may have been
+        // granted. The retry's call now answers for the wait or grant, so it takes them over.
+        let waiting = session.waiting.get(name) == Some(&request);
+        if let Some(lock) = self.locks.get_mut(name) {
             if lock.holder.session == session_id && lock.holder.request == request {
+                lock.holder.attempt = attempt;
                 return Outcome::Granted {
                     token: lock.holder.token,
                 };
             }
-            if session.waiting.get(name) == Some(&request) {
-                return Outcome::Queued {
-                    position: position(lock, session_id),
-                };
+            if waiting {
+                let mut position = 0;
+                for (i, w) in lock.waiters.iter_mut().enumerate() {
+                    if w.session == session_id {
+                        w.attempt = attempt;
+                        position = i as u32 + 1;
+                    }
+                }
+                return Outcome::Queued { position };
             }
         }
+        let session = &self.sessions[&session_id];
+        let lock = self.locks.get(name);
         if let Some(outcome) = self.replay(session, request) {
             return outcome;
         }
@@ -284,6 +310,7 @@ impl LockTable {
                     request,
                     granted_at_ms: now_ms,
                     value: value.into(),
+                    attempt,
                 };
                 self.locks.insert(
                     name.clone(),
@@ -309,6 +336,7 @@ impl LockTable {
                     request,
                     enqueued_at_ms: now_ms,
                     value: value.into(),
+                    attempt,
                 });
                 let position = lock.waiters.len() as u32;
                 self.waiter_count += 1;
@@ -387,13 +415,21 @@ impl LockTable {
         session_id: SessionId,
         request: RequestId,
         name: &LockName,
+        attempt: Option<u64>,
         now_ms: u64,
     ) -> Outcome {
         let Some(session) = self.sessions.get(&session_id) else {
             // A session that is gone holds and waits for nothing.
             return Outcome::Refused(Refusal::UnknownSession);
         };
+        // A server's abandon applies only while the wait or grant is still its call's.
+        let ours = |a: u64| attempt.is_none_or(|mine| mine == a);
         if session.waiting.get(name) == Some(&request) {
+            let lock = &self.locks[name];
+            let w = lock.waiters.iter().find(|w| w.session == session_id);
+            if !w.is_some_and(|w| ours(w.attempt)) {
+                return Outcome::Refused(Refusal::NotWaiting);
+            }
             self.remove_waiter(session_id, request, name);
             self.update_remembered(session_id, request, Outcome::Abandoned);
             return Outcome::Abandoned;
@@ -402,8 +438,11 @@ impl LockTable {
             .locks
             .get(name)
             .filter(|l| l.holder.session == session_id && l.holder.request == request)
-            .map(|l| l.holder.token);
-        if let Some(token) = granted {
+            .map(|l| (l.holder.token, l.holder.attempt));
+        if let Some((token, holder_attempt)) = granted {
+            if !ours(holder_attempt) {
+                return Outcome::Refused(Refusal::NotWaiting);
+            }
             self.events.push(Event::GrantAbandoned {
                 name: name.clone(),
                 session: session_id,
@@ -414,12 +453,29 @@ impl LockTable {
             self.update_remembered(session_id, request, Outcome::Abandoned);
             return Outcome::Abandoned;
         }
-        // Neither waiting nor holding: the acquire ended already (refused, released, cancelled), or its
-        // entry has not reached the log yet. In the second case it must find itself abandoned.
-        if self.replay(session, request).is_none() {
-            self.remember(session_id, request, &Outcome::Abandoned);
+        match self.replay(session, request) {
+            // The request waits, but for another lock: the name is wrong.
+            Some(Outcome::Queued { .. }) => Outcome::Refused(Refusal::NotWaiting),
+            // The acquire ended already (refused, released, cancelled, abandoned): nothing to undo.
+            Some(_) => Outcome::Abandoned,
+            // The client gives up on a request whose acquire has not reached the log yet: when it does, it
+            // must change nothing. (A server's abandon always follows its call's acquire in the log.)
+            None if attempt.is_none() => {
+                self.remember(session_id, request, &Outcome::Abandoned);
+                Outcome::Abandoned
+            }
+            None => Outcome::Refused(Refusal::NotWaiting),
         }
-        Outcome::Abandoned
+    }
+
+    /// The outcome remembered for a request of a session, if it is in the dedup window.
+    pub fn remembered(&self, session: SessionId, request: RequestId) -> Option<&Outcome> {
+        self.sessions
+            .get(&session)?
+            .dedup
+            .iter()
+            .find(|(r, _)| *r == request)
+            .map(|(_, o)| o)
     }
 
     /// Removes the wait that `request` of `session_id` has in `name`'s queue (the caller checked it exists).
@@ -455,6 +511,7 @@ impl LockTable {
             request: next.request,
             granted_at_ms: now_ms,
             value: next.value,
+            attempt: next.attempt,
         };
         self.waiter_count -= 1;
         let session = self.session_mut(next.session);
@@ -602,13 +659,6 @@ impl LockTable {
     }
 }
 
-fn position(lock: &Lock, session: SessionId) -> u32 {
-    lock.waiters
-        .iter()
-        .position(|w| w.session == session)
-        .map_or(0, |p| p as u32 + 1)
-}
-
 fn lock_view(name: &LockName, lock: &Lock) -> LockView {
     LockView {
         name: name.clone(),
@@ -677,6 +727,10 @@ impl Queue {
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiter> {
         self.0.iter().flat_map(|q| q.iter())
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Waiter> {
+        self.0.iter_mut().flat_map(|q| q.iter_mut())
     }
 
     fn is_normal(&self) -> bool {

@@ -15,13 +15,18 @@ fn open(nonce: u128) -> Command {
         now_ms: 0,
     }
 }
+/// An acquire by the call with attempt `1000 * r + 1`: one call per request unless a case says otherwise.
 fn acq(s: u64, r: u64, n: &str, mode: crate::AcquireMode) -> Command {
+    acq_attempt(s, r, n, mode, 1000 * r + 1)
+}
+fn acq_attempt(s: u64, r: u64, n: &str, mode: crate::AcquireMode, attempt: u64) -> Command {
     Command::Acquire {
         session: SessionId(s),
         request: RequestId(r),
         name: name(n),
         mode,
         value: Box::default(),
+        attempt,
         now_ms: 0,
     }
 }
@@ -42,11 +47,23 @@ fn cancel(s: u64, r: u64, n: &str) -> Command {
         now_ms: 0,
     }
 }
+/// The client gives up on its request (any call's).
 fn abandon(s: u64, r: u64, n: &str) -> Command {
     Command::AbandonAcquire {
         session: SessionId(s),
         request: RequestId(r),
         name: name(n),
+        attempt: None,
+        now_ms: 0,
+    }
+}
+/// A server abandons the request because the call with `attempt` went away.
+fn server_abandon(s: u64, r: u64, n: &str, attempt: u64) -> Command {
+    Command::AbandonAcquire {
+        session: SessionId(s),
+        request: RequestId(r),
+        name: name(n),
+        attempt: Some(attempt),
         now_ms: 0,
     }
 }
@@ -279,6 +296,36 @@ fn spec_cases() -> Vec<(&'static str, Vec<(Command, Outcome)>)> {
             ],
         ),
         (
+            "a server's abandon applies only while the wait or grant is its call's",
+            vec![
+                (open(1), opened(1)),
+                (open(2), opened(2)),
+                (acq(1, 1, "a", Try), granted(3)),
+                (acq_attempt(2, 1, "a", Wait, 50), Queued { position: 1 }),
+                // The call with attempt 50 went away, but a retry (attempt 51) took the wait over first.
+                (acq_attempt(2, 1, "a", Wait, 51), Queued { position: 1 }),
+                (server_abandon(2, 1, "a", 50), refused(Refusal::NotWaiting)),
+                (rel(1, 2, "a", 3), Released),
+                (server_abandon(2, 1, "a", 50), refused(Refusal::NotWaiting)),
+                (
+                    acq(1, 3, "a", Try),
+                    refused(Refusal::Held {
+                        holder: SessionId(2),
+                        token: FencingToken(7),
+                    }),
+                ),
+                // The grant now belongs to attempt 51; when that call goes away too, it is released.
+                (server_abandon(2, 1, "a", 51), Abandoned),
+                (acq(1, 4, "a", Try), granted(11)),
+                // A server's abandon of a request that never reached the log changes nothing, and a
+                // wrong name for a waiting request is refused.
+                (server_abandon(2, 9, "a", 9), refused(Refusal::NotWaiting)),
+                (acq(2, 9, "a", Wait), Queued { position: 1 }),
+                (abandon(2, 9, "b"), refused(Refusal::NotWaiting)),
+                (abandon(2, 9, "a"), Abandoned),
+            ],
+        ),
+        (
             "TTL bounds",
             vec![
                 (
@@ -325,6 +372,69 @@ fn spec_cases() -> Vec<(&'static str, Vec<(Command, Outcome)>)> {
             ],
         ),
     ]
+}
+
+/// A snapshot written by format version 2 (before acquire attempts; `testdata/snapshot-v2.bin`, made by
+/// the build of that time from three sessions: 1 holds `a` with 2 and 3 waiting, 2 holds `dir/b`) still
+/// decodes, and its waits and grants answer only to the client's own abandon.
+#[test]
+fn a_version_2_snapshot_still_decodes() {
+    let mut t = LockTable::decode_snapshot(include_bytes!("../testdata/snapshot-v2.bin")).unwrap();
+    let a = t.describe(&name("a")).unwrap();
+    assert_eq!(
+        (a.holder.session, a.holder.token),
+        (SessionId(1), FencingToken(4))
+    );
+    assert_eq!(&*a.holder.value, b"v");
+    let waiters: Vec<u64> = a.waiters.iter().map(|w| w.session.0).collect();
+    assert_eq!(waiters, [2, 3]);
+    let b = t.describe(&name("dir/b")).unwrap();
+    assert_eq!(
+        (b.holder.session, b.holder.token),
+        (SessionId(2), FencingToken(7))
+    );
+    assert_eq!(t.session_count(), 3);
+    assert_eq!(
+        t.apply(8, &server_abandon(2, 1, "a", 1)),
+        refused(Refusal::NotWaiting)
+    );
+    assert_eq!(t.apply(9, &abandon(2, 1, "a")), Abandoned);
+    assert_eq!(t.apply(10, &rel(1, 2, "a", 4)), Released);
+    assert_eq!(
+        t.describe(&name("a")).unwrap().holder.token,
+        FencingToken(10)
+    );
+    t.check_invariants();
+}
+
+/// An acquire entry written before attempts existed (`testdata/command-acquire-before-attempts.bin`,
+/// postcard as the log stores it) decodes as [`Command::AcquireBeforeAttempts`] and applies as attempt 0.
+#[test]
+fn an_acquire_logged_before_attempts_still_decodes_and_applies() {
+    let c: Command = postcard::from_bytes(include_bytes!(
+        "../testdata/command-acquire-before-attempts.bin"
+    ))
+    .unwrap();
+    assert_eq!(
+        c,
+        Command::AcquireBeforeAttempts {
+            session: SessionId(5),
+            request: RequestId(9),
+            name: name("jobs/x"),
+            mode: Wait,
+            value: b"val".to_vec().into(),
+            now_ms: 1234,
+        }
+    );
+    let mut t = LockTable::new();
+    for n in 1..=5 {
+        t.apply(n, &open(u128::from(n)));
+    }
+    assert_eq!(t.apply(6, &c), granted(6));
+    assert_eq!(
+        t.apply(7, &server_abandon(5, 9, "jobs/x", 1)),
+        refused(Refusal::NotWaiting)
+    );
 }
 
 #[test]
@@ -497,6 +607,8 @@ struct Model {
     holders: std::collections::BTreeMap<String, (u64, u64, u64)>, // name -> (session, token, request)
     queues: std::collections::BTreeMap<String, Vec<(u64, u64)>>,  // name -> [(session, request)]
     last_token: std::collections::BTreeMap<String, u64>,
+    /// (session, request) -> the attempt of the call that last reported on its wait or grant.
+    attempts: std::collections::BTreeMap<(u64, u64), u64>,
 }
 
 impl Model {
@@ -535,6 +647,11 @@ enum Op {
     Cancel(usize, usize),
     /// Abandon the acquire of session `.0` for lock `.1`: its wait, its grant, or (`.2`) a fresh id.
     Abandon(usize, usize, bool),
+    /// A server abandons the wait or grant of session `.0` on lock `.1`, for its current call or (`.2`)
+    /// for an older one.
+    ServerAbandon(usize, usize, bool),
+    /// A new call retries the waiting or granted request of session `.0` on lock `.1`.
+    Reattach(usize, usize),
     Retry,
 }
 
@@ -547,6 +664,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, stale)| Op::Release(s, n, stale)),
         1 => (0..6usize, 0..4usize).prop_map(|(s, n)| Op::Cancel(s, n)),
         1 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, fresh)| Op::Abandon(s, n, fresh)),
+        1 => (0..6usize, 0..4usize, any::<bool>()).prop_map(|(s, n, stale)| Op::ServerAbandon(s, n, stale)),
+        1 => (0..6usize, 0..4usize).prop_map(|(s, n)| Op::Reattach(s, n)),
         2 => Just(Op::Retry),
     ]
 }
@@ -590,6 +709,22 @@ proptest! {
                     };
                     abandon(s, r, names[n])
                 }
+                Op::ServerAbandon(k, n, stale) => {
+                    let s = sess(k);
+                    let active = model.queues.get(names[n]).and_then(|q| q.iter().find(|w| w.0 == s)).map(|w| w.1)
+                        .or_else(|| model.holders.get(names[n]).filter(|h| h.0 == s).map(|h| h.2));
+                    let Some(r) = active else { continue };
+                    let current = model.attempts[&(s, r)];
+                    server_abandon(s, r, names[n], if stale { current + 7 } else { current })
+                }
+                Op::Reattach(k, n) => {
+                    let s = sess(k);
+                    let active = model.queues.get(names[n]).and_then(|q| q.iter().find(|w| w.0 == s)).map(|w| w.1)
+                        .or_else(|| model.holders.get(names[n]).filter(|h| h.0 == s).map(|h| h.2));
+                    let Some(r) = active else { continue };
+                    next_request += 1;
+                    acq_attempt(s, r, names[n], Wait, 1_000_000 + next_request)
+                }
                 Op::Retry => match &last { Some((c, _)) => c.clone(), None => continue },
             };
             let got = table.apply(index, &command);
@@ -621,9 +756,21 @@ proptest! {
                     prop_assert_eq!(live, matches!(got, SessionClosed { .. }));
                     if live { model.end(session.0, index); }
                 }
-                Command::Acquire { session, request, name, mode, .. } => {
+                Command::Acquire { session, request, name, attempt, .. } if matches!(op, Op::Reattach(..)) => {
+                    let (s, n) = (session.0, name.as_str());
+                    match model.holders.get(n) {
+                        Some(h) if h.0 == s && h.2 == request.0 => prop_assert_eq!(&got, &granted(h.1)),
+                        _ => {
+                            let pos = model.queues[n].iter().position(|w| *w == (s, request.0)).unwrap();
+                            prop_assert_eq!(&got, &Queued { position: pos as u32 + 1 });
+                        }
+                    }
+                    model.attempts.insert((s, request.0), *attempt);
+                }
+                Command::Acquire { session, request, name, mode, attempt, .. } => {
                     let s = session.0;
                     let n = name.as_str().to_string();
+                    model.attempts.insert((s, request.0), *attempt);
                     if !model.sessions.contains(&s) {
                         prop_assert_eq!(&got, &refused(Refusal::UnknownSession));
                     } else {
@@ -668,7 +815,27 @@ proptest! {
                         prop_assert_eq!(&got, &refused(Refusal::NotWaiting));
                     }
                 }
-                Command::AbandonAcquire { session, request, name, .. } => {
+                Command::AbandonAcquire { session, request, name, attempt: Some(a), .. } => {
+                    let (s, n) = (session.0, name.as_str());
+                    let waiting = model.queues.get(n).and_then(|q| q.iter().position(|w| *w == (s, request.0)));
+                    let holding = model.holders.get(n).is_some_and(|h| h.0 == s && h.2 == request.0);
+                    if !model.sessions.contains(&s) {
+                        prop_assert_eq!(&got, &refused(Refusal::UnknownSession));
+                    } else if !(waiting.is_some() || holding) {
+                        // A retry of an abandon that was applied: it changes nothing.
+                        prop_assert!(matches!(got, Abandoned | Refused(Refusal::NotWaiting)), "{:?}", got);
+                    } else if model.attempts.get(&(s, request.0)) != Some(a) {
+                        prop_assert_eq!(&got, &refused(Refusal::NotWaiting));
+                    } else {
+                        prop_assert_eq!(&got, &Abandoned);
+                        match waiting {
+                            Some(pos) => { model.queues.get_mut(n).unwrap().remove(pos); }
+                            None => model.hand_over(n, index),
+                        }
+                    }
+                }
+                Command::AcquireBeforeAttempts { .. } => unreachable!("the property test always proposes attempts"),
+                Command::AbandonAcquire { session, request, name, attempt: None, .. } => {
                     let s = session.0;
                     let n = name.as_str();
                     if !model.sessions.contains(&s) {

@@ -13,3 +13,12 @@ pub mod transport;
 
 /// Metadata key that repeats the [`v1::Reason`] of an error status, for tools that cannot decode details.
 pub const REASON_METADATA_KEY: &str = "holdfast-reason";
+
+/// The [`v1::Reason`] of an error status, from its `ErrorDetail` (`None` if it has none).
+pub fn reason(status: &tonic::Status) -> Option<v1::Reason> {
+    use prost::Message;
+    let detail = v1::ErrorDetail::decode(status.details()).ok()?;
+    v1::Reason::try_from(detail.reason)
+        .ok()
+        .filter(|r| *r != v1::Reason::Unspecified)
+}

@@ -2,58 +2,77 @@
 //!
 //! A queued acquire keeps its place in the replicated table whether or not anybody still waits for the
 //! answer, and the grant it later receives would leave a holder that never learns it holds the lock (its
-//! process goes on renewing the session, so the lock is stuck). So every `Acquire` call is *attached* here
-//! while its handler runs ([`Calls::attach`] returns a [`Call`]). If the handler is dropped before it
-//! answered (the client cancelled the call or reset its stream, or the connection closed), the server
-//! proposes `AbandonAcquire` for it: the wait is removed, or the grant released. When this server no longer
-//! leads the group, it forwards the abandon to the leader's `CancelAcquire`, and keeps trying until the
-//! abandon is applied, the session is gone, or this server stops. A client that sets
-//! `AcquireRequest.client_cancels` takes this duty itself (the Rust client does, so that an attempt that
-//! timed out keeps its place in the queue when retried). docs/api.md gives the whole argument.
+//! process goes on renewing the session, so the lock is stuck). So every `Acquire` call gets an *attempt*
+//! id, carried in its log entry, and is *attached* here while its handler runs ([`Calls::attach`] returns
+//! a [`Call`]). If the handler is dropped before it answered (the client cancelled the call or reset its
+//! stream, or the connection closed), the server proposes `AbandonAcquire` for that attempt: the wait is
+//! removed, or the grant released. When this server no longer leads the group, it forwards the abandon
+//! to the leader's `CancelAcquire`, and keeps trying until it is applied, the session is gone, or this
+//! server stops. A client that sets `AcquireRequest.client_cancels` takes this duty itself (the Rust
+//! client does, so that an attempt that timed out keeps its place in the queue when retried).
+//! docs/api.md gives the whole argument.
 //!
-//! Invariant: on one server, an abandon of (session, request) and an acquire call for the same pair never
-//! overlap. A call that arrives while the abandon is in flight waits for it (and then finds its request
-//! abandoned); an abandon that finds a call attached is skipped, because that call will answer, or abandon
-//! in turn when it is dropped. Without this, a client's retry on a new connection could be answered with a
-//! grant that the abandon of its first attempt releases a moment later.
+//! Invariant: an abandon started here acts only on its own attempt. A retry of the same request by a
+//! newer call, on this server or another, makes the wait or grant that call's (the table records the
+//! attempt of the last acquire entry for it), and the older abandon then changes nothing; so a retry is
+//! never answered with a grant that the abandon of its first call releases later. As a shortcut, an
+//! abandon is not even proposed while a newer call for the request is attached here.
 
-use crate::errors;
 use crate::group::{Group, ProposeError};
 use crate::node::NodeShared;
 use holdfast_lock_table::{Command, LockName, Outcome, Refusal, RequestId, SessionId};
 use holdfast_proto::v1 as pb;
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::Ordering::Relaxed;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::Notify;
-use tokio::time::Instant;
 
 type Key = (SessionId, RequestId);
-
-/// Longest an acquire call waits for an abandon of the same request on this server before it answers
-/// UNAVAILABLE (the client retries with the same id). An abandon takes one commit; this is the proposal
-/// timeout with room to spare.
-const ABANDON_WAIT: Duration = Duration::from_secs(10);
 
 /// Backoff between attempts of an abandon that could not be applied yet (no leader, no quorum).
 const RETRY_FIRST: Duration = Duration::from_millis(50);
 const RETRY_MAX: Duration = Duration::from_secs(2);
+/// An abandon still not applied after this many tries is logged as a warning (and every this many
+/// tries after), since a grant nobody knows of may be stuck behind it.
+const WARN_EVERY_TRIES: u32 = 30;
 
 /// One forwarded attempt against the leader.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// The acquire calls attached on this server, and the abandons in flight, of one group.
-#[derive(Default)]
-pub struct Calls {
-    inner: Mutex<Inner>,
-    abandoned: Notify,
+/// Attempt ids for the acquire calls this server proposes: unique per call (a counter) and, with high
+/// probability, across servers and restarts (a base drawn from the seed, the node id and the start
+/// time). Never 0, which marks waits and grants from before attempts existed.
+pub struct AttemptIds {
+    base: u64,
+    next: AtomicU64,
 }
 
+impl AttemptIds {
+    pub fn new(seed: u64, node_id: u64, started_ms: u64) -> Self {
+        let mix = |x: u64| (x ^ (x >> 31)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        AttemptIds {
+            base: mix(seed ^ mix(node_id) ^ mix(started_ms.rotate_left(17))),
+            next: AtomicU64::new(1),
+        }
+    }
+
+    pub fn next(&self) -> u64 {
+        loop {
+            let n = self.next.fetch_add(1, Relaxed);
+            let id = self
+                .base
+                .wrapping_add(n.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+}
+
+/// The acquire calls attached on this server, per group.
 #[derive(Default)]
-struct Inner {
-    attached: HashMap<Key, u32>,
-    abandoning: HashSet<Key>,
+pub struct Calls {
+    attached: Mutex<HashMap<Key, u32>>,
 }
 
 /// What happens when an attached call is dropped before it answered.
@@ -67,80 +86,58 @@ pub enum OnDrop {
 }
 
 /// An attached acquire call. Call [`Call::answered`] just before the handler returns its result; dropped
-/// without it, the acquire is abandoned through the log (unless [`OnDrop::Detach`]).
+/// without it, the acquire's attempt is abandoned through the log (unless [`OnDrop::Detach`]).
 pub struct Call {
     node: Arc<NodeShared>,
     group: u32,
     key: Key,
     name: LockName,
+    attempt: u64,
     on_drop: OnDrop,
     answered: bool,
 }
 
 impl Calls {
-    /// Attaches a call for (session, request), first waiting for an abandon of the same pair to finish.
-    pub async fn attach(
+    /// Attaches a call for (session, request) that proposes `attempt`.
+    pub fn attach(
         node: &Arc<NodeShared>,
         group: &Group,
         session: SessionId,
         request: RequestId,
         name: &LockName,
+        attempt: u64,
         on_drop: OnDrop,
-    ) -> Result<Call, tonic::Status> {
-        let calls = &group.calls;
-        let key = (session, request);
-        let give_up = Instant::now() + ABANDON_WAIT;
-        loop {
-            // Created before the check, so an abandon that ends between the check and the wait wakes it.
-            let ended = calls.abandoned.notified();
-            {
-                let mut inner = calls.inner.lock().expect("calls lock");
-                if !inner.abandoning.contains(&key) {
-                    *inner.attached.entry(key).or_default() += 1;
-                    break;
-                }
-            }
-            if tokio::time::timeout_at(give_up, ended).await.is_err() {
-                return Err(errors::unavailable(
-                    "an abandon of this request is still in flight; retry with the same request id",
-                ));
-            }
-        }
-        Ok(Call {
+    ) -> Call {
+        *group
+            .calls
+            .attached
+            .lock()
+            .expect("calls lock")
+            .entry((session, request))
+            .or_default() += 1;
+        Call {
             node: node.clone(),
             group: group.id,
-            key,
+            key: (session, request),
             name: name.clone(),
+            attempt,
             on_drop,
             answered: false,
-        })
+        }
     }
 
     fn detach(&self, key: Key) {
-        let mut inner = self.inner.lock().expect("calls lock");
-        if let Some(n) = inner.attached.get_mut(&key) {
+        let mut attached = self.attached.lock().expect("calls lock");
+        if let Some(n) = attached.get_mut(&key) {
             *n -= 1;
             if *n == 0 {
-                inner.attached.remove(&key);
+                attached.remove(&key);
             }
         }
     }
 
-    /// Starts an abandon of `key` unless a call for it is attached (that call is responsible now) or an
-    /// abandon of it is already in flight. True if the caller must run the abandon and then call
-    /// [`Calls::end_abandon`].
-    fn begin_abandon(&self, key: Key) -> bool {
-        let mut inner = self.inner.lock().expect("calls lock");
-        !inner.attached.contains_key(&key) && inner.abandoning.insert(key)
-    }
-
-    fn end_abandon(&self, key: Key) {
-        self.inner
-            .lock()
-            .expect("calls lock")
-            .abandoning
-            .remove(&key);
-        self.abandoned.notify_waiters();
+    fn is_attached(&self, key: Key) -> bool {
+        self.attached.lock().expect("calls lock").contains_key(&key)
     }
 }
 
@@ -156,68 +153,52 @@ impl Drop for Call {
         let Some(group) = self.node.groups.get(self.group as usize).cloned() else {
             return;
         };
-        // Detach first: the abandon below must not see this very call as the one responsible.
+        // Detach first: the abandon below must not see this very call as a newer one.
         group.calls.detach(self.key);
         if self.answered || self.on_drop == OnDrop::Detach {
             return;
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let (node, key, name) = (self.node.clone(), self.key, self.name.clone());
-            rt.spawn(async move { abandon(&node, &group, key.0, key.1, name).await });
+            let (node, key, name, attempt) =
+                (self.node.clone(), self.key, self.name.clone(), self.attempt);
+            rt.spawn(async move { abandon(&node, &group, key, name, attempt).await });
         }
     }
 }
 
-/// What an abandon came to.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Abandoned {
-    /// The abandon is applied (or the session is gone, which holds and waits for nothing).
-    Done,
-    /// A call for the same request is attached on this server; it answers or abandons in turn.
-    Skipped,
-}
-
-/// Abandons one acquire from this server, retrying until it is applied, the session is gone, or this
-/// server stops (it then holds no lock, and its own callers' connections are closed with it).
-pub async fn abandon(
-    node: &Arc<NodeShared>,
-    group: &Arc<Group>,
-    session: SessionId,
-    request: RequestId,
-    name: LockName,
-) {
-    if !group.calls.begin_abandon((session, request)) {
-        return;
-    }
+/// Abandons one attempt from this server, retrying until it is applied, the session is gone, or this
+/// server stops (its callers' connections close with it, see docs/api.md).
+async fn abandon(node: &NodeShared, group: &Group, key: Key, name: LockName, attempt: u64) {
+    let (session, request) = key;
     let mut backoff = RETRY_FIRST;
+    let mut tries = 0u32;
     loop {
-        match propose(group, session, request, &name).await {
-            Ok(_) => break,
+        // A newer call for the request is attached here: it answers, or abandons its own attempt.
+        if group.calls.is_attached(key) {
+            return;
+        }
+        let last_error = match propose(group, session, request, &name, Some(attempt)).await {
+            Ok(_) => return,
             Err(ProposeError::NotLeader(Some(leader))) if leader != node.config.node_id => {
-                match forward(node, leader, group.id, session, request, &name).await {
-                    Ok(()) => break,
-                    Err(e) => {
-                        tracing::debug!(group = group.id, session = session.0, %e, "forwarding an abandon failed; retrying")
-                    }
+                match forward(node, leader, group.id, key, &name, attempt).await {
+                    Ok(()) => return,
+                    Err(e) => e,
                 }
             }
-            Err(ProposeError::Stopped(_)) => break,
-            Err(e) => {
-                tracing::debug!(
-                    group = group.id,
-                    session = session.0,
-                    ?e,
-                    "abandon not applied yet; retrying"
-                )
-            }
-        }
+            Err(ProposeError::Stopped(_)) => return,
+            Err(e) => format!("{e:?}"),
+        };
         if session_gone(group, session) {
-            break;
+            return;
+        }
+        tries += 1;
+        if tries.is_multiple_of(WARN_EVERY_TRIES) {
+            tracing::warn!(group = group.id, session = session.0, request = request.0, lock = name.as_str(), tries, error = %last_error,
+                "an abandoned acquire is not applied yet; its wait or grant stays until it is or the session ends");
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(RETRY_MAX);
     }
-    group.calls.end_abandon((session, request));
 }
 
 /// Proposes the abandon here (this server must lead the group).
@@ -226,47 +207,43 @@ async fn propose(
     session: SessionId,
     request: RequestId,
     name: &LockName,
+    attempt: Option<u64>,
 ) -> Result<Outcome, ProposeError> {
     let outcome = group
         .propose(Command::AbandonAcquire {
             session,
             request,
             name: name.clone(),
+            attempt,
             now_ms: crate::now_ms(),
         })
         .await?;
-    group.metrics.abandons.fetch_add(1, Relaxed);
+    if outcome == Outcome::Abandoned {
+        group.metrics.abandons.fetch_add(1, Relaxed);
+    }
     tracing::debug!(
         group = group.id,
         session = session.0,
         request = request.0,
-        name = name.as_str(),
+        lock = name.as_str(),
+        ?attempt,
         ?outcome,
-        "acquire abandoned"
+        "abandon applied"
     );
     Ok(outcome)
 }
 
-/// The `CancelAcquire` RPC on this server: skipped if a call for the request is attached here, otherwise
-/// proposed here (NOT_LEADER when this server does not lead: the caller follows the leader).
+/// The `CancelAcquire` RPC on this server (it must lead the group): `attempt` is `None` for a client's
+/// own cancel, `Some` for an abandon forwarded by another server. Refusals are answers: `NotWaiting`
+/// (the request waits for another lock, or a newer call took it over) or an unknown session.
 pub async fn cancel(
     group: &Group,
     session: SessionId,
     request: RequestId,
     name: &LockName,
-) -> Result<Abandoned, ProposeError> {
-    let key = (session, request);
-    if !group.calls.begin_abandon(key) {
-        return Ok(Abandoned::Skipped);
-    }
-    let result = propose(group, session, request, name).await;
-    group.calls.end_abandon(key);
-    match result? {
-        Outcome::Abandoned | Outcome::Refused(Refusal::UnknownSession) => Ok(Abandoned::Done),
-        other => Err(ProposeError::Unknown(format!(
-            "unexpected outcome of an abandon: {other:?}"
-        ))),
-    }
+    attempt: Option<u64>,
+) -> Result<Outcome, ProposeError> {
+    propose(group, session, request, name, attempt).await
 }
 
 /// True once this server has applied past the session's creation and the session is not there: it
@@ -276,14 +253,15 @@ fn session_gone(group: &Group, session: SessionId) -> bool {
     state.last_applied.map_or(0, |l| l.index) >= session.0 && !state.table.has_session(session)
 }
 
-/// Sends the abandon to the leader's client port.
+/// Sends the abandon to the leader's client port. A refusal from the leader is an answer too: the
+/// attempt no longer owns a wait or grant, or the session is gone.
 async fn forward(
     node: &NodeShared,
     leader: u64,
     group: u32,
-    session: SessionId,
-    request: RequestId,
+    (session, request): Key,
     name: &LockName,
+    attempt: u64,
 ) -> Result<(), String> {
     let member = node
         .config
@@ -300,12 +278,27 @@ async fn forward(
         session_id: session.0,
         request_id: request.0,
         name: name.as_str().to_string(),
+        attempt,
     };
     match tokio::time::timeout(FORWARD_TIMEOUT, client.cancel_acquire(request)).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(status)) => Err(format!("node {leader}: {}", status.message())),
+        Ok(Err(status)) => match holdfast_proto::reason(&status) {
+            Some(pb::Reason::NotHolder | pb::Reason::SessionUnknown) => Ok(()),
+            _ => Err(format!("node {leader}: {}", status.message())),
+        },
         Err(_) => Err(format!(
             "node {leader} did not answer within {FORWARD_TIMEOUT:?}"
         )),
+    }
+}
+
+/// Maps a cancel's outcome to the RPC's answer.
+pub fn cancel_result(outcome: Outcome) -> Result<(), Refusal> {
+    match outcome {
+        Outcome::Abandoned => Ok(()),
+        Outcome::Refused(r) => Err(r),
+        other => Err(Refusal::NotWaiting).inspect_err(|_| {
+            tracing::warn!(?other, "unexpected outcome of an abandon");
+        }),
     }
 }

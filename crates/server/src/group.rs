@@ -172,8 +172,17 @@ impl Group {
     /// term, and heard from a quorum recently enough that no newer leader can exist.
     pub fn can_renew(&self) -> bool {
         let m = self.metrics_rx.borrow_watched();
+        self.leases.leading_term() == Some(m.current_term) && self.confirmed(&m)
+    }
+
+    /// True if this server leads and a quorum acknowledged it recently enough that no newer leader can
+    /// exist: it can serve writes and linearizable reads now.
+    pub fn quorum_confirmed(&self) -> bool {
+        self.confirmed(&self.metrics_rx.borrow_watched())
+    }
+
+    fn confirmed(&self, m: &RaftMetrics<TypeConfig>) -> bool {
         m.state == ServerState::Leader
-            && self.leases.leading_term() == Some(m.current_term)
             && m.last_quorum_acked
                 .as_ref()
                 .is_some_and(|t| t.elapsed() < self.renew_guard)

@@ -1,5 +1,6 @@
 //! A minimal HTTP/1.1 endpoint for operators: `GET /metrics` (Prometheus text), `/healthz` (the process
-//! serves), `/readyz` (every group knows a leader). One request per connection; requests over 8 KiB or
+//! serves), `/readyz` (a write or linearizable read of every group can be served now, see
+//! [`NodeShared::readiness`]). One request per connection; requests over 8 KiB or
 //! slower than 5 s are dropped.
 
 use crate::node::NodeShared;
@@ -42,12 +43,10 @@ async fn handle(mut stream: TcpStream, node: Arc<NodeShared>) -> std::io::Result
     let (status, content_type, body) = match path {
         "/metrics" => ("200 OK", "text/plain; version=0.0.4", node.render_metrics()),
         "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
-        "/readyz" if node.ready() => ("200 OK", "text/plain", "ready\n".to_string()),
-        "/readyz" => (
-            "503 Service Unavailable",
-            "text/plain",
-            "no leader known for some group\n".to_string(),
-        ),
+        "/readyz" => match node.readiness().await {
+            Ok(()) => ("200 OK", "text/plain", "ready\n".to_string()),
+            Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
+        },
         _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
     };
     let head = format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());

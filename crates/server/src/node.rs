@@ -30,6 +30,8 @@ pub struct NodeShared {
     pub config: Arc<ServerConfig>,
     pub groups: Vec<Arc<Group>>,
     pub metrics: Arc<ServerMetrics>,
+    /// Ids for the acquire calls this server proposes (see `abandon`).
+    pub attempt_ids: crate::abandon::AttemptIds,
 }
 
 impl RaftLookup for NodeShared {
@@ -180,6 +182,7 @@ impl Node {
             config: config.clone(),
             groups,
             metrics,
+            attempt_ids: crate::abandon::AttemptIds::new(rng_seed, config.node_id, crate::now_ms()),
         });
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut tasks = Vec::new();
@@ -347,6 +350,7 @@ impl NodeShared {
                     locks: s.table.lock_count() as u64,
                     waiters: s.table.waiter_count(),
                     digest: if with_digest { s.table.digest() } else { 0 },
+                    leader_confirmed: g.quorum_confirmed(),
                 }
             })
             .collect();
@@ -367,9 +371,50 @@ impl NodeShared {
         }
     }
 
-    /// Ready when every group knows a leader (so requests here will be served or redirected).
-    pub fn ready(&self) -> bool {
-        self.groups.iter().all(|g| g.current_leader().is_some())
+    /// Ready when a write or a linearizable read of every group can be served now, here or at the leader
+    /// this server redirects to: the group's leader (this server, or the one it names) has been
+    /// acknowledged by a quorum within 3/4 of the election timeout. Err says, per group, why not.
+    pub async fn readiness(&self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        let mut elsewhere: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+        for g in &self.groups {
+            if g.quorum_confirmed() {
+                continue;
+            }
+            match g.current_leader() {
+                Some(l) if l == self.config.node_id => problems.push(format!(
+                    "group {}: this server leads but no quorum acknowledged it recently",
+                    g.id
+                )),
+                Some(l) => elsewhere.entry(l).or_default().push(g.id),
+                None => problems.push(format!("group {}: no leader known", g.id)),
+            }
+        }
+        for (leader, groups) in elsewhere {
+            let endpoint = self.config.member(leader).map(|m| m.client.clone());
+            let answer = match &endpoint {
+                Some(ep) => leader_status(ep).await,
+                None => Err(format!("node {leader} is not a member")),
+            };
+            for g in groups {
+                let why = match &answer {
+                    Ok(s) => match s.groups.iter().find(|gs| gs.group == g) {
+                        Some(gs) if gs.leader_confirmed => continue,
+                        _ => "does not have a quorum".to_string(),
+                    },
+                    Err(e) => format!("is unreachable ({e})"),
+                };
+                problems.push(format!(
+                    "group {g}: the leader, node {leader} at {}, {why}",
+                    endpoint.as_deref().unwrap_or("?")
+                ));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("\n"))
+        }
     }
 
     pub fn render_metrics(&self) -> String {
@@ -471,6 +516,22 @@ impl NodeShared {
             metrics::gauge(&mut out, name, help, &values);
         }
         out
+    }
+}
+
+/// Asks another server for its status (readiness probes), within a second.
+async fn leader_status(endpoint: &str) -> Result<pb::StatusResponse, String> {
+    const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(PROBE_TIMEOUT)
+        .timeout(PROBE_TIMEOUT);
+    let mut client =
+        pb::holdfast_client::HoldfastClient::new(holdfast_proto::transport::connect_lazy(channel));
+    match tokio::time::timeout(PROBE_TIMEOUT, client.status(pb::StatusRequest::default())).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
     }
 }
 

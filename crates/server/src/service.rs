@@ -207,7 +207,12 @@ impl ClientService {
         {
             Outcome::Granted { token } => Ok(token),
             Outcome::Cancelled | Outcome::Refused(Refusal::NotWaiting) => {
-                let holder = group.state.read().expect("state lock").table.describe(name);
+                let state = group.state.read().expect("state lock");
+                // The wait was abandoned meanwhile (the client cancelled the request): say so.
+                if state.table.remembered(session, request) == Some(&Outcome::Abandoned) {
+                    return Err(abandoned(request, name.as_str()));
+                }
+                let holder = state.table.describe(name);
                 let (holder_session, token) =
                     holder.map_or((0, 0), |v| (v.holder.session.0, v.holder.token.0));
                 Err(errors::status(
@@ -381,7 +386,8 @@ impl Holdfast for ClientService {
         } else {
             OnDrop::Abandon
         };
-        let call = Calls::attach(&self.node, group, session, request, &name, on_drop).await?;
+        let attempt = self.node.attempt_ids.next();
+        let call = Calls::attach(&self.node, group, session, request, &name, attempt, on_drop);
         let started = Instant::now();
         let deadline = started + Duration::from_millis(r.wait_timeout_ms);
         let mode = if r.wait_timeout_ms > 0 {
@@ -397,6 +403,7 @@ impl Holdfast for ClientService {
             name: name.clone(),
             mode,
             value: r.value.into(),
+            attempt,
             now_ms: now_ms(),
         };
         let outcome = group
@@ -440,9 +447,29 @@ impl Holdfast for ClientService {
         let session = SessionId(nonzero(r.session_id, "session_id")?);
         let request = RequestId(nonzero(r.request_id, "request_id")?);
         let name = self.lock_name(r.name, r.group)?;
-        abandon::cancel(group, session, request, &name)
+        let attempt = (r.attempt != 0).then_some(r.attempt);
+        let outcome = abandon::cancel(group, session, request, &name, attempt)
             .await
             .map_err(|e| self.propose_error(e))?;
+        abandon::cancel_result(outcome).map_err(|r| match r {
+            Refusal::NotWaiting => errors::status(
+                tonic::Code::FailedPrecondition,
+                pb::Reason::NotHolder,
+                format!(
+                    "request {} of session {} neither waits for nor holds lock {:?}{}",
+                    request.0,
+                    session.0,
+                    name.as_str(),
+                    if attempt.is_some() {
+                        " under that attempt (a newer call took it over)"
+                    } else {
+                        " (it waits for another lock)"
+                    }
+                ),
+                pb::ErrorDetail::default(),
+            ),
+            r => refusal(r, session.0, name.as_str()),
+        })?;
         Ok(Response::new(pb::CancelAcquireResponse {}))
     }
 

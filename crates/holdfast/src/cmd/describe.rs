@@ -11,6 +11,9 @@ pub struct DescribeArgs {
     name: String,
     #[command(flatten)]
     conn: Conn,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn lock_json(l: &LockInfo) -> Value {
@@ -25,7 +28,7 @@ pub fn lock_json(l: &LockInfo) -> Value {
 pub async fn run(args: DescribeArgs) -> anyhow::Result<ExitCode> {
     let client = args.conn.connect().await?;
     let lock = client.describe(&args.name).await?;
-    match (lock, args.conn.json) {
+    match (lock, args.json) {
         (Some(l), true) => println!("{}", serde_json::to_string_pretty(&lock_json(&l))?),
         (None, true) => println!("{}", json!({"name": args.name, "free": true})),
         (None, false) => println!("{} is free", args.name),

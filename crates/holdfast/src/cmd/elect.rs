@@ -23,6 +23,9 @@ pub struct ElectArgs {
     ttl: Duration,
     #[command(flatten)]
     conn: Conn,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 pub async fn run(args: ElectArgs) -> anyhow::Result<ExitCode> {
@@ -33,7 +36,7 @@ pub async fn run(args: ElectArgs) -> anyhow::Result<ExitCode> {
             tokio::select! {
                 leader = observer.next() => {
                     let leader = leader?;
-                    if args.conn.json {
+                    if args.json {
                         let v = leader.as_ref().map(|l| json!({"value": show_bytes(&l.value), "epoch": l.epoch, "session": l.session}));
                         println!("{}", json!({"role": args.role, "leader": v}));
                     } else {
@@ -60,7 +63,7 @@ pub async fn run(args: ElectArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
     };
-    if args.conn.json {
+    if args.json {
         println!(
             "{}",
             json!({"role": args.role, "elected": true, "epoch": leadership.epoch(), "value": value})

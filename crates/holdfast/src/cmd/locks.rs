@@ -11,12 +11,15 @@ pub struct LocksArgs {
     prefix: String,
     #[command(flatten)]
     conn: Conn,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 pub async fn run(args: LocksArgs) -> anyhow::Result<ExitCode> {
     let client = args.conn.connect().await?;
     let locks = client.list_locks(&args.prefix).await?;
-    if args.conn.json {
+    if args.json {
         let out: Vec<_> = locks.iter().map(super::describe::lock_json).collect();
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(ExitCode::SUCCESS);

@@ -23,30 +23,73 @@ use holdfast_client::{Client, ClientOptions};
 pub const DEV_ENDPOINTS: &str =
     "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003,127.0.0.1:7004,127.0.0.1:7005";
 
-/// How client commands reach the cluster and print.
+/// How client commands reach the cluster.
 #[derive(Args, Debug, Clone)]
 pub struct Conn {
-    /// Client endpoints, comma-separated (default: the dev cluster).
+    /// Client endpoints (host:port), comma-separated; one reachable server is enough, the others are
+    /// learned from it (default: the dev cluster).
     #[arg(long, env = "HOLDFAST_ENDPOINTS", default_value = DEV_ENDPOINTS)]
     pub endpoints: String,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    /// Give up a request (including finding the cluster) after this long, retries included.
+    #[arg(long, env = "HOLDFAST_TIMEOUT", default_value = "15s", value_parser = duration::parse_duration)]
+    pub timeout: std::time::Duration,
+    /// Use only the endpoints given: do not learn the members' advertised addresses or follow
+    /// redirects to them (for a cluster reached through a proxy or NAT).
+    #[arg(long, env = "HOLDFAST_ONLY_ENDPOINTS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub only_endpoints: bool,
 }
 
 impl Conn {
-    pub fn endpoint_list(&self) -> Vec<String> {
-        self.endpoints
+    /// The endpoints given, each checked to be `host:port`.
+    pub fn endpoint_list(&self) -> anyhow::Result<Vec<String>> {
+        let list: Vec<String> = self
+            .endpoints
             .split(',')
             .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
-            .collect()
+            .collect();
+        if list.is_empty() {
+            anyhow::bail!("no endpoints given (--endpoints or HOLDFAST_ENDPOINTS)");
+        }
+        for ep in &list {
+            holdfast_client::client::check_endpoint(ep)?;
+        }
+        Ok(list)
     }
 
+    pub fn options(&self) -> ClientOptions {
+        ClientOptions {
+            request_timeout: self.timeout,
+            attempt_timeout: self.timeout.min(ClientOptions::default().attempt_timeout),
+            discover: !self.only_endpoints,
+            ..ClientOptions::default()
+        }
+    }
+
+    /// Connects, saying on a terminal what it is waiting for when the cluster does not answer at once.
     pub async fn connect(&self) -> anyhow::Result<Client> {
-        Client::connect_with(self.endpoint_list(), ClientOptions::default())
-            .await
-            .with_context(|| format!("cannot reach the cluster at {}", self.endpoints))
+        use std::io::IsTerminal;
+        let endpoints = self.endpoint_list()?;
+        let connecting = Client::connect_with(endpoints, self.options());
+        tokio::pin!(connecting);
+        let waited = tokio::select! {
+            r = &mut connecting => Some(r),
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => None,
+        };
+        let result = match waited {
+            Some(r) => r,
+            None => {
+                if std::io::stderr().is_terminal() {
+                    eprintln!(
+                        "holdfast: no answer yet from {}; trying for up to {} (--timeout)",
+                        self.endpoints,
+                        duration::show(self.timeout)
+                    );
+                }
+                connecting.await
+            }
+        };
+        result.with_context(|| format!("cannot reach the cluster at {}", self.endpoints))
     }
 }
 

@@ -9,12 +9,15 @@ use std::process::ExitCode;
 pub struct SessionsArgs {
     #[command(flatten)]
     conn: Conn,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 pub async fn run(args: SessionsArgs) -> anyhow::Result<ExitCode> {
     let client = args.conn.connect().await?;
     let sessions = client.list_sessions().await?;
-    if args.conn.json {
+    if args.json {
         let out: Vec<_> = sessions
             .iter()
             .map(|(g, s)| {

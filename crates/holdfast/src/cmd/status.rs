@@ -1,4 +1,9 @@
-//! `holdfast status`: every server's own view of every group (role, leader, term, log indexes, lag).
+//! `holdfast status`: every member's own view of every group (role, leader, term, log indexes, lag),
+//! and what is wrong: members that do not answer, and groups whose leader no quorum confirms.
+//!
+//! The members are learned from the first server that answers, so a partial `--endpoints` list shows
+//! the whole cluster. Exit 0 when every member answered and every group has a leader confirmed by a
+//! quorum (it can serve writes and linearizable reads now); 1 otherwise, each problem on its own line.
 
 use super::Conn;
 use clap::Args;
@@ -12,26 +17,66 @@ use std::time::Duration;
 pub struct StatusArgs {
     #[command(flatten)]
     conn: Conn,
+    /// Print JSON instead of a table (with each group's lock table digest).
+    #[arg(long)]
+    json: bool,
 }
 
-async fn status_of(endpoint: &str, with_digest: bool) -> anyhow::Result<StatusResponse> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))?
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(2))
-        .connect()
-        .await?;
-    Ok(HoldfastClient::new(channel)
+/// One server's answer, or why there was none, in words.
+async fn status_of(
+    endpoint: &str,
+    with_digest: bool,
+    timeout: Duration,
+) -> Result<StatusResponse, String> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(timeout.min(Duration::from_secs(1)))
+        .timeout(timeout.min(Duration::from_secs(2)))
+        .connect_lazy();
+    match HoldfastClient::new(channel)
         .status(StatusRequest { with_digest })
-        .await?
-        .into_inner())
+        .await
+    {
+        Ok(r) => Ok(r.into_inner()),
+        Err(s) => Err(holdfast_client::client::describe_status(&s)),
+    }
 }
 
 pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let endpoints = args.conn.endpoint_list();
-    let mut answers = Vec::new();
-    for ep in &endpoints {
-        answers.push((ep.clone(), status_of(ep, args.conn.json).await));
+    let timeout = args.conn.timeout;
+    let mut answers: Vec<(String, Result<StatusResponse, String>)> = Vec::new();
+    for ep in args.conn.endpoint_list()? {
+        let answer = status_of(&ep, args.json, timeout).await;
+        answers.push((ep, answer));
     }
+    // Every member the cluster reports, so a partial endpoint list shows them all.
+    if !args.conn.only_endpoints {
+        let members: Vec<String> = answers
+            .iter()
+            .filter_map(|(_, a)| a.as_ref().ok())
+            .flat_map(|s| s.members.iter().map(|m| m.client_endpoint.clone()))
+            .collect();
+        for ep in members {
+            if !answers.iter().any(|(e, _)| *e == ep) {
+                let answer = status_of(&ep, args.json, timeout).await;
+                answers.push((ep, answer));
+            }
+        }
+    }
+    let node_of = |ep: &str| {
+        answers
+            .iter()
+            .filter_map(|(_, a)| a.as_ref().ok())
+            .flat_map(|s| s.members.iter())
+            .find(|m| m.client_endpoint == ep)
+            .map(|m| m.node_id)
+    };
+    let group_count = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .map(|s| s.group_count)
+        .max()
+        .unwrap_or(0);
     // Lag: how far each server's applied index is behind the group leader's last log index.
     let leader_last = |group: u32| {
         answers
@@ -42,8 +87,50 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .map(|g| g.last_log_index)
             .max()
     };
-    let reachable = answers.iter().filter(|(_, a)| a.is_ok()).count();
-    if args.conn.json {
+
+    let mut problems = Vec::new();
+    for (ep, a) in &answers {
+        if let Err(e) = a {
+            let node = node_of(ep).map_or("a server".to_string(), |n| format!("node {n}"));
+            problems.push(format!("{node} at {ep} is unreachable: {e}"));
+        }
+    }
+    for group in 0..group_count {
+        let views: Vec<_> = answers
+            .iter()
+            .filter_map(|(_, a)| a.as_ref().ok())
+            .flat_map(|s| {
+                s.groups
+                    .iter()
+                    .filter(|g| g.group == group)
+                    .map(move |g| (s.node_id, g))
+            })
+            .collect();
+        if views
+            .iter()
+            .any(|(_, g)| g.role == "leader" && g.leader_confirmed)
+        {
+            continue;
+        }
+        let named: std::collections::BTreeSet<u64> = views
+            .iter()
+            .map(|(_, g)| g.leader_id)
+            .filter(|&l| l != 0)
+            .collect();
+        let why = match named.iter().next() {
+            None => "no server knows a leader (an election is under way, or no quorum is up)"
+                .to_string(),
+            Some(l) => match views.iter().find(|(n, _)| n == l) {
+                Some(_) => format!("node {l} says it leads but no quorum acknowledged it recently"),
+                None => format!("servers name node {l}, which does not answer"),
+            },
+        };
+        problems.push(format!(
+            "group {group} has no leader confirmed by a quorum: {why}"
+        ));
+    }
+
+    if args.json {
         let servers: Vec<_> = answers
             .iter()
             .map(|(ep, a)| match a {
@@ -51,14 +138,15 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     "endpoint": ep, "node_id": s.node_id, "group_count": s.group_count,
                     "groups": s.groups.iter().map(|g| json!({
                         "group": g.group, "role": g.role, "term": g.term, "leader_id": g.leader_id,
-                        "leader_endpoint": g.leader_endpoint, "last_log_index": g.last_log_index,
+                        "leader_endpoint": g.leader_endpoint, "leader_confirmed": g.leader_confirmed,
+                        "last_log_index": g.last_log_index,
                         "committed_index": g.committed_index, "applied_index": g.applied_index,
                         "snapshot_index": g.snapshot_index, "lag": leader_last(g.group).map(|l| l.saturating_sub(g.applied_index)),
                         "sessions": g.sessions, "locks": g.locks, "waiters": g.waiters, "digest": format!("{:016x}", g.digest),
                     })).collect::<Vec<_>>(),
                     "members": s.members.iter().map(|m| json!({"node_id": m.node_id, "client": m.client_endpoint, "peer": m.peer_endpoint})).collect::<Vec<_>>(),
                 }),
-                Err(e) => json!({"endpoint": ep, "error": e.to_string()}),
+                Err(e) => json!({"endpoint": ep, "node_id": node_of(ep), "error": e}),
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&servers)?);
@@ -90,19 +178,38 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                         } else {
                             g.leader_id.to_string()
                         };
+                        // A leader without a recent quorum is marked: it cannot serve anything.
+                        let role = if g.role == "leader" && !g.leader_confirmed {
+                            "leader?"
+                        } else {
+                            g.role.as_str()
+                        };
                         println!(
                             "{:<5} {:<21} {:>5} {:<9} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7}",
-                            s.node_id, ep, g.group, g.role, g.term, leader, g.last_log_index, g.committed_index, g.applied_index, lag, g.sessions, g.locks
+                            s.node_id, ep, g.group, role, g.term, leader, g.last_log_index, g.committed_index, g.applied_index, lag, g.sessions, g.locks
                         );
                     }
                 }
-                Err(e) => println!("{:<5} {:<21} unreachable: {e}", "?", ep),
+                Err(_) => {
+                    let node = node_of(ep).map_or("?".to_string(), |n| n.to_string());
+                    println!("{node:<5} {ep:<21} unreachable");
+                }
             }
         }
     }
-    if reachable == 0 {
+    if answers.iter().all(|(_, a)| a.is_err()) {
+        for p in &problems {
+            eprintln!("error: {p}");
+        }
         eprintln!("error: no server answered at {}", args.conn.endpoints);
         return Ok(ExitCode::FAILURE);
     }
-    Ok(ExitCode::SUCCESS)
+    for p in &problems {
+        eprintln!("problem: {p}");
+    }
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

@@ -123,7 +123,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
         request_timeout: Duration::from_secs(5),
         ..ClientOptions::default()
     };
-    let client = holdfast_client::Client::connect_with(args.conn.endpoint_list(), options).await?;
+    let client = holdfast_client::Client::connect_with(args.conn.endpoint_list()?, options).await?;
     let started = Instant::now();
     let deadline = started + args.duration;
     let cap = started + args.duration * 3;

@@ -139,7 +139,12 @@ async fn a_cut_off_client_knows_before_the_server_expires_it() {
         ..Options::default()
     })
     .await;
-    let cut_off = holdfast_client::Client::connect(c.proxied_endpoints().await)
+    // Only through the proxies: the servers' advertised (direct) endpoints would bypass the cut.
+    let options = holdfast_client::ClientOptions {
+        discover: false,
+        ..Default::default()
+    };
+    let cut_off = holdfast_client::Client::connect_with(c.proxied_endpoints().await, options)
         .await
         .unwrap();
     let session = cut_off.open_session(Duration::from_secs(2)).await.unwrap();

@@ -41,6 +41,8 @@ impl Default for Options {
 pub struct Server {
     pub id: u64,
     pub client_port: u16,
+    /// Where the server listens for peers (members reach it through a proxy in front of it).
+    pub peer_port: u16,
     pub http_port: Option<u16>,
     pub log: PathBuf,
     pub data_dir: PathBuf,
@@ -122,6 +124,7 @@ impl Cluster {
             servers.push(Server {
                 id: i,
                 client_port,
+                peer_port,
                 http_port,
                 log,
                 data_dir,
@@ -184,6 +187,11 @@ impl Cluster {
 
     pub fn endpoint(&self, id: u64) -> String {
         format!("127.0.0.1:{}", self.servers[(id - 1) as usize].client_port)
+    }
+
+    /// The address a server listens on for peers.
+    pub fn peer_endpoint(&self, id: u64) -> String {
+        format!("127.0.0.1:{}", self.servers[(id - 1) as usize].peer_port)
     }
 
     pub async fn client(&self) -> Client {
@@ -325,8 +333,8 @@ impl Cluster {
 }
 
 impl Cluster {
-    /// One server's Prometheus metrics: `name` or `name{labels}` to value (needs `Options::http`).
-    pub async fn metrics(&self, id: u64) -> std::collections::HashMap<String, u64> {
+    /// `GET path` on one server's HTTP port (needs `Options::http`): the status code and the body.
+    pub async fn http_get(&self, id: u64, path: &str) -> (u16, String) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let port = self.servers[(id - 1) as usize]
             .http_port
@@ -335,13 +343,25 @@ impl Cluster {
             .await
             .unwrap();
         stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes())
             .await
             .unwrap();
-        let mut body = String::new();
-        stream.read_to_string(&mut body).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+        let code = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (code, body.to_string())
+    }
+
+    /// One server's Prometheus metrics: `name` or `name{labels}` to value (needs `Options::http`).
+    pub async fn metrics(&self, id: u64) -> std::collections::HashMap<String, u64> {
+        let (_, body) = self.http_get(id, "/metrics").await;
         body.lines()
-            .filter(|l| !l.starts_with('#') && !l.starts_with("HTTP/") && l.contains(' '))
+            .filter(|l| !l.starts_with('#') && l.contains(' '))
             .filter_map(|l| {
                 let (name, value) = l.rsplit_once(' ')?;
                 Some((name.to_string(), value.parse::<f64>().ok()? as u64))

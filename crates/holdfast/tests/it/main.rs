@@ -8,5 +8,6 @@ mod cluster;
 mod faults;
 mod fencing;
 mod harness;
+mod newcomer;
 mod proxy;
 mod storage;
