@@ -115,33 +115,18 @@ fn channel_to(endpoint: &str, options: &ClientOptions) -> Result<Channel, Error>
     Ok(holdfast_proto::transport::connect_lazy(e))
 }
 
-/// A failed call in words an operator can act on: tonic's own message for transport failures is often
-/// just "transport error", with the cause (connection refused, ...) in the error's sources.
+/// A failed call in words an operator can act on: the causes behind tonic's message, and what a
+/// wrong kind of port looks like.
 pub fn describe_status(status: &tonic::Status) -> String {
-    use std::error::Error as _;
     if status.code() == tonic::Code::Unimplemented {
         return "not a Holdfast client port (it does not serve holdfast.v1.Holdfast: a peer or HTTP port?)"
             .into();
     }
-    let mut parts = vec![status.message().to_string()];
-    let mut source = status.source();
-    while let Some(e) = source {
-        let text = e.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        source = e.source();
-    }
-    parts.retain(|p| !p.is_empty());
-    let text = parts.join(": ");
+    let text = holdfast_proto::status_with_causes(status);
     if text.contains("frame with invalid size") || text.contains("http2 error") {
         return format!("not a gRPC server (the HTTP/2 handshake failed: {text})");
     }
-    if text.is_empty() {
-        format!("{:?}", status.code())
-    } else {
-        text
-    }
+    text
 }
 
 /// The index of `endpoint` in `servers`, adding it if it is new; `None` if malformed or the list is full.

@@ -22,3 +22,24 @@ pub fn reason(status: &tonic::Status) -> Option<v1::Reason> {
         .ok()
         .filter(|r| *r != v1::Reason::Unspecified)
 }
+
+/// A failed call's message with the causes behind it: tonic's own message for a transport failure is
+/// often just "transport error", with what happened (connection refused, ...) in the error's sources.
+pub fn status_with_causes(status: &tonic::Status) -> String {
+    use std::error::Error as _;
+    let mut parts = vec![status.message().to_string()];
+    let mut source = status.source();
+    while let Some(e) = source {
+        let text = e.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = e.source();
+    }
+    parts.retain(|p| !p.is_empty());
+    if parts.is_empty() {
+        format!("{:?}", status.code())
+    } else {
+        parts.join(": ")
+    }
+}

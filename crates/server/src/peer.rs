@@ -43,9 +43,61 @@ fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
 #[derive(Clone, Default)]
 pub struct Peers {
     channels: Arc<Mutex<HashMap<NodeId, Channel>>>,
+    health: Arc<Mutex<HashMap<NodeId, Health>>>,
 }
 
+/// A peer that stopped answering: logged once when it happens, summarised every [`HEALTH_SUMMARY`], and
+/// once more when it answers again, instead of one line per failed heartbeat (several a second). The
+/// clock here only spaces log lines; it decides nothing.
+struct Health {
+    down_since: tokio::time::Instant,
+    failed: u64,
+    last_logged: tokio::time::Instant,
+}
+
+/// How often a peer that stays unreachable is summarised in the log.
+const HEALTH_SUMMARY: Duration = Duration::from_secs(10);
+
 impl Peers {
+    /// Records the outcome of one message to `target`, logging only the changes and a summary.
+    fn report(&self, target: NodeId, result: Result<(), &str>) {
+        let now = tokio::time::Instant::now();
+        let mut health = self.health.lock().expect("peer health lock");
+        match (result, health.get_mut(&target)) {
+            (Ok(()), None) => {}
+            (Ok(()), Some(h)) => {
+                tracing::info!(
+                    "node {target} reachable again after {:.1} s ({} messages to it failed)",
+                    (now - h.down_since).as_secs_f64(),
+                    h.failed
+                );
+                health.remove(&target);
+            }
+            (Err(e), None) => {
+                tracing::warn!("node {target} unreachable: {e}; retrying (summarised every {} s until it answers)", HEALTH_SUMMARY.as_secs());
+                health.insert(
+                    target,
+                    Health {
+                        down_since: now,
+                        failed: 1,
+                        last_logged: now,
+                    },
+                );
+            }
+            (Err(e), Some(h)) => {
+                h.failed += 1;
+                if now - h.last_logged >= HEALTH_SUMMARY {
+                    h.last_logged = now;
+                    tracing::warn!(
+                        "node {target} unreachable for {:.0} s, {} messages to it failed (last: {e})",
+                        (now - h.down_since).as_secs_f64(),
+                        h.failed
+                    );
+                }
+            }
+        }
+    }
+
     fn channel(&self, target: NodeId, addr: &str) -> Result<Channel, String> {
         let mut channels = self.channels.lock().expect("peer channel lock");
         if let Some(c) = channels.get(&target) {
@@ -81,6 +133,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
             group: self.group,
             target,
             channel: self.peers.channel(target, &node.addr),
+            peers: self.peers.clone(),
         }
     }
 }
@@ -89,6 +142,7 @@ pub struct PeerClient {
     group: u32,
     target: NodeId,
     channel: Result<Channel, String>,
+    peers: Peers,
 }
 
 impl PeerClient {
@@ -102,6 +156,31 @@ impl PeerClient {
     }
 
     async fn call<Req, Resp, F, Fut>(
+        &self,
+        req: &Req,
+        timeout: Duration,
+        f: F,
+    ) -> Result<Resp, RPCError<TypeConfig>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        F: FnOnce(RaftPeerClient<Channel>, RaftMessage) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<RaftMessage>, tonic::Status>>,
+    {
+        let result = self.call_once(req, timeout, f).await;
+        let outcome = match &result {
+            // An answer, even a refusal, means the peer is reachable.
+            Ok(_) | Err(RPCError::RemoteError(_)) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        };
+        self.peers.report(
+            self.target,
+            outcome.as_ref().map(|_| ()).map_err(String::as_str),
+        );
+        result
+    }
+
+    async fn call_once<Req, Resp, F, Fut>(
         &self,
         req: &Req,
         timeout: Duration,
@@ -140,7 +219,10 @@ impl PeerClient {
 }
 
 fn status_error(target: NodeId, status: tonic::Status) -> RPCError<TypeConfig> {
-    let msg = format!("node {target}: {}: {}", status.code(), status.message());
+    let msg = format!(
+        "node {target}: {}",
+        holdfast_proto::status_with_causes(&status)
+    );
     match status.code() {
         tonic::Code::Unavailable | tonic::Code::Unknown => {
             RPCError::Unreachable(Unreachable::from_string(msg))

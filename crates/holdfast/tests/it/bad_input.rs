@@ -237,8 +237,11 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         "a refused request changed the state"
     );
 
-    // A follower asked to write names the leader and writes nothing.
+    // A follower asked to write names the leader and writes nothing. It must know the leader first: a
+    // follower that has not heard from it yet rightly answers NOT_LEADER without a name.
     let follower = (1..=3).find(|&i| i != leader).unwrap();
+    c.wait_for_known_leader(follower, 0, leader, Duration::from_secs(20))
+        .await;
     let (r, d, _) = reason_of(c.raw(follower).await.acquire(acq(a, 9, &lock)).await);
     assert_eq!(
         (r, d.leader_endpoint),

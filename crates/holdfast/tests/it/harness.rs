@@ -161,7 +161,6 @@ impl Cluster {
         let child = Command::new(env!("CARGO_BIN_EXE_holdfast"))
             .args(&s.args)
             .args(&extra)
-            .env("HOLDFAST_LOG", "info,openraft=warn")
             .stdin(Stdio::piped())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -238,6 +237,22 @@ impl Cluster {
     }
 
     /// Waits until a running server says it leads `group` and a majority of running servers agree.
+    /// Waits until server `id` names `leader` as the group's leader.
+    pub async fn wait_for_known_leader(&self, id: u64, group: u32, leader: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let known = self.group_status(id, group).await.map(|g| g.leader_id);
+            if known == Some(leader) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server {id} does not name node {leader} as leader of group {group} (it names {known:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub async fn wait_for_leader(&self, group: u32, timeout: Duration) -> u64 {
         self.wait_for_leader_except(group, 0, timeout).await
     }
@@ -400,4 +415,13 @@ impl Cluster {
             .and_then(|c| c.id())
             .expect("server is running")
     }
+}
+
+/// Sends SIGINT (what Ctrl-C sends) to a process this test started, by PID.
+pub fn interrupt(pid: u32) {
+    assert!(std::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
 }

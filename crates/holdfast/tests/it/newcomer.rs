@@ -186,3 +186,176 @@ async fn bad_endpoints_fail_fast_and_say_why() {
         started.elapsed()
     );
 }
+
+/// A base port for `holdfast dev` whose client, peer and HTTP ports (BASE.., BASE+100.., BASE+200..)
+/// are free now: below the harness's range, spread by process id.
+fn dev_base_port(nodes: u16) -> u16 {
+    let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let start = 3000 + (std::process::id() % 50) as u16 * 12;
+    (0..50)
+        .map(|i| start + i * 12)
+        .find(|&b| (0..nodes).all(|n| free(b + n) && free(b + 100 + n) && free(b + 200 + n)))
+        .expect("a free block of ports for holdfast dev")
+}
+
+/// `holdfast dev` says at once why it cannot start (its data dir is in use, its ports are taken, the
+/// data dir holds another cluster shape), names the leader of this start, and restarts a killed server
+/// that Ctrl-C then stops with the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_refuses_what_would_fail_and_restarts_a_killed_server() {
+    use tokio::io::AsyncBufReadExt;
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    let base = dev_base_port(3);
+    let holdfast = || {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"));
+        c.env("HOLDFAST_ENDPOINTS", format!("127.0.0.1:{}", base + 1))
+            .kill_on_drop(true);
+        c
+    };
+    let dev_args = |dir: &std::path::Path, nodes: &str| {
+        vec![
+            "dev".to_string(),
+            "--nodes".into(),
+            nodes.into(),
+            "--base-port".into(),
+            base.to_string(),
+            "--data-dir".into(),
+            dir.display().to_string(),
+        ]
+    };
+    let mut dev = holdfast()
+        .args(dev_args(&data, "3"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(dev.stdout.take().unwrap()).lines();
+    let banner = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("holdfast dev became ready")
+        .unwrap()
+        .unwrap();
+    assert!(
+        banner.contains("ready") && banner.contains("leader of group 0: node"),
+        "{banner}"
+    );
+
+    let refused = |out: std::process::Output, expected: &str| {
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(expected), "{stderr}");
+    };
+    refused(
+        holdfast()
+            .args(dev_args(&data, "3"))
+            .output()
+            .await
+            .unwrap(),
+        "is in use by another `holdfast dev`",
+    );
+    refused(
+        holdfast()
+            .args(dev_args(&work.path().join("other"), "3"))
+            .output()
+            .await
+            .unwrap(),
+        "is not free",
+    );
+
+    let control = |verb: &str| {
+        let mut c = holdfast();
+        c.args(["dev", verb, "1", "--data-dir"]).arg(&data);
+        c
+    };
+    let out = control("kill").output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = holdfast().arg("status").output().await.unwrap();
+    assert_eq!(status.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&status.stderr).contains("node 1 at"));
+    let out = control("restart").output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = holdfast().arg("status").output().await.unwrap();
+        if status.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restarted server did not come back: {}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Ctrl-C stops every server, the restarted one included: their ports are free again.
+    crate::harness::interrupt(dev.id().unwrap());
+    let exited = tokio::time::timeout(Duration::from_secs(30), dev.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exited.success());
+    for n in 0..3 {
+        assert!(
+            std::net::TcpListener::bind(("127.0.0.1", base + n)).is_ok(),
+            "server {} still runs after Ctrl-C",
+            n + 1
+        );
+    }
+    refused(
+        holdfast()
+            .args(dev_args(&data, "5"))
+            .output()
+            .await
+            .unwrap(),
+        "holds a cluster made with --nodes 3",
+    );
+}
+
+/// A follower that is down is one warning in the leader's log, a summary every 10 s, and one line when
+/// it is back: not one warning per failed heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_down_follower_is_summarised_in_the_log_not_repeated() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let down = (1..=3).find(|&n| n != leader).unwrap();
+    c.kill(down).await;
+    wait_for_log(&c, leader, &format!("node {down} unreachable for")).await;
+    let log = c.log_text(leader);
+    let warnings = log.lines().filter(|l| l.contains("WARN")).count();
+    let failed: u64 = log
+        .lines()
+        .find_map(|l| {
+            let rest = l.split(&format!("node {down} unreachable for ")).nth(1)?;
+            rest.split(", ").nth(1)?.split(' ').next()?.parse().ok()
+        })
+        .unwrap();
+    assert!(
+        failed >= 10 && warnings <= 4,
+        "{failed} failed messages took {warnings} warnings:\n{log}"
+    );
+    c.start_server(down);
+    wait_for_log(&c, leader, &format!("node {down} reachable again after")).await;
+}
+
+/// Waits until server `id`'s log contains `text` (or 30 s pass).
+async fn wait_for_log(c: &Cluster, id: u64, text: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.log_text(id).contains(text) {
+        assert!(Instant::now() < deadline, "node {id} never logged {text:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
