@@ -27,7 +27,8 @@ pub struct ServerConfig {
     pub peer_listen: Option<SocketAddr>,
     /// Listen address for `/metrics`, `/healthz` and `/readyz` (HTTP). None disables it.
     pub http_listen: Option<SocketAddr>,
-    /// Where the WAL and snapshots live.
+    /// Where the WAL and snapshots live. Required: a server that silently wrote to the working
+    /// directory would look like a fresh, empty member when started from another one.
     pub data_dir: PathBuf,
     /// Every server of the cluster (3 or 5 for real use). Fixed at creation.
     pub members: Vec<Member>,
@@ -44,9 +45,12 @@ pub struct ServerConfig {
     /// Entries kept behind a snapshot, so a briefly lagging follower catches up by log, not snapshot.
     pub snapshot_keep_entries: u64,
     /// Fault injection for storage tests: every WAL fsync after this many fails (as if the disk
-    /// returned EIO). Never set in production.
+    /// returned EIO). Never set in production, so only a hidden flag sets it, not a config file.
+    #[serde(skip)]
     pub fault_fsync_fail_after: Option<u64>,
     /// For the fault tests' checker: append one JSON line per applied command to `DATA_DIR/audit-gN.jsonl`.
+    /// A test hook, set by a hidden flag only.
+    #[serde(skip)]
     pub audit_log: bool,
     /// Seed of Raft's randomized timeouts (mixed with the node id and group). None: drawn from the OS
     /// at start. Only the simulation sets it, so it is not read from config files.
@@ -77,7 +81,7 @@ impl Default for ServerConfig {
             client_listen: None,
             peer_listen: None,
             http_listen: None,
-            data_dir: PathBuf::from("holdfast-data"),
+            data_dir: PathBuf::new(),
             members: Vec::new(),
             groups: 1,
             heartbeat_interval_ms: 100,
@@ -127,6 +131,9 @@ impl ServerConfig {
                 "no members configured (give --members or members in the config file)".into(),
             );
         }
+        if self.data_dir.as_os_str().is_empty() {
+            return Err("no data directory configured (give --data-dir or data_dir in the config file): where this server keeps its log and snapshots".into());
+        }
         if !self.members.iter().any(|m| m.id == self.node_id) {
             return Err(format!("node id {} is not among the members", self.node_id));
         }
@@ -154,7 +161,7 @@ impl ServerConfig {
             && self.max_ttl_ms <= MAX_TTL_MS)
         {
             return Err(format!(
-                "ttl bounds must satisfy {MIN_TTL_MS} <= min_ttl_ms <= default_ttl_ms <= max_ttl_ms <= {MAX_TTL_MS}"
+                "ttl bounds must satisfy {MIN_TTL_MS} <= min_ttl_ms <= default_ttl_ms <= max_ttl_ms <= {MAX_TTL_MS} (in ms)"
             ));
         }
         // A session must outlive a leader election, or every failover would expire healthy sessions.

@@ -44,28 +44,65 @@ impl Histogram {
         self.sum_us.fetch_add(v, Relaxed);
         self.count.fetch_add(1, Relaxed);
     }
+}
 
-    /// Renders as seconds (`scale` = 1e-6) or as plain values (`scale` = 1).
-    pub fn render(&self, out: &mut String, name: &str, help: &str, labels: &str, scale: f64) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (b, c) in self.bounds_us.iter().zip(&self.counts) {
-            cumulative += c.load(Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{}\"}} {cumulative}",
-                *b as f64 * scale
-            );
+/// What a histogram's values are.
+#[derive(Clone, Copy)]
+pub enum Unit {
+    /// Microseconds, rendered as seconds (exact decimals, not float noise like `0.00009999999999999999`).
+    Seconds,
+    /// Plain counts.
+    Count,
+}
+
+impl Unit {
+    fn show(self, v: u64) -> String {
+        match self {
+            Unit::Count => v.to_string(),
+            Unit::Seconds => {
+                let (whole, micros) = (v / 1_000_000, v % 1_000_000);
+                if micros == 0 {
+                    whole.to_string()
+                } else {
+                    format!("{whole}.{}", format!("{micros:06}").trim_end_matches('0'))
+                }
+            }
         }
-        let count = self.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+    }
+}
+
+/// Renders one histogram family: its HELP and TYPE once, then every series (`labels` without braces,
+/// empty for none).
+pub fn histograms(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    unit: Unit,
+    series: &[(String, &Histogram)],
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    for (labels, h) in series {
+        let braces = |extra: &str| match (labels.is_empty(), extra.is_empty()) {
+            (true, true) => String::new(),
+            (true, false) => format!("{{{extra}}}"),
+            (false, true) => format!("{{{labels}}}"),
+            (false, false) => format!("{{{labels},{extra}}}"),
+        };
+        let mut cumulative = 0;
+        for (b, c) in h.bounds_us.iter().zip(&h.counts) {
+            cumulative += c.load(Relaxed);
+            let le = format!("le=\"{}\"", unit.show(*b));
+            let _ = writeln!(out, "{name}_bucket{} {cumulative}", braces(&le));
+        }
+        let count = h.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{} {count}", braces("le=\"+Inf\""));
         let _ = writeln!(
             out,
-            "{name}_sum{{{labels}}} {}",
-            self.sum_us.load(Relaxed) as f64 * scale
+            "{name}_sum{} {}",
+            braces(""),
+            unit.show(h.sum_us.load(Relaxed))
         );
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+        let _ = writeln!(out, "{name}_count{} {count}", braces(""));
     }
 }
 
@@ -128,5 +165,44 @@ fn series(out: &mut String, name: &str, help: &str, kind: &str, values: &[(Strin
         } else {
             let _ = writeln!(out, "{name}{{{labels}}} {v}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_render_exact_bounds_and_no_empty_label_sets() {
+        let h = Histogram::new(LATENCY_BUCKETS_US);
+        h.observe(Duration::from_micros(90));
+        h.observe(Duration::from_micros(2_400));
+        let mut out = String::new();
+        histograms(
+            &mut out,
+            "x_seconds",
+            "help.",
+            Unit::Seconds,
+            &[(String::new(), &h)],
+        );
+        assert!(out.contains("x_seconds_bucket{le=\"0.0001\"} 1\n"), "{out}");
+        assert!(out.contains("x_seconds_bucket{le=\"0.0025\"} 2\n"), "{out}");
+        assert!(out.contains("x_seconds_bucket{le=\"10\"} 2\n"), "{out}");
+        assert!(out.contains("x_seconds_sum 0.00249\n"), "{out}");
+        assert!(out.contains("x_seconds_count 2\n"), "{out}");
+        assert!(!out.contains("{}"), "{out}");
+        let mut out = String::new();
+        let b = Histogram::new(BATCH_BUCKETS);
+        b.observe_value(3);
+        histograms(
+            &mut out,
+            "b",
+            "help.",
+            Unit::Count,
+            &[("group=\"0\"".into(), &b), ("group=\"1\"".into(), &b)],
+        );
+        assert_eq!(out.matches("# TYPE b histogram").count(), 1, "{out}");
+        assert!(out.contains("b_bucket{group=\"1\",le=\"4\"} 1\n"), "{out}");
+        assert!(out.contains("b_sum{group=\"0\"} 3\n"), "{out}");
     }
 }

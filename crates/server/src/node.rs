@@ -419,19 +419,25 @@ impl NodeShared {
 
     pub fn render_metrics(&self) -> String {
         let mut out = String::with_capacity(8192);
-        self.metrics.fsync.render(
+        metrics::gauge(
+            &mut out,
+            "holdfast_build_info",
+            "Always 1; the labels say which build this server runs.",
+            &[(format!("version=\"{}\"", env!("CARGO_PKG_VERSION")), 1)],
+        );
+        metrics::histograms(
             &mut out,
             "holdfast_wal_fsync_seconds",
             "WAL fdatasync latency.",
-            "",
-            1e-6,
+            metrics::Unit::Seconds,
+            &[(String::new(), &self.metrics.fsync)],
         );
-        self.metrics.fsync_batch_records.render(
+        metrics::histograms(
             &mut out,
             "holdfast_wal_batch_records",
             "Records per group commit (one fsync).",
-            "",
-            1.0,
+            metrics::Unit::Count,
+            &[(String::new(), &self.metrics.fsync_batch_records)],
         );
         metrics::counter(
             &mut out,
@@ -446,15 +452,44 @@ impl NodeShared {
             &[(String::new(), self.metrics.keepalive_messages.load(Relaxed))],
         );
         let label = |g: &Group| format!("group=\"{}\"", g.id);
-        for g in &self.groups {
-            g.metrics.commit.render(
-                &mut out,
-                "holdfast_commit_seconds",
-                "Time from proposal to applied outcome on the leader.",
-                &label(g),
-                1e-6,
-            );
-        }
+        let commits: Vec<_> = self
+            .groups
+            .iter()
+            .map(|g| (label(g), &g.metrics.commit))
+            .collect();
+        metrics::histograms(
+            &mut out,
+            "holdfast_commit_seconds",
+            "Time from proposal to applied outcome on the leader.",
+            metrics::Unit::Seconds,
+            &commits,
+        );
+        // How far each follower's log is behind this leader's (leaders only).
+        let lag: Vec<(String, u64)> = self
+            .groups
+            .iter()
+            .flat_map(|g| {
+                let m = g.raft_metrics();
+                let last = m.last_log_index.unwrap_or(0);
+                m.replication
+                    .into_iter()
+                    .flatten()
+                    .filter(|(follower, _)| *follower != self.config.node_id)
+                    .map(move |(follower, matched)| {
+                        (
+                            format!("group=\"{}\",follower=\"{follower}\"", g.id),
+                            last.saturating_sub(matched.map_or(0, |l| l.index)),
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        metrics::gauge(
+            &mut out,
+            "holdfast_replication_lag_entries",
+            "Log entries a follower is behind this leader's last log index (reported by leaders).",
+            &lag,
+        );
         let per_group = |f: &dyn Fn(&Group) -> u64| {
             self.groups
                 .iter()

@@ -267,8 +267,8 @@ impl Holdfast for ClientService {
         };
         if !(c.min_ttl_ms..=c.max_ttl_ms).contains(&ttl_ms) {
             return Err(invalid(format!(
-                "ttl {ttl_ms} ms is outside {}..={} ms",
-                c.min_ttl_ms, c.max_ttl_ms
+                "ttl {ttl_ms} ms is outside the allowed range, {} ms to {} ms (0 asks for the default, {} ms)",
+                c.min_ttl_ms, c.max_ttl_ms, c.default_ttl_ms
             )));
         }
         let nonce = (u128::from(r.nonce_hi) << 64) | u128::from(r.nonce_lo);

@@ -18,7 +18,7 @@ pub struct DescribeArgs {
 
 pub fn lock_json(l: &LockInfo) -> Value {
     json!({
-        "name": l.name, "token": l.token, "holder_session_id": l.holder_session_id,
+        "name": l.name, "free": false, "token": l.token, "holder_session_id": l.holder_session_id,
         "granted_at_ms": l.granted_at_ms, "holder_ttl_remaining_ms": l.holder_ttl_remaining_ms,
         "holder_value": show_bytes(&l.holder_value),
         "waiters": l.waiters.iter().map(|w| json!({"session_id": w.session_id, "enqueued_at_ms": w.enqueued_at_ms})).collect::<Vec<_>>(),

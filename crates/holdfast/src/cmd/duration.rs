@@ -1,4 +1,4 @@
-//! Durations on the command line: `250ms`, `10s`, `2m`.
+//! Durations on the command line: `250ms`, `10s`, `2m`; a bare number is seconds.
 
 use std::time::Duration;
 
@@ -11,6 +11,17 @@ pub fn show(d: Duration) -> String {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")
+    }
+}
+
+/// A session TTL: a duration that is not zero (the server checks its range, 2 s to 5 min by default).
+/// The API reads a TTL of 0 as "the server's default", which on a command line would be a surprise.
+pub fn parse_ttl(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => {
+            Err("0 is not a TTL: give one from 2s to 5m, or leave --ttl out for 10s".into())
+        }
+        d => Ok(d),
     }
 }
 
@@ -40,5 +51,10 @@ mod tests {
         assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
         assert!(parse_duration("1h").is_err());
         assert!(parse_duration("s").is_err());
+        assert!(parse_ttl("0").unwrap_err().contains("leave --ttl out"));
+        assert!(parse_ttl("0s").is_err());
+        assert_eq!(parse_ttl("3"), Ok(Duration::from_secs(3)));
+        assert_eq!(show(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(show(Duration::from_secs(120)), "2m");
     }
 }

@@ -18,8 +18,8 @@ pub struct ElectArgs {
     /// Follow the role's leader instead of campaigning.
     #[arg(long)]
     observe: bool,
-    /// Session TTL while campaigning and leading.
-    #[arg(long, default_value = "10s", value_parser = super::duration::parse_duration)]
+    /// Session TTL while campaigning and leading (2s to 5m; 250ms, 10s, 2m, a bare number is seconds).
+    #[arg(long, default_value = "10s", value_parser = super::duration::parse_ttl)]
     ttl: Duration,
     #[command(flatten)]
     conn: Conn,

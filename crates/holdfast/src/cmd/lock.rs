@@ -32,8 +32,9 @@ pub struct LockArgs {
     /// The command and its arguments (after `--`).
     #[arg(trailing_var_arg = true, required = true, num_args = 1..)]
     command: Vec<String>,
-    /// Session TTL: how long after this process stops renewing the lock is released.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    /// Session TTL: how long after this process stops renewing the lock is released (2s to 5m; 250ms,
+    /// 10s, 2m, a bare number is seconds).
+    #[arg(long, default_value = "10s", value_parser = super::duration::parse_ttl)]
     ttl: Duration,
     /// How long to wait in line for the lock (0 = fail at once if it is held).
     #[arg(long, default_value = "5m", value_parser = parse_duration)]

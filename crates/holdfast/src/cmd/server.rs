@@ -18,7 +18,7 @@ pub struct ServerArgs {
     /// Every server: `id=client_host:port/peer_host:port,...`.
     #[arg(long)]
     members: Option<String>,
-    /// Directory for the WAL and snapshots.
+    /// Directory for the WAL and snapshots (required, here or as data_dir in the config file).
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Listen address for clients (default: this member's client address).

@@ -359,3 +359,109 @@ async fn wait_for_log(c: &Cluster, id: u64, text: &str) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Every metric a server exports is documented in docs/operations.md, and the exposition has no float
+/// noise in bucket bounds and no empty label sets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_is_documented_and_well_formed() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let (code, body) = c.http_get(leader, "/metrics").await;
+    assert_eq!(code, 200);
+    let docs = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/operations.md"
+    ))
+    .unwrap();
+    let families: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(families.len() >= 15, "{body}");
+    for name in &families {
+        assert!(
+            docs.contains(&format!("`{name}")),
+            "{name} is not in docs/operations.md"
+        );
+        assert_eq!(
+            body.matches(&format!("# TYPE {name} ")).count(),
+            1,
+            "{name} is declared more than once"
+        );
+    }
+    assert!(!body.contains("{}"), "{body}");
+    assert!(!body.contains("99999"), "float noise in {body}");
+    assert!(body.contains("holdfast_build_info{version=\""), "{body}");
+    assert!(
+        body.contains("holdfast_replication_lag_entries{group=\"0\",follower=\""),
+        "{body}"
+    );
+}
+
+/// The small things a newcomer trips over: a TTL of 0, a JSON schema with a key missing, a server
+/// without a data dir, config errors that list test-only keys, `--json` where nothing prints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_things_say_what_they_mean() {
+    let c = Cluster::start(Options {
+        nodes: 1,
+        ..Options::default()
+    })
+    .await;
+    let run = |args: &[&str]| {
+        let mut cmd = c.holdfast();
+        cmd.args(args);
+        async move {
+            let out = cmd.output().await.unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).to_string(),
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            )
+        }
+    };
+    let (code, _, err) = run(&["lock", "x", "--ttl", "0", "--", "true"]).await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("0 is not a TTL"), "{err}");
+    let (code, _, err) = run(&["lock", "x", "--json", "--", "true"]).await;
+    assert_eq!(code, Some(2), "lock has no JSON output to give: {err}");
+    let (code, _, err) = run(&["lock", "x", "--ttl", "1s", "--", "true"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("allowed range, 2000 ms to 300000 ms"), "{err}");
+
+    let (_, free, _) = run(&["describe", "x", "--json"]).await;
+    let free: serde_json::Value = serde_json::from_str(&free).unwrap();
+    assert_eq!(free["free"], true);
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let _g = s.try_acquire("x").await.unwrap();
+    let (_, held, _) = run(&["describe", "x", "--json"]).await;
+    let held: serde_json::Value = serde_json::from_str(&held).unwrap();
+    assert_eq!(held["free"], false, "{held}");
+
+    let (code, _, err) = run(&[
+        "server",
+        "--node-id",
+        "1",
+        "--members",
+        "1=127.0.0.1:1/127.0.0.1:2",
+    ])
+    .await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("no data directory configured"), "{err}");
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("bad.toml");
+    std::fs::write(&config, "node_id = 1\nnode = 2\n").unwrap();
+    let (code, _, err) = run(&["server", "--config", config.to_str().unwrap()]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("unknown field `node`"), "{err}");
+    assert!(
+        !err.contains("audit_log") && !err.contains("fault_fsync"),
+        "test-only keys listed: {err}"
+    );
+}
