@@ -4,7 +4,7 @@
 use crate::model::{AuditLine, Op, StoreRecord};
 use crate::properties::{
     linearizable_locks, linearizable_reads, p1_one_holder, p2_replicas_agree, p3_tokens,
-    p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry,
+    p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry, p8_no_unknowing_holder,
 };
 
 #[derive(Debug, Default)]
@@ -22,6 +22,8 @@ pub struct Report {
     /// Operations placed by the black-box linearizability search, and locks where it gave up.
     pub linearized_ops: usize,
     pub linearizability_inconclusive: usize,
+    /// Grants no client acknowledged, checked to end (P8).
+    pub unacknowledged_grants_checked: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
@@ -38,6 +40,8 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     p4_fenced_store::check(history, store, &mut r.violations);
     r.expiries_checked = p6_no_early_expiry::check(history, &merged, &mut r.violations);
     let lin = linearizable_locks::check(history, &mut r.violations);
+    r.unacknowledged_grants_checked =
+        p8_no_unknowing_holder::check(history, &merged, &timelines, &mut r.violations);
     r.linearized_ops = lin.ops;
     r.linearizability_inconclusive = lin.inconclusive;
     r.ok_grants = history

@@ -447,3 +447,58 @@ fn the_aggregate_check_runs_the_search() {
     assert_eq!(report.linearized_ops, 3);
     assert_eq!(report.linearizability_inconclusive, 0);
 }
+
+/// P8: a grant no client acknowledged must end; acknowledged grants and short-lived ones are fine.
+#[test]
+fn an_unacknowledged_grant_that_stays_held_violates_p8() {
+    use crate::properties::p8_no_unknowing_holder::UNKNOWING_BOUND_MS;
+    let at = |mut l: AuditLine, now_ms: u64| {
+        match &mut l.command {
+            Command::OpenSession { now_ms: n, .. }
+            | Command::Acquire { now_ms: n, .. }
+            | Command::Release { now_ms: n, .. } => *n = now_ms,
+            _ => {}
+        }
+        l
+    };
+    let later = UNKNOWING_BOUND_MS + 1_000;
+    let log = |end: AuditLine| {
+        vec![
+            at(open(1), 0),
+            at(open(2), 0),
+            at(acquire(3, 1, "l", granted(3)), 10),
+            at(acquire(4, 2, "m", granted(4)), 10),
+            end,
+        ]
+    };
+    // Session 1's grant of "l" was acknowledged; session 2's of "m" never was.
+    let history = vec![op("acquire", "l", 1, 3, 5, 20, None), {
+        let mut o = op("acquire", "m", 2, 0, 5, 2_000, None);
+        o.result = "unknown".into();
+        o.token = None;
+        o
+    }];
+    let held_on = log(at(release(5, 1, "l", 3, vec![]), later));
+    let r = check(&history, &[(1, held_on)], &[]);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.starts_with("P8:") && v.contains("\"m\"")),
+        "{:?}",
+        r.violations
+    );
+    assert!(
+        !r.violations.iter().any(|v| v.contains("\"l\"")),
+        "{:?}",
+        r.violations
+    );
+    // Released soon: fine.
+    let released = log(at(release(5, 2, "m", 4, vec![]), 1_000));
+    let r = check(&history, &[(1, released)], &[]);
+    assert!(
+        !r.violations.iter().any(|v| v.starts_with("P8:")),
+        "{:?}",
+        r.violations
+    );
+    assert_eq!(r.unacknowledged_grants_checked, 1);
+}

@@ -34,6 +34,12 @@ pub struct ClientOptions {
     /// list is enough. `false` uses only the endpoints given, for a client that reaches the servers
     /// through addresses other than the ones they advertise (a proxy, NAT, a port forward).
     pub discover: bool,
+    /// Cancel the acquires whose callers give up (a dropped future, an unknown outcome) from this client
+    /// (the default), telling the server so (`client_cancels`) so that an attempt that timed out keeps
+    /// its place in the queue when retried. `false` leaves it to the server, which abandons an acquire
+    /// whose call goes away, as it does for clients that cannot cancel; the simulation uses it on some
+    /// hosts to exercise that path. A grant that arrives after the lease lapsed is released either way.
+    pub cancels_own_acquires: bool,
 }
 
 impl Default for ClientOptions {
@@ -45,6 +51,7 @@ impl Default for ClientOptions {
             batched_keepalives: true,
             nonce_seed: None,
             discover: true,
+            cancels_own_acquires: true,
         }
     }
 }

@@ -373,11 +373,12 @@ impl Session {
             return Err(Error::LeaseLost(lost.0));
         }
         let group = crate::group_for(name, self.inner.client.groups());
+        let cancels = self.inner.client.options().cancels_own_acquires;
         let mut pending = PendingAcquire {
             session: self.clone(),
             name,
             request_id: self.next_request_id(),
-            armed: true,
+            armed: cancels,
         };
         match self
             .acquire_once(name, group, pending.request_id, wait, value)
@@ -390,8 +391,9 @@ impl Session {
                     // more, so the server expires it), and the pending acquire releases the grant now.
                     self.inner
                         .mark_lost("no keepalive succeeded within the TTL".into());
+                    pending.armed = true;
                     return Err(Error::LeaseLost(format!(
-                        "the grant of lock {name:?} (token {token}) arrived after this session's lease may have lapsed; it is released"
+                        "the grant of lock {name:?} (token {token}) arrived after this session's lease may have lapsed; it is being released (or ends with the session)"
                     )));
                 }
                 pending.armed = false;
@@ -400,7 +402,7 @@ impl Session {
             Err(e) => {
                 // Certainly not applied: nothing to cancel. Otherwise the pending acquire is cancelled
                 // when it drops here, since this caller will never learn its outcome.
-                pending.armed = !e.not_applied();
+                pending.armed = cancels && !e.not_applied();
                 Err(e)
             }
         }
@@ -432,10 +434,10 @@ impl Session {
                     name: name.to_string(),
                     wait_timeout_ms: if wait_ms == 0 { 0 } else { left.max(1) },
                     value: value.to_vec(),
-                    // This client retries with the same request id after a failed attempt and cancels
-                    // the acquire itself when its caller gives up (PendingAcquire), so the server must
-                    // not abandon it when an attempt times out or its connection breaks.
-                    client_cancels: true,
+                    // By default this client retries with the same request id after a failed attempt
+                    // and cancels the acquire itself when its caller gives up (PendingAcquire), so the
+                    // server must not abandon it when an attempt times out or its connection breaks.
+                    client_cancels: self.inner.client.options().cancels_own_acquires,
                 };
                 async move { c.acquire(req).await }
             })

@@ -3,9 +3,9 @@
 //! A queued acquire keeps its place in the replicated table whether or not anybody still waits for the
 //! answer, and the grant it later receives would leave a holder that never learns it holds the lock (its
 //! process goes on renewing the session, so the lock is stuck). So every `Acquire` call gets an *attempt*
-//! id, carried in its log entry, and is *attached* here while its handler runs ([`Calls::attach`] returns
-//! a [`Call`]). If the handler is dropped before it answered (the client cancelled the call or reset its
-//! stream, or the connection closed), the server proposes `AbandonAcquire` for that attempt: the wait is
+//! id, carried in its log entry, and a [`Call`] guard while its handler runs. If the handler is dropped
+//! before it gave a definite answer (the client cancelled the call or reset its stream, the connection
+//! closed, or the outcome is unknown), the server proposes `AbandonAcquire` for that attempt: the wait is
 //! removed, or the grant released. When this server no longer leads the group, it forwards the abandon
 //! to the leader's `CancelAcquire`, and keeps trying until it is applied, the session is gone, or this
 //! server stops. A client that sets `AcquireRequest.client_cancels` takes this duty itself (the Rust
@@ -15,16 +15,16 @@
 //! Invariant: an abandon started here acts only on its own attempt. A retry of the same request by a
 //! newer call, on this server or another, makes the wait or grant that call's (the table records the
 //! attempt of the last acquire entry for it), and the older abandon then changes nothing; so a retry is
-//! never answered with a grant that the abandon of its first call releases later. As a shortcut, an
-//! abandon is not even proposed while a newer call for the request is attached here.
+//! never answered with a grant that the abandon of its first call releases later. There is no shortcut
+//! that skips an abandon because another call for the request runs here: that call may never reach the
+//! log (its leader can be deposed first), and then nobody would answer for the wait.
 
 use crate::group::{Group, ProposeError};
 use crate::node::NodeShared;
 use holdfast_lock_table::{Command, LockName, Outcome, Refusal, RequestId, SessionId};
 use holdfast_proto::v1 as pb;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 type Key = (SessionId, RequestId);
@@ -69,12 +69,6 @@ impl AttemptIds {
     }
 }
 
-/// The acquire calls attached on this server, per group.
-#[derive(Default)]
-pub struct Calls {
-    attached: Mutex<HashMap<Key, u32>>,
-}
-
 /// What happens when an attached call is dropped before it answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnDrop {
@@ -85,8 +79,9 @@ pub enum OnDrop {
     Detach,
 }
 
-/// An attached acquire call. Call [`Call::answered`] just before the handler returns its result; dropped
-/// without it, the acquire's attempt is abandoned through the log (unless [`OnDrop::Detach`]).
+/// An acquire call in progress. Call [`Call::answered`] just before the handler returns a definite
+/// answer; dropped without it, the call's attempt is abandoned through the log (unless
+/// [`OnDrop::Detach`]).
 pub struct Call {
     node: Arc<NodeShared>,
     group: u32,
@@ -97,24 +92,16 @@ pub struct Call {
     answered: bool,
 }
 
-impl Calls {
-    /// Attaches a call for (session, request) that proposes `attempt`.
-    pub fn attach(
+impl Call {
+    /// Starts guarding the call for (session, request) that proposes `attempt`.
+    pub fn new(
         node: &Arc<NodeShared>,
         group: &Group,
-        session: SessionId,
-        request: RequestId,
+        (session, request): Key,
         name: &LockName,
         attempt: u64,
         on_drop: OnDrop,
     ) -> Call {
-        *group
-            .calls
-            .attached
-            .lock()
-            .expect("calls lock")
-            .entry((session, request))
-            .or_default() += 1;
         Call {
             node: node.clone(),
             group: group.id,
@@ -126,23 +113,7 @@ impl Calls {
         }
     }
 
-    fn detach(&self, key: Key) {
-        let mut attached = self.attached.lock().expect("calls lock");
-        if let Some(n) = attached.get_mut(&key) {
-            *n -= 1;
-            if *n == 0 {
-                attached.remove(&key);
-            }
-        }
-    }
-
-    fn is_attached(&self, key: Key) -> bool {
-        self.attached.lock().expect("calls lock").contains_key(&key)
-    }
-}
-
-impl Call {
-    /// The handler produced its answer: nothing to abandon.
+    /// The handler produced a definite answer: nothing to abandon.
     pub fn answered(mut self) {
         self.answered = true;
     }
@@ -150,14 +121,12 @@ impl Call {
 
 impl Drop for Call {
     fn drop(&mut self) {
-        let Some(group) = self.node.groups.get(self.group as usize).cloned() else {
-            return;
-        };
-        // Detach first: the abandon below must not see this very call as a newer one.
-        group.calls.detach(self.key);
         if self.answered || self.on_drop == OnDrop::Detach {
             return;
         }
+        let Some(group) = self.node.groups.get(self.group as usize).cloned() else {
+            return;
+        };
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let (node, key, name, attempt) =
                 (self.node.clone(), self.key, self.name.clone(), self.attempt);
@@ -173,10 +142,6 @@ async fn abandon(node: &NodeShared, group: &Group, key: Key, name: LockName, att
     let mut backoff = RETRY_FIRST;
     let mut tries = 0u32;
     loop {
-        // A newer call for the request is attached here: it answers, or abandons its own attempt.
-        if group.calls.is_attached(key) {
-            return;
-        }
         let last_error = match propose(group, session, request, &name, Some(attempt)).await {
             Ok(_) => return,
             Err(ProposeError::NotLeader(Some(leader))) if leader != node.config.node_id => {

@@ -107,8 +107,6 @@ pub struct Group {
     pub state: Arc<RwLock<SmState>>,
     pub leases: Arc<Leases>,
     pub waiters: Arc<Waiters>,
-    /// Acquire calls attached on this server, and abandons in flight.
-    pub calls: crate::abandon::Calls,
     pub metrics: Arc<GroupMetrics>,
     metrics_rx: openraft::alias::WatchReceiverOf<TypeConfig, RaftMetrics<TypeConfig>>,
     /// How long after its last quorum contact a leader may still renew sessions (see [`Group::can_renew`]).
@@ -153,7 +151,6 @@ impl Group {
             state,
             leases,
             waiters,
-            calls: Default::default(),
             metrics: Arc::new(GroupMetrics::default()),
             metrics_rx,
             renew_guard,

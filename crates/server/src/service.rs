@@ -4,7 +4,7 @@
 //! Invariant: nothing reaches the log unless it passed validation here (name rules, group, TTL bounds,
 //! request id, sizes), so the lock table only ever sees well-formed commands. Protobuf types stop here.
 
-use crate::abandon::{self, Calls, OnDrop};
+use crate::abandon::{self, Call, OnDrop};
 use crate::errors::{self, invalid, limit, not_leader, refusal, session_unknown};
 use crate::group::{Group, ProposeError, WaitEnd};
 use crate::lease::KeepAlive;
@@ -177,22 +177,22 @@ impl ClientService {
         Ok(pb::KeepAliveResponse { results })
     }
 
-    /// Waits for a queued acquire to be granted, cancelling the wait through the log when the deadline
-    /// passes. The log decides a race between a grant and the cancel.
+    /// Waits for a queued acquire to be granted (`wait`: none for a try, which ends the wait at once),
+    /// cancelling the wait through the log when the deadline passes. The log decides a race between a
+    /// grant and the cancel.
     async fn wait_for_grant(
         &self,
         group: &Group,
         session: SessionId,
         request: RequestId,
         name: &LockName,
-        wait: tokio::sync::oneshot::Receiver<WaitEnd>,
+        wait: Option<tokio::sync::oneshot::Receiver<WaitEnd>>,
         deadline: Instant,
     ) -> Result<FencingToken, Status> {
-        let ended = tokio::time::timeout_at(deadline, wait).await;
-        match ended {
-            Ok(Ok(WaitEnd::Granted(token))) => return Ok(token),
-            Ok(Ok(WaitEnd::Removed)) | Ok(Err(_)) => {}
-            Err(_) => {}
+        if let Some(wait) = wait {
+            if let Ok(Ok(WaitEnd::Granted(token))) = tokio::time::timeout_at(deadline, wait).await {
+                return Ok(token);
+            }
         }
         let cancel = Command::CancelWait {
             session,
@@ -387,7 +387,14 @@ impl Holdfast for ClientService {
             OnDrop::Abandon
         };
         let attempt = self.node.attempt_ids.next();
-        let call = Calls::attach(&self.node, group, session, request, &name, attempt, on_drop);
+        let call = Call::new(
+            &self.node,
+            group,
+            (session, request),
+            &name,
+            attempt,
+            on_drop,
+        );
         let started = Instant::now();
         let deadline = started + Duration::from_millis(r.wait_timeout_ms);
         let mode = if r.wait_timeout_ms > 0 {
@@ -413,13 +420,12 @@ impl Holdfast for ClientService {
         let result = match outcome {
             Err(e) => Err(e),
             Ok(Outcome::Granted { token }) => Ok(token),
-            Ok(Outcome::Queued { .. }) => match wait {
-                Some(wait) => {
-                    self.wait_for_grant(group, session, request, &name, wait, deadline)
-                        .await
-                }
-                None => Err(unexpected(Outcome::Queued { position: 0 })),
-            },
+            // A try that finds its request queued is a retry of a wait whose time ran out: it ends the
+            // wait now (through the log, which also tells whether the grant won the race).
+            Ok(Outcome::Queued { .. }) => {
+                self.wait_for_grant(group, session, request, &name, wait, deadline)
+                    .await
+            }
             Ok(Outcome::Cancelled) => Err(errors::status(
                 tonic::Code::Aborted,
                 pb::Reason::LockHeld,
@@ -434,7 +440,15 @@ impl Holdfast for ClientService {
             Ok(other) => Err(unexpected(other)),
         };
         group.waiters.forget(session, request);
-        call.answered();
+        // An unknown outcome is no answer: the entry may still commit, or the wait be granted, and a
+        // client that gives up now would leave it behind. The call's attempt is abandoned (when the
+        // server is in charge of that); a retry either takes the wait over first or learns it was
+        // abandoned, and both are safe.
+        let unknown =
+            matches!(&result, Err(s) if holdfast_proto::reason(s) == Some(pb::Reason::Unavailable));
+        if !unknown {
+            call.answered();
+        }
         result.map(|token| Response::new(pb::AcquireResponse { token: token.0 }))
     }
 

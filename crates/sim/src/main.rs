@@ -99,6 +99,7 @@ fn main() -> std::process::ExitCode {
                 "reads_checked": report.reads_checked,
                 "linearized_ops": report.linearized_ops,
                 "linearizability_inconclusive": report.linearizability_inconclusive,
+                "unacknowledged_grants_checked": report.unacknowledged_grants_checked,
                 "applied_entries": report.applied_entries,
                 "recovered_after_ms": outcome.recovered_after_ms,
                 "converged_after_ms": outcome.converged_after_ms,

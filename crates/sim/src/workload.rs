@@ -1,8 +1,10 @@
 //! The simulated clients: the same lock-set workload as the real-process fault tests (`holdfast
 //! workload`), on turmoil hosts. Each worker loops: acquire one of [`LOCKS`] locks, read the lock's counter
 //! from the fenced store with its token, pause inside the critical section, write counter + 1 with its
-//! token, release, and now and then describe a lock. Every operation is recorded with its invoke and
-//! complete time (simulated wall clock) and `ok`, `fail` (did not happen) or `unknown` (may have).
+//! token, release, and now and then describe a lock. One acquire in [`ABANDON_ONE_IN`] is dropped by its
+//! caller after a short patience, as a `select!` or a timeout would (recorded `unknown`). Every
+//! operation is recorded with its invoke and complete time (simulated wall clock) and `ok`, `fail` (did
+//! not happen) or `unknown` (may have).
 
 use crate::cluster::{client_endpoints, STORE_PORT};
 use crate::plan::{LOCKS, TTL_MS, WORKERS_PER_HOST};
@@ -15,6 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub type History = Arc<Mutex<Vec<Op>>>;
+
+/// One acquire in this many is dropped by its caller after a random patience of 10..600 ms.
+const ABANDON_ONE_IN: u64 = 5;
 
 /// Simulated wall-clock milliseconds (the same clock on every host).
 pub fn now_ms() -> u64 {
@@ -63,6 +68,8 @@ pub async fn client_host(
     let options = ClientOptions {
         request_timeout: Duration::from_secs(5),
         nonce_seed: Some(seed ^ 0xc11e_0000 ^ host as u64),
+        // The first host leaves abandoned acquires to the servers, as clients that cannot cancel do.
+        cancels_own_acquires: host != 0,
         ..ClientOptions::default()
     };
     let client = Client::connect_with(client_endpoints(), options).await?;
@@ -170,7 +177,24 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
         // The session's id in the lock's group (what describe reports as the holder).
         let sid = s.id_for(&lock);
         let invoke = now_ms();
-        let guard = match s.acquire_timeout(&lock, Duration::from_secs(1)).await {
+        let acquire = s.acquire_timeout(&lock, Duration::from_secs(1));
+        // Now and then the caller gives up early and drops the acquire (a select!, a timeout, a
+        // shutdown): its wait or grant must not outlive that (P8). It may have been granted meanwhile.
+        let acquired = if rng.between(0, ABANDON_ONE_IN - 1) == 0 {
+            let patience = Duration::from_millis(rng.between(10, 600));
+            match tokio::time::timeout(patience, acquire).await {
+                Ok(r) => r,
+                Err(_) => {
+                    rec.record("acquire", &lock, invoke, "unknown", |o| {
+                        o.session = Some(sid)
+                    });
+                    continue;
+                }
+            }
+        } else {
+            acquire.await
+        };
+        let guard = match acquired {
             Ok(g) => {
                 let token = g.token();
                 rec.record("acquire", &lock, invoke, "ok", |o| {

@@ -32,6 +32,7 @@ struct Totals {
     reads: u64,
     linearized: u64,
     inconclusive: u64,
+    unacknowledged: u64,
 }
 
 #[test]
@@ -75,6 +76,7 @@ fn seeds_hold_every_invariant() {
                     t.reads += n("reads_checked");
                     t.linearized += n("linearized_ops");
                     t.inconclusive += n("linearizability_inconclusive");
+                    t.unacknowledged += n("unacknowledged_grants_checked");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
                     if !violations.is_empty() || !out.status.success() {
                         failures.lock().unwrap().push(format!(
@@ -91,7 +93,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive)",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -101,7 +103,8 @@ fn seeds_hold_every_invariant() {
         t.expiries,
         t.reads,
         t.linearized,
-        t.inconclusive
+        t.inconclusive,
+        t.unacknowledged
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert_eq!(t.seeds, count, "every seed must report");

@@ -10,7 +10,8 @@
 //! 5. [`p5_acknowledged_in_log`] checks acknowledged operations against the [`MergedLog`] and [`Grants`];
 //! 6. [`p4_fenced_store`] checks the fenced store's log against the history;
 //! 7. [`p6_no_early_expiry`] checks expiries in the [`MergedLog`] against the history's renewals;
-//! 8. [`linearizable_locks`] searches the history alone for a linearization of each lock's operations.
+//! 8. [`linearizable_locks`] searches the history alone for a linearization of each lock's operations;
+//! 9. [`p8_no_unknowing_holder`] checks that grants no client acknowledged end, from the [`Timelines`].
 
 pub mod linearizable_locks;
 pub mod linearizable_reads;
@@ -20,6 +21,7 @@ pub mod p3_tokens;
 pub mod p4_fenced_store;
 pub mod p5_acknowledged_in_log;
 pub mod p6_no_early_expiry;
+pub mod p8_no_unknowing_holder;
 
 pub use p1_one_holder::{Grants, Timelines};
 pub use p2_replicas_agree::MergedLog;

@@ -203,3 +203,55 @@ async fn a_grant_that_arrives_after_the_lease_lapsed_is_not_returned() {
         "the command ran under a grant whose lease had lapsed"
     );
 }
+
+/// A retry of a queued request with no wait left (a try) ends the wait in the log, so a client that
+/// retries after a broken connection and then gives up leaves nothing queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_retry_of_a_queued_request_ends_its_wait() {
+    let c = Cluster::start(three()).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let a = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let held = a.try_acquire("t").await.unwrap();
+    let mut raw = c.raw(leader).await;
+    let b = raw
+        .open_session(pb::OpenSessionRequest {
+            group: 0,
+            ttl_ms: 60_000,
+            nonce_hi: 9,
+            nonce_lo: 9,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    let mut acquire = pb::AcquireRequest {
+        group: 0,
+        session_id: b,
+        request_id: 1,
+        name: "t".into(),
+        wait_timeout_ms: 60_000,
+        value: vec![],
+        // This caller says it cancels by itself, so the server keeps the wait when the call goes away.
+        client_cancels: true,
+    };
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(300),
+        raw.clone().acquire(acquire.clone()),
+    )
+    .await;
+    assert!(dropped.is_err());
+    assert_eq!(
+        client.describe("t").await.unwrap().unwrap().waiters.len(),
+        1
+    );
+    acquire.wait_timeout_ms = 0;
+    let retry = raw.acquire(acquire).await.unwrap_err();
+    assert_eq!(retry.code(), tonic::Code::Aborted, "{retry:?}");
+    let lock = client.describe("t").await.unwrap().unwrap();
+    assert!(
+        lock.waiters.is_empty(),
+        "the wait outlived its last try: {lock:?}"
+    );
+    held.release().await.unwrap();
+}

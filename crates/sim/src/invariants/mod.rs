@@ -1,7 +1,7 @@
 //! What every seed must satisfy. P1–P6 and linearizability are the same checks the real-process fault
 //! tests run, one file per property in `holdfast_checker::properties` (P1 one holder, P2 replicas agree,
-//! P3 tokens, P4 fenced store, P5 acknowledged in log, P6 no early expiry, reads against the log, and the
-//! Wing–Gong–Lowe search over each lock's history); P7
+//! P3 tokens, P4 fenced store, P5 acknowledged in log, P6 no early expiry, reads against the log, the
+//! Wing–Gong–Lowe search over each lock's history, P8 no unknowing holder); P7
 //! liveness after the heal is simulation-only and lives in [`p7_liveness`]. A host that failed or
 //! panicked (openraft panics on a broken Raft invariant) is a violation too.
 
@@ -33,6 +33,7 @@ pub struct Totals {
     pub reads_checked: usize,
     pub linearized_ops: usize,
     pub linearizability_inconclusive: usize,
+    pub unacknowledged_grants_checked: usize,
 }
 
 impl Totals {
@@ -46,6 +47,7 @@ impl Totals {
         self.reads_checked += r.reads_checked;
         self.linearized_ops += r.linearized_ops;
         self.linearizability_inconclusive += r.linearizability_inconclusive;
+        self.unacknowledged_grants_checked += r.unacknowledged_grants_checked;
     }
 }
 
@@ -53,7 +55,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive)",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -61,7 +63,8 @@ impl std::fmt::Display for Totals {
             self.expiries_checked,
             self.reads_checked,
             self.linearized_ops,
-            self.linearizability_inconclusive
+            self.linearizability_inconclusive,
+            self.unacknowledged_grants_checked
         )
     }
 }
