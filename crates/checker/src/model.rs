@@ -8,7 +8,7 @@ use serde::Deserialize;
 pub struct Op {
     pub process: u32,
     pub client: usize,
-    /// `open`, `acquire`, `read`, `write`, `release`.
+    /// `open`, `acquire`, `read`, `write`, `release`, `describe`, `lost`.
     pub op: String,
     #[serde(default)]
     pub lock: String,

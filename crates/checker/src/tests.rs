@@ -451,7 +451,7 @@ fn the_aggregate_check_runs_the_search() {
 /// P8: a grant no client acknowledged must end; acknowledged grants and short-lived ones are fine.
 #[test]
 fn an_unacknowledged_grant_that_stays_held_violates_p8() {
-    use crate::properties::p8_no_unknowing_holder::UNKNOWING_BOUND_MS;
+    use crate::properties::p8_no_unknowing_holder::{CLOSE_BOUND_MS, UNKNOWING_BOUND_MS};
     let at = |mut l: AuditLine, now_ms: u64| {
         match &mut l.command {
             Command::OpenSession { now_ms: n, .. }
@@ -501,4 +501,53 @@ fn an_unacknowledged_grant_that_stays_held_violates_p8() {
         r.violations
     );
     assert_eq!(r.unacknowledged_grants_checked, 1);
+    // Closed by its own session long after the grant: nothing cancelled it.
+    let close = |now_ms| AuditLine {
+        index: 5,
+        command: Command::CloseSession {
+            session: SessionId(2),
+            now_ms,
+        },
+        outcome: Outcome::SessionClosed { released: 1 },
+        events: vec![],
+    };
+    let r = check(&history, &[(1, log(close(CLOSE_BOUND_MS + 500)))], &[]);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.contains("until its own session closed it")),
+        "{:?}",
+        r.violations
+    );
+    let r = check(&history, &[(1, log(close(1_000)))], &[]);
+    assert!(
+        !r.violations.iter().any(|v| v.starts_with("P8:")),
+        "{:?}",
+        r.violations
+    );
+    // An acknowledged grant ended by an abandon: a retry's grant was taken back.
+    let abandoned = AuditLine {
+        index: 5,
+        command: Command::AbandonAcquire {
+            session: SessionId(1),
+            request: RequestId(3),
+            name: name("l"),
+            attempt: Some(1),
+            now_ms: 50,
+        },
+        outcome: Outcome::Abandoned,
+        events: vec![Event::GrantAbandoned {
+            name: name("l"),
+            session: SessionId(1),
+            token: FencingToken(3),
+        }],
+    };
+    let r = check(&history, &[(1, log(abandoned))], &[]);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.contains("a grant a client acknowledged, and an abandon ended it")),
+        "{:?}",
+        r.violations
+    );
 }

@@ -34,12 +34,13 @@ pub struct ClientOptions {
     /// list is enough. `false` uses only the endpoints given, for a client that reaches the servers
     /// through addresses other than the ones they advertise (a proxy, NAT, a port forward).
     pub discover: bool,
-    /// Cancel the acquires whose callers give up (a dropped future, an unknown outcome) from this client
-    /// (the default), telling the server so (`client_cancels`) so that an attempt that timed out keeps
-    /// its place in the queue when retried. `false` leaves it to the server, which abandons an acquire
-    /// whose call goes away, as it does for clients that cannot cancel; the simulation uses it on some
-    /// hosts to exercise that path. A grant that arrives after the lease lapsed is released either way.
-    pub cancels_own_acquires: bool,
+    /// This client cancels the acquires its callers give up (a dropped future, an unknown outcome) by
+    /// itself, always. `true` (the default) also tells the server so (`AcquireRequest.client_cancels`),
+    /// so that an attempt that timed out or lost its connection keeps its place in the queue when
+    /// retried. `false` lets the server abandon every call of this client that goes away as well (a
+    /// retry after a broken connection may then find its acquire abandoned and fail with
+    /// `Error::Abandoned`); the simulation uses it on some hosts so both paths run under faults.
+    pub client_cancels: bool,
 }
 
 impl Default for ClientOptions {
@@ -51,7 +52,7 @@ impl Default for ClientOptions {
             batched_keepalives: true,
             nonce_seed: None,
             discover: true,
-            cancels_own_acquires: true,
+            client_cancels: true,
         }
     }
 }
@@ -499,6 +500,20 @@ impl Client {
             }
         }
         Ok(all)
+    }
+
+    /// Hands leadership of `group` to node `to` (or the most up-to-date voter) and returns the new leader.
+    pub async fn transfer_leader(&self, group: u32, to: Option<u64>) -> Result<u64, Error> {
+        let r = self
+            .call(group, Duration::ZERO, |mut c| async move {
+                c.transfer_leader(pb::TransferLeaderRequest {
+                    group,
+                    to: to.unwrap_or(0),
+                })
+                .await
+            })
+            .await?;
+        Ok(r.leader_id)
     }
 
     /// Asks one server (by its index in [`Client::endpoints`]) for its own view of the cluster. Not

@@ -373,12 +373,11 @@ impl Session {
             return Err(Error::LeaseLost(lost.0));
         }
         let group = crate::group_for(name, self.inner.client.groups());
-        let cancels = self.inner.client.options().cancels_own_acquires;
         let mut pending = PendingAcquire {
             session: self.clone(),
             name,
             request_id: self.next_request_id(),
-            armed: cancels,
+            armed: true,
         };
         match self
             .acquire_once(name, group, pending.request_id, wait, value)
@@ -391,7 +390,6 @@ impl Session {
                     // more, so the server expires it), and the pending acquire releases the grant now.
                     self.inner
                         .mark_lost("no keepalive succeeded within the TTL".into());
-                    pending.armed = true;
                     return Err(Error::LeaseLost(format!(
                         "the grant of lock {name:?} (token {token}) arrived after this session's lease may have lapsed; it is being released (or ends with the session)"
                     )));
@@ -402,7 +400,7 @@ impl Session {
             Err(e) => {
                 // Certainly not applied: nothing to cancel. Otherwise the pending acquire is cancelled
                 // when it drops here, since this caller will never learn its outcome.
-                pending.armed = cancels && !e.not_applied();
+                pending.armed = !e.not_applied();
                 Err(e)
             }
         }
@@ -437,7 +435,7 @@ impl Session {
                     // By default this client retries with the same request id after a failed attempt
                     // and cancels the acquire itself when its caller gives up (PendingAcquire), so the
                     // server must not abandon it when an attempt times out or its connection breaks.
-                    client_cancels: self.inner.client.options().cancels_own_acquires,
+                    client_cancels: self.inner.client.options().client_cancels,
                 };
                 async move { c.acquire(req).await }
             })

@@ -37,6 +37,8 @@ enum Cmd {
     Describe(cmd::describe::DescribeArgs),
     /// Run a command while holding a lock (the token is in HOLDFAST_TOKEN).
     Lock(cmd::lock::LockArgs),
+    /// Hand a group's Raft leadership to another server (`holdfast leader transfer`).
+    Leader(cmd::leader::LeaderArgs),
     /// Campaign for a role (leader election), or observe who leads it.
     Elect(cmd::elect::ElectArgs),
     /// Load a running cluster and report throughput and latency percentiles.
@@ -74,6 +76,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Describe(args) => cmd::describe::run(args).await,
             Cmd::Lock(args) => cmd::lock::run(args).await,
             Cmd::Elect(args) => cmd::elect::run(args).await,
+            Cmd::Leader(args) => cmd::leader::run(args).await,
             Cmd::Bench(args) => cmd::bench::run(args).await,
             Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
             Cmd::FenceWrite(args) => cmd::fence::write(args).await,

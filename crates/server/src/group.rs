@@ -111,6 +111,9 @@ pub struct Group {
     metrics_rx: openraft::alias::WatchReceiverOf<TypeConfig, RaftMetrics<TypeConfig>>,
     /// How long after its last quorum contact a leader may still renew sessions (see [`Group::can_renew`]).
     renew_guard: Duration,
+    /// This leader is handing leadership over ([`Group::hand_over`]): it has stopped timing and renewing
+    /// sessions and must not start again in this term.
+    handing_over: std::sync::atomic::AtomicBool,
 }
 
 /// A just-elected leader refuses requests until a quorum has acknowledged it (LeaseExpired, no leader
@@ -154,7 +157,84 @@ impl Group {
             metrics: Arc::new(GroupMetrics::default()),
             metrics_rx,
             renew_guard,
+            handing_over: Default::default(),
         }
+    }
+
+    /// Hands leadership of this group to `to` (or the follower whose log is the most up to date) and
+    /// waits, up to `within`, until this server no longer leads; returns the new leader.
+    ///
+    /// Safety: the target is elected without waiting out the followers' vote lease, which is what makes
+    /// keepalives safe to acknowledge (see [`Group::can_renew`]). So this server stops renewing sessions
+    /// *before* it asks for the transfer: no keepalive it acknowledges can outlive a deadline of the new
+    /// leader, which starts every session with a full fresh TTL anyway.
+    pub async fn hand_over(&self, to: Option<u64>, within: Duration) -> Result<u64, String> {
+        let m = self.raft_metrics();
+        if m.state != ServerState::Leader {
+            return Err(format!("this server does not lead group {}", self.id));
+        }
+        let voters: Vec<u64> = m
+            .membership_config
+            .membership()
+            .voter_ids()
+            .filter(|&n| n != m.id)
+            .collect();
+        let target = match to {
+            Some(t) if voters.contains(&t) => t,
+            Some(t) => {
+                return Err(format!(
+                    "node {t} is not a voter of group {} (voters besides this server: {voters:?})",
+                    self.id
+                ))
+            }
+            None => {
+                let matched = |n: &u64| {
+                    m.replication
+                        .as_ref()
+                        .and_then(|r| r.get(n).cloned().flatten())
+                        .map_or(0, |l| l.index)
+                };
+                *voters
+                    .iter()
+                    .max_by_key(|n| (matched(n), std::cmp::Reverse(**n)))
+                    .ok_or_else(|| {
+                        format!("group {} has no other voter to hand over to", self.id)
+                    })?
+            }
+        };
+        self.handing_over.store(true, Relaxed);
+        self.leases.stop_leading();
+        let result = async {
+            self.raft
+                .trigger()
+                .transfer_leader(target)
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut rx = self.raft.metrics();
+            let wait = async {
+                loop {
+                    let (state, leader) = {
+                        let m = rx.borrow_watched();
+                        (m.state, m.current_leader)
+                    };
+                    if state != ServerState::Leader && leader.is_some_and(|l| l != m.id) {
+                        return leader;
+                    }
+                    if rx.changed().await.is_err() {
+                        return None;
+                    }
+                }
+            };
+            match tokio::time::timeout(within, wait).await {
+                Ok(Some(leader)) => Ok(leader),
+                Ok(None) => Err("raft stopped".to_string()),
+                Err(_) => Err(format!("node {target} did not take over within {within:?}")),
+            }
+        }
+        .await;
+        // Leading again (the transfer failed) restarts session timers after a barrier, as any new term.
+        self.handing_over.store(false, Relaxed);
+        result
     }
 
     pub fn raft_metrics(&self) -> RaftMetrics<TypeConfig> {
@@ -283,7 +363,7 @@ impl Group {
                 self.metrics.leader_changes.fetch_add(1, Relaxed);
                 last_leader = leader;
             }
-            if state == ServerState::Leader {
+            if state == ServerState::Leader && !self.handing_over.load(Relaxed) {
                 if self.leases.leading_term() != Some(term) {
                     self.leases.stop_leading();
                     // The barrier makes sure an ExpireSession proposed by an earlier leader is either applied

@@ -32,6 +32,8 @@ pub struct NodeShared {
     pub metrics: Arc<ServerMetrics>,
     /// Ids for the acquire calls this server proposes (see `abandon`).
     pub attempt_ids: crate::abandon::AttemptIds,
+    /// Abandons this server owes, kept on disk across a crash (see `abandon`).
+    pub pending_abandons: crate::abandon::PendingAbandons,
 }
 
 impl RaftLookup for NodeShared {
@@ -183,7 +185,9 @@ impl Node {
             groups,
             metrics,
             attempt_ids: crate::abandon::AttemptIds::new(rng_seed, config.node_id, crate::now_ms()),
+            pending_abandons: crate::abandon::PendingAbandons::open(&config.data_dir),
         });
+        crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
@@ -302,8 +306,11 @@ impl Node {
         futures::future::select_all(waits).await.0
     }
 
-    /// Stops serving, stops Raft in every group, then flushes and closes the WAL.
+    /// Hands leadership of every group this server leads to an up-to-date follower (a planned restart
+    /// then costs a transfer, not an election timeout), stops serving, stops Raft in every group, then
+    /// flushes and closes the WAL.
     pub async fn shutdown(self) {
+        self.shared.hand_over_all(HAND_OVER_ON_STOP).await;
         let _ = self.shutdown.send(true);
         for g in &self.shared.groups {
             if let Err(e) = g.raft.shutdown().await {
@@ -323,7 +330,39 @@ impl Node {
     }
 }
 
+/// How long a stopping server waits for each group's new leader to take over before it stops anyway.
+/// Short, because every server of `holdfast dev` stops at once and a transfer to a stopping follower
+/// cannot complete.
+const HAND_OVER_ON_STOP: Duration = Duration::from_secs(1);
+
 impl NodeShared {
+    /// Hands over every group this server leads, all at once, each within `within`; logs the outcome.
+    pub async fn hand_over_all(&self, within: Duration) {
+        let led: Vec<_> = self
+            .groups
+            .iter()
+            .filter(|g| g.raft_metrics().state == ServerState::Leader)
+            .collect();
+        let started = tokio::time::Instant::now();
+        let results =
+            futures::future::join_all(led.iter().map(|g| g.hand_over(None, within))).await;
+        for (g, r) in led.iter().zip(results) {
+            match r {
+                Ok(to) => tracing::info!(
+                    group = g.id,
+                    "handed leadership of group {} to node {to} in {} ms before stopping",
+                    g.id,
+                    started.elapsed().as_millis()
+                ),
+                Err(e) => tracing::warn!(
+                    group = g.id,
+                    "could not hand leadership of group {} over before stopping: {e}",
+                    g.id
+                ),
+            }
+        }
+    }
+
     pub fn status(&self, with_digest: bool) -> pb::StatusResponse {
         let groups = self
             .groups

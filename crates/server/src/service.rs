@@ -34,6 +34,9 @@ pub const MAX_PAGE: u32 = 1_000;
 pub const DEFAULT_PAGE: u32 = 100;
 /// Largest client request message. A lock name is at most 256 bytes; a keepalive batch at most ~90 KiB.
 pub const MAX_REQUEST_BYTES: usize = 256 << 10;
+/// Longest a requested leader transfer may take before it is reported as failed (the old leader then
+/// leads on).
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3);
 /// Keepalive messages queued per stream before the server stops reading more from it.
 const KEEPALIVE_STREAM_BUFFER: usize = 64;
 
@@ -462,7 +465,7 @@ impl Holdfast for ClientService {
         let request = RequestId(nonzero(r.request_id, "request_id")?);
         let name = self.lock_name(r.name, r.group)?;
         let attempt = (r.attempt != 0).then_some(r.attempt);
-        let outcome = abandon::cancel(group, session, request, &name, attempt)
+        let outcome = abandon::propose(group, session, request, &name, attempt)
             .await
             .map_err(|e| self.propose_error(e))?;
         abandon::cancel_result(outcome).map_err(|r| match r {
@@ -577,6 +580,29 @@ impl Holdfast for ClientService {
             })
             .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions, more }))
+    }
+
+    async fn transfer_leader(
+        &self,
+        r: Request<pb::TransferLeaderRequest>,
+    ) -> Result<Response<pb::TransferLeaderResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        if group.raft_metrics().state != openraft::ServerState::Leader {
+            return Err(self.not_leader(
+                group
+                    .current_leader()
+                    .filter(|&l| l != self.node.config.node_id),
+            ));
+        }
+        let to = (r.to != 0).then_some(r.to);
+        match group.hand_over(to, TRANSFER_TIMEOUT).await {
+            Ok(leader_id) => Ok(Response::new(pb::TransferLeaderResponse { leader_id })),
+            Err(e) if e.contains("not a voter") || e.contains("no other voter") => Err(invalid(e)),
+            Err(e) => Err(errors::unavailable(format!(
+                "leader transfer did not complete: {e}"
+            ))),
+        }
     }
 
     async fn status(

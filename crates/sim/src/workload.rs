@@ -68,8 +68,9 @@ pub async fn client_host(
     let options = ClientOptions {
         request_timeout: Duration::from_secs(5),
         nonce_seed: Some(seed ^ 0xc11e_0000 ^ host as u64),
-        // The first host leaves abandoned acquires to the servers, as clients that cannot cancel do.
-        cancels_own_acquires: host != 0,
+        // The first host lets the servers abandon its calls that go away too, as they do for every
+        // client that does not say it cancels by itself.
+        client_cancels: host != 0,
         ..ClientOptions::default()
     };
     let client = Client::connect_with(client_endpoints(), options).await?;

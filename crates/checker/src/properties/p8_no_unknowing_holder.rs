@@ -1,25 +1,36 @@
 //! **P8: no unknowing holder.** A grant that no client acknowledged (no `acquire` op returned its token:
 //! its caller gave up, its answer was lost, or the grant came too late to use) must not stay held: the
-//! client cancels it, the server abandons it, or the session ends. Checked from the merged log's holder
-//! timelines (see [`super::p1_one_holder`]): every such grant must end within [`UNKNOWING_BOUND_MS`] of
-//! leader time (the `now_ms` the leader stamps into entries). A grant still held when the log ends, less
-//! than the bound after it was made, is not judged.
+//! client cancels it or the server abandons it (a `Release` or `AbandonAcquire` ends it), or the session
+//! expires. Checked from the merged log's holder timelines (see [`super::p1_one_holder`]), in leader time
+//! (the `now_ms` the leader stamps into entries). Two endings are violations:
+//! - the session's own `CloseSession` ends it more than [`CLOSE_BOUND_MS`] after the grant: the client
+//!   was alive and reaching the leader all along (it closed), yet nothing cancelled a grant it never
+//!   used, which is what a process that forgets an abandoned acquire looks like;
+//! - it is still held when the log ends, more than [`UNKNOWING_BOUND_MS`] after the grant.
+//!
+//! An expiry is a legitimate end however late: a client cut off from the leader can neither cancel nor
+//! renew, so its session expires (after a fresh TTL per leader change), and its grants with it.
+//!
+//! The converse is checked too: a grant a client acknowledged is never ended by an abandon. A server's
+//! abandon acts only on its own call's attempt, so an abandon of a first attempt that a retry took over
+//! (and answered) must change nothing.
 //!
 //! Why it matters: a lock granted to a session whose process never learned it is stuck for as long as
 //! that process keeps the session alive (issue 8, defect 1): nobody can take it, nobody will release it.
-//!
-//! The bound is generous because faults delay the end legitimately: a client cut off from the leader
-//! cannot cancel, but then it cannot renew either, so its session expires within a TTL (plus a fresh TTL
-//! after a leader change, plus an election); a client that can renew reaches the leader with its cancel
-//! within one retry.
 
 use super::{MergedLog, Timelines};
 use crate::model::Op;
+use holdfast_lock_table::{Command, Event};
 use std::collections::HashSet;
 
-/// Longest an unacknowledged grant may stay held, in leader time: well above two TTLs (2 s in the
-/// simulation, 3 s in the fault tests), an election and the client's request timeout.
+/// Longest an unacknowledged grant may stay held until the log ends, in leader time: well above two
+/// TTLs (2 s in the simulation, 3 s in the fault tests), an election and the client's request timeout.
 pub const UNKNOWING_BOUND_MS: u64 = 15_000;
+
+/// Longest an unacknowledged grant may stay held before its own session closes it: a client that can
+/// close can also cancel, which takes one retry (500 ms) plus a commit; the rest is slack for a cancel
+/// sent just before the close.
+pub const CLOSE_BOUND_MS: u64 = 5_000;
 
 /// Checks P8; returns how many unacknowledged grants were judged.
 pub fn check(
@@ -43,22 +54,39 @@ pub fn check(
             let Some((session, token)) = *holder else {
                 continue;
             };
+            let end = timeline.get(i + 1).and_then(|(to, _)| merged.get(to));
             if acknowledged.contains(&(lock.as_str(), session, token)) {
+                let abandoned = end.is_some_and(|l| {
+                    l.events.iter().any(|e| {
+                        matches!(e, Event::GrantAbandoned { session: s, token: t, .. } if s.0 == session && t.0 == token)
+                    })
+                });
+                if abandoned {
+                    v.push(format!(
+                        "P8: lock {lock:?} was granted to session {session} with token {token}, a grant a client acknowledged, and an abandon ended it at index {}",
+                        timeline[i + 1].0
+                    ));
+                }
                 continue;
             }
             let (Some(granted_ms), Some(last_ms)) = (now_at(*from), last_ms) else {
                 continue;
             };
-            let ended_ms = timeline.get(i + 1).and_then(|(to, _)| now_at(*to));
-            let held_ms = ended_ms.unwrap_or(last_ms).saturating_sub(granted_ms);
-            if ended_ms.is_none() && held_ms <= UNKNOWING_BOUND_MS {
-                continue;
-            }
+            let held_ms = end
+                .map_or(last_ms, |l| l.command.now_ms())
+                .saturating_sub(granted_ms);
+            let violation = match end.map(|l| &l.command) {
+                Some(Command::CloseSession { session: s, .. }) if s.0 == session => {
+                    (held_ms > CLOSE_BOUND_MS).then_some("until its own session closed it")
+                }
+                Some(_) => None,
+                None if held_ms <= UNKNOWING_BOUND_MS => continue,
+                None => Some("until the log ends"),
+            };
             judged += 1;
-            if held_ms > UNKNOWING_BOUND_MS {
+            if let Some(how) = violation {
                 v.push(format!(
-                    "P8: lock {lock:?} was granted to session {session} with token {token} at index {from}, which no client acknowledged, and stayed held {held_ms} ms{}",
-                    if ended_ms.is_none() { " until the log ends" } else { "" }
+                    "P8: lock {lock:?} was granted to session {session} with token {token} at index {from}, which no client acknowledged, and stayed held {held_ms} ms, {how}"
                 ));
             }
         }

@@ -8,6 +8,7 @@ pub mod duration;
 pub mod elect;
 pub mod fence;
 pub mod fence_store;
+pub mod leader;
 pub mod lock;
 pub mod locks;
 pub mod server;

@@ -425,3 +425,12 @@ pub fn interrupt(pid: u32) {
         .unwrap()
         .success());
 }
+
+/// Sends SIGTERM (what an operator or systemd sends to stop a server) to a process this test started.
+pub fn terminate(pid: u32) {
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}

@@ -9,5 +9,6 @@ mod faults;
 mod fencing;
 mod harness;
 mod newcomer;
+mod operations;
 mod proxy;
 mod storage;

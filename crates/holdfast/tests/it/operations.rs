@@ -1,0 +1,123 @@
+//! Planned operations: a leader that stops hands its leadership over first, and `holdfast leader
+//! transfer` does it by hand.
+
+use crate::harness::{Cluster, Options};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// SIGTERM to the leader while a client loops acquire + release: the leader hands over before it exits,
+/// so the longest gap between grants stays below the followers' vote lease (the maximum election
+/// timeout, 1 s), which an election after a crash can never beat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_leader_hands_over_without_an_election_timeout() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    c.wait_converged(0, Duration::from_secs(20)).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let grants = std::sync::Arc::new(AtomicU32::new(0));
+    let looping = tokio::spawn({
+        let (session, stop, grants) = (session.clone(), stop.clone(), grants.clone());
+        async move {
+            let mut last = Instant::now();
+            let mut longest = Duration::ZERO;
+            while !stop.load(Relaxed) {
+                let g = session
+                    .acquire_timeout("ops/gap", Duration::from_secs(5))
+                    .await
+                    .expect("acquire during the hand-over");
+                longest = longest.max(last.elapsed());
+                last = Instant::now();
+                grants.fetch_add(1, Relaxed);
+                g.release().await.expect("release during the hand-over");
+            }
+            longest
+        }
+    });
+    let grants_reach = |n: u32| {
+        let grants = grants.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while grants.load(Relaxed) < n {
+                assert!(
+                    Instant::now() < deadline,
+                    "the client stopped getting grants"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    // Some grants before, then stop the leader as an operator would, then some grants after.
+    grants_reach(5).await;
+    crate::harness::terminate(c.pid(leader));
+    let status = c.wait_exit(leader, Duration::from_secs(20)).await;
+    assert!(status.success(), "{status}");
+    let next = c
+        .wait_for_leader_except(0, leader, Duration::from_secs(10))
+        .await;
+    let before = grants.load(Relaxed);
+    grants_reach(before + 5).await;
+    stop.store(true, Relaxed);
+    let longest = looping.await.unwrap();
+    eprintln!("longest gap between grants across the hand-over: {longest:?}");
+    let log = c.log_text(leader);
+    assert!(
+        log.contains(&format!("handed leadership of group 0 to node {next}")),
+        "{log}"
+    );
+    assert!(
+        longest < Duration::from_millis(1_000),
+        "the longest gap between grants was {longest:?}: the hand-over waited for an election"
+    );
+}
+
+/// `holdfast leader transfer --to N` moves a group's leadership to N; the cluster keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_transfer_moves_the_leadership_by_hand() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    c.wait_converged(0, Duration::from_secs(20)).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let to = (1..=3).find(|&n| n != leader).unwrap();
+    let out = c
+        .holdfast()
+        .args(["leader", "transfer", "--to", &to.to_string()])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.trim(), format!("group 0: led by node {to}"));
+    assert_eq!(c.wait_for_leader(0, Duration::from_secs(10)).await, to);
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    s.try_acquire("ops/after")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    // A node that is not a member is refused with a clear error.
+    let out = c
+        .holdfast()
+        .args(["leader", "transfer", "--to", "9"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("node 9 is not a voter"), "{stderr}");
+}
