@@ -117,12 +117,12 @@ impl ServerArgs {
 
 pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("HOLDFAST_LOG")
-        // openraft warns once per failed heartbeat and replication attempt (several a second while a peer
-        // is down); `peer` logs the same as one line when a peer goes away, a summary every 10 s, and one
-        // when it is back. Errors from those modules still show.
+        // While a peer is down, openraft warns once per failed heartbeat and replication attempt, and
+        // once a second about the peer's progress; `peer` logs the same as one line when a peer goes
+        // away, a summary every 10 s, and one when it is back. Errors from those modules still show.
         .unwrap_or_else(|_| {
             tracing_subscriber::EnvFilter::new(
-                "info,openraft=warn,openraft::core::heartbeat=error,openraft::replication=error",
+                "info,openraft=warn,openraft::core::heartbeat=error,openraft::replication=error,openraft::engine::handler::replication_handler=error",
             )
         });
     tracing_subscriber::fmt()
