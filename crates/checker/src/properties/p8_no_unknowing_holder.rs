@@ -3,9 +3,10 @@
 //! client cancels it or the server abandons it (a `Release` or `AbandonAcquire` ends it), or the session
 //! expires. Checked from the merged log's holder timelines (see [`super::p1_one_holder`]), in leader time
 //! (the `now_ms` the leader stamps into entries). Two endings are violations:
-//! - the session's own `CloseSession` ends it more than [`CLOSE_BOUND_MS`] after the grant: the client
-//!   was alive and reaching the leader all along (it closed), yet nothing cancelled a grant it never
-//!   used, which is what a process that forgets an abandoned acquire looks like;
+//! - the session's own `CloseSession` ends it more than [`CLOSE_BOUND_MS`] after the grant and after the
+//!   client gave up on the call (the `acquire` op that was under way when it was granted ended): the
+//!   client was alive and reaching the leader (it closed), yet nothing cancelled a grant it never used,
+//!   which is what a process that forgets an abandoned acquire looks like;
 //! - it is still held when the log ends, more than [`UNKNOWING_BOUND_MS`] after the grant.
 //!
 //! An expiry is a legitimate end however late: a client cut off from the leader can neither cancel nor
@@ -44,6 +45,19 @@ pub fn check(
         .filter(|o| o.op == "acquire" && o.ok())
         .filter_map(|o| Some((o.lock.as_str(), o.session?, o.token?)))
         .collect();
+    // When the client stopped waiting for a grant: the end of its unacknowledged acquire of the lock
+    // that was under way when the grant was made (a call can outlast a grant it never hears of).
+    let gave_up = |lock: &str, session: u64, granted_ms: u64| {
+        history
+            .iter()
+            .filter(|o| {
+                o.op == "acquire" && !o.ok() && o.lock == lock && o.session == Some(session)
+            })
+            .filter(|o| o.invoke_ms <= granted_ms && granted_ms <= o.complete_ms)
+            .map(|o| o.complete_ms)
+            .max()
+            .unwrap_or(granted_ms)
+    };
     let now_at = |index: u64| merged.get(&index).map(|l| l.command.now_ms());
     let last_ms = merged.values().next_back().map(|l| l.command.now_ms());
     // Locks the workload uses; others (a liveness probe's) have no history to judge them by.
@@ -76,8 +90,9 @@ pub fn check(
                 .map_or(last_ms, |l| l.command.now_ms())
                 .saturating_sub(granted_ms);
             let violation = match end.map(|l| &l.command) {
-                Some(Command::CloseSession { session: s, .. }) if s.0 == session => {
-                    (held_ms > CLOSE_BOUND_MS).then_some("until its own session closed it")
+                Some(Command::CloseSession { session: s, now_ms }) if s.0 == session => {
+                    let since_gave_up = now_ms.saturating_sub(gave_up(lock, session, granted_ms));
+                    (since_gave_up > CLOSE_BOUND_MS).then_some("until its own session closed it")
                 }
                 Some(_) => None,
                 None if held_ms <= UNKNOWING_BOUND_MS => continue,

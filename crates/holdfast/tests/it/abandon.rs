@@ -15,6 +15,24 @@ fn three() -> Options {
     }
 }
 
+/// Opens a session in group 0 with a raw gRPC client (no keepalives: the TTL must outlive the test).
+async fn raw_session(
+    raw: &mut holdfast_proto::v1::holdfast_client::HoldfastClient<tonic::transport::Channel>,
+    ttl_ms: u64,
+    nonce: u64,
+) -> u64 {
+    raw.open_session(pb::OpenSessionRequest {
+        group: 0,
+        ttl_ms,
+        nonce_hi: nonce,
+        nonce_lo: nonce,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .session_id
+}
+
 /// A caller that drops a waiting `acquire` (a timeout around it) leaves no wait behind: when the holder
 /// releases, a fresh session gets the lock, not the session whose caller gave up (which stays alive).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -57,17 +75,7 @@ async fn a_raw_acquire_whose_call_is_cancelled_is_abandoned_by_the_server() {
 
     let mut raw = c.raw(leader).await;
     // A long TTL: B's session outlives the test, so only the abandon can free the lock for others.
-    let b = raw
-        .open_session(pb::OpenSessionRequest {
-            group: 0,
-            ttl_ms: 120_000,
-            nonce_hi: 7,
-            nonce_lo: 7,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .session_id;
+    let b = raw_session(&mut raw, 120_000, 7).await;
     let acquire = pb::AcquireRequest {
         group: 0,
         session_id: b,
@@ -214,17 +222,7 @@ async fn a_try_retry_of_a_queued_request_ends_its_wait() {
     let a = client.open_session(Duration::from_secs(10)).await.unwrap();
     let held = a.try_acquire("t").await.unwrap();
     let mut raw = c.raw(leader).await;
-    let b = raw
-        .open_session(pb::OpenSessionRequest {
-            group: 0,
-            ttl_ms: 60_000,
-            nonce_hi: 9,
-            nonce_lo: 9,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .session_id;
+    let b = raw_session(&mut raw, 60_000, 9).await;
     let mut acquire = pb::AcquireRequest {
         group: 0,
         session_id: b,
