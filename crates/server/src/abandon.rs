@@ -27,7 +27,7 @@
 
 use crate::group::{Group, ProposeError};
 use crate::node::NodeShared;
-use holdfast_lock_table::{Command, LockName, Outcome, Refusal, RequestId, SessionId};
+use holdfast_lock_table::{Command, LockName, Outcome, RequestId, SessionId};
 use holdfast_proto::v1 as pb;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -393,17 +393,6 @@ async fn forward(
         Err(_) => Err(format!(
             "node {leader} did not answer within {FORWARD_TIMEOUT:?}"
         )),
-    }
-}
-
-/// Maps a cancel's outcome to the RPC's answer.
-pub fn cancel_result(outcome: Outcome) -> Result<(), Refusal> {
-    match outcome {
-        Outcome::Abandoned => Ok(()),
-        Outcome::Refused(r) => Err(r),
-        other => Err(Refusal::NotWaiting).inspect_err(|_| {
-            tracing::warn!(?other, "unexpected outcome of an abandon");
-        }),
     }
 }
 

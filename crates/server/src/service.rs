@@ -468,8 +468,9 @@ impl Holdfast for ClientService {
         let outcome = abandon::propose(group, session, request, &name, attempt)
             .await
             .map_err(|e| self.propose_error(e))?;
-        abandon::cancel_result(outcome).map_err(|r| match r {
-            Refusal::NotWaiting => errors::status(
+        match outcome {
+            Outcome::Abandoned => Ok(Response::new(pb::CancelAcquireResponse {})),
+            Outcome::Refused(Refusal::NotWaiting) => Err(errors::status(
                 tonic::Code::FailedPrecondition,
                 pb::Reason::NotHolder,
                 format!(
@@ -484,10 +485,10 @@ impl Holdfast for ClientService {
                     }
                 ),
                 pb::ErrorDetail::default(),
-            ),
-            r => refusal(r, session.0, name.as_str()),
-        })?;
-        Ok(Response::new(pb::CancelAcquireResponse {}))
+            )),
+            Outcome::Refused(r) => Err(refusal(r, session.0, name.as_str())),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn release(
