@@ -7,7 +7,6 @@
 
 use holdfast_lock_table::LockTable;
 use holdfast_proto::v1 as pb;
-use holdfast_server::raft_types::TypeConfig;
 use prost::Message;
 
 /// Every target, by the name of its corpus directory.
@@ -127,22 +126,50 @@ pub fn client_request(bytes: &[u8]) {
     }
 }
 
-/// Raft messages from a peer (postcard), as the peer service decodes them.
+/// Raft messages from a peer as the peer service decodes them (protobuf, then `formats`), and WAL entry
+/// payloads of both formats. The first byte picks the decoder. Whatever converts must convert back to
+/// the same value.
 pub fn peer_message(bytes: &[u8]) {
+    use holdfast_server::formats;
     let Some((&kind, body)) = bytes.split_first() else {
         return;
     };
-    match kind % 3 {
-        0 => drop(postcard::from_bytes::<
-            openraft::raft::AppendEntriesRequest<TypeConfig>,
-        >(body)),
-        1 => drop(postcard::from_bytes::<
-            openraft::raft::VoteRequest<TypeConfig>,
-        >(body)),
-        _ => drop(postcard::from_bytes::<(
-            holdfast_server::raft_types::Vote,
-            holdfast_server::raft_types::SnapshotMeta,
-        )>(body)),
+    let entry_round_trip = |e: &holdfast_server::raft_types::Entry| {
+        let again =
+            formats::entry_from_pb(&formats::entry_to_pb(e)).expect("re-encoded entry decodes");
+        assert_eq!(&again, e);
+    };
+    match kind % 4 {
+        0 => {
+            if let Ok(m) = pb::AppendEntriesRequest::decode(body) {
+                for e in &m.entries {
+                    if let Ok(entry) = formats::entry_from_pb(e) {
+                        entry_round_trip(&entry);
+                    }
+                }
+            }
+        }
+        1 => {
+            if let Ok(m) = pb::VoteRequest::decode(body) {
+                if let Some(v) = &m.vote {
+                    assert_eq!(formats::vote_to_pb(&formats::vote_from_pb(v)), *v);
+                }
+            }
+        }
+        2 => {
+            if let Ok(m) = pb::SnapshotChunk::decode(body) {
+                if let Some(Ok(meta)) = m.meta.as_ref().map(formats::snapshot_meta_from_pb) {
+                    let again =
+                        formats::snapshot_meta_from_pb(&formats::snapshot_meta_to_pb(&meta));
+                    assert_eq!(again.expect("re-encoded meta decodes"), meta);
+                }
+            }
+        }
+        _ => {
+            if let Ok(entry) = formats::legacy::entry(body) {
+                entry_round_trip(&entry);
+            }
+        }
     }
 }
 

@@ -221,11 +221,69 @@ fn write_corpus() {
         &[&[3u8][..], &ka.encode_to_vec()].concat(),
     );
 
-    let meta_pair = (holdfast_server::raft_types::Vote::new(3, 1), meta);
+    use holdfast_server::formats;
+    let vote = formats::vote_to_pb(&holdfast_server::raft_types::Vote::new_committed(3, 1));
+    let header = holdfast_proto::v1::PeerHeader {
+        format: formats::PEER_FORMAT,
+        cluster_id: 7,
+        from_node: 1,
+        to_node: 2,
+        group: 0,
+    };
+    let entry = holdfast_server::raft_types::Entry {
+        log_id: openraft::LogId::new(
+            openraft::impls::leader_id_adv::LeaderId {
+                term: 3,
+                node_id: 1,
+            },
+            6,
+        ),
+        payload: openraft::EntryPayload::Normal(holdfast_server::raft_types::Request(acquire(
+            1, 2, "c",
+        ))),
+    };
+    let append = holdfast_proto::v1::AppendEntriesRequest {
+        header: Some(header),
+        vote: Some(vote),
+        prev_log_id: Some(holdfast_proto::v1::LogId {
+            term: 3,
+            leader: 1,
+            index: 5,
+        }),
+        entries: vec![formats::entry_to_pb(&entry)],
+        leader_commit: None,
+    };
+    write(
+        "peer_message",
+        "append-entries",
+        &[&[0u8][..], &append.encode_to_vec()].concat(),
+    );
+    let vote_req = holdfast_proto::v1::VoteRequest {
+        header: Some(header),
+        vote: Some(vote),
+        last_log_id: None,
+        leadership_transfer: false,
+    };
+    write(
+        "peer_message",
+        "vote",
+        &[&[1u8][..], &vote_req.encode_to_vec()].concat(),
+    );
+    let chunk = holdfast_proto::v1::SnapshotChunk {
+        header: Some(header),
+        vote: Some(vote),
+        meta: Some(formats::snapshot_meta_to_pb(&meta)),
+        data: Vec::new(),
+    };
     write(
         "peer_message",
         "snapshot-header",
-        &[&[2u8][..], &postcard::to_allocvec(&meta_pair).unwrap()].concat(),
+        &[&[2u8][..], &chunk.encode_to_vec()].concat(),
+    );
+    write(
+        "peer_message",
+        "legacy-entry",
+        &[&[3u8][..], &postcard::to_allocvec(&entry).unwrap()].concat(),
     );
 
     let fence = dir.path().join("fence.log");

@@ -34,6 +34,13 @@ pub struct ServerConfig {
     pub members: Vec<Member>,
     /// Number of Raft groups lock names are spread over. Fixed at creation.
     pub groups: u32,
+    /// The cluster id (hex) a new data directory records. None: derived from the members' ids and client
+    /// addresses, `groups` and `cluster_token` (see `identity`). Give it to a server that joins a cluster
+    /// whose member list has changed since it was created (`holdfast status` shows the id).
+    pub cluster_id: Option<String>,
+    /// Mixed into a derived cluster id: give a cluster re-created on the same addresses a new token, so
+    /// that a data directory of the old one cannot talk to it.
+    pub cluster_token: String,
     /// Leader heartbeat interval.
     pub heartbeat_interval_ms: u64,
     /// A follower that hears no leader for a random time in [min, max) starts an election. The leader
@@ -84,6 +91,8 @@ impl Default for ServerConfig {
             data_dir: PathBuf::new(),
             members: Vec::new(),
             groups: 1,
+            cluster_id: None,
+            cluster_token: String::new(),
             heartbeat_interval_ms: 100,
             election_timeout_min_ms: 500,
             election_timeout_max_ms: 1_000,
@@ -148,6 +157,9 @@ impl ServerConfig {
                 "groups must be 1..={MAX_GROUPS}, got {}",
                 self.groups
             ));
+        }
+        if let Some(id) = &self.cluster_id {
+            crate::identity::parse_cluster_id(id)?;
         }
         if self.election_timeout_min_ms <= self.heartbeat_interval_ms * 3 {
             return Err("election_timeout_min_ms must exceed 3 × heartbeat_interval_ms".into());

@@ -1,12 +1,15 @@
 //! A Holdfast server: every Raft group of the cluster on one process.
 //!
 //! Layout (each module's header says its role and invariant):
-//! - [`config`]: flags/TOML configuration and its validation.
+//! - [`config`]: flags/TOML configuration and its validation; [`identity`]: which cluster and node a data
+//!   directory belongs to.
 //! - [`node`]: starts and stops everything below in order.
 //! - [`group`]: one Raft group: proposals, linearizable reads, the leader's become-ready and expiry tasks.
 //! - [`lease`]: session deadlines on the leader's monotonic clock, the **only** clock that decides anything.
 //! - [`state_machine`], [`snapshot_store`]: apply committed entries to the pure lock table; snapshot files.
 //! - [`log_store`]: openraft's log storage on top of the shared WAL (`holdfast-wal`).
+//! - [`formats`]: Holdfast's own versioned encodings of Raft data (WAL records, snapshot headers, peer
+//!   messages); openraft's structs never reach a disk or a socket.
 //! - [`peer`]: Raft traffic between servers over gRPC.
 //! - [`service`], [`errors`]: the client gRPC API and how refusals become statuses.
 //! - [`abandon`]: acquires whose caller went away are abandoned through the log.
@@ -15,8 +18,10 @@
 pub mod abandon;
 pub mod config;
 pub mod errors;
+pub mod formats;
 pub mod group;
 pub mod http;
+pub mod identity;
 pub mod lease;
 pub mod log_store;
 pub mod metrics;

@@ -1,15 +1,16 @@
 //! The Raft log of each group, kept in memory and made durable in the server's shared [`holdfast_wal::Wal`].
 //!
 //! Entries live in memory between snapshots (the log is purged after each snapshot, so this is bounded by
-//! the snapshot policy) and every change is a WAL record tagged with the group:
+//! the snapshot policy) and every change is a WAL record tagged with the group. Records are written in
+//! format 1 and format-0 records (Holdfast 0.1) are still read; see [`crate::formats`]:
 //!
-//! | kind | record | sticky |
+//! | kind (format 1 / 0) | record | sticky |
 //! |---|---|---|
-//! | 1 | an entry (postcard), `index` = its log index | no |
-//! | 2 | truncate: delete entries after `index` | no |
-//! | 3 | the vote (postcard) | yes |
-//! | 4 | purged up to this log id (postcard) | yes |
-//! | 5 | committed log id (postcard), a hint that speeds up restart | yes |
+//! | 11 / 1 | an entry, `index` = its log index | no |
+//! | 12 / 2 | truncate: delete entries after `index` | no |
+//! | 13 / 3 | the vote | yes |
+//! | 14 / 4 | purged up to this log id | yes |
+//! | 15 / 5 | committed log id, a hint that speeds up restart | yes |
 //!
 //! Invariant: an append is reported flushed to openraft only after its WAL frame is fsynced, and the vote is
 //! durable before `save_vote` returns. Entries are visible to readers as soon as `append` returns, as
@@ -25,11 +26,8 @@ use std::io;
 use std::ops::RangeBounds;
 use std::sync::{Arc, Mutex};
 
-const KIND_ENTRY: u8 = 1;
-const KIND_TRUNCATE: u8 = 2;
-const KIND_VOTE: u8 = 3;
-const KIND_PURGED: u8 = 4;
-const KIND_COMMITTED: u8 = 5;
+use crate::formats::{self, kind};
+use holdfast_proto::v1 as pb;
 
 /// The in-memory state of one group's log.
 #[derive(Default)]
@@ -46,23 +44,42 @@ impl GroupLog {
         let mut log = GroupLog::default();
         for r in records {
             match r.kind {
-                KIND_ENTRY => {
-                    let entry: Entry = decode(&r.payload)?;
+                kind::ENTRY | kind::LEGACY_ENTRY => {
+                    let entry = if r.kind == kind::ENTRY {
+                        formats::entry_from_pb(&formats::from_bytes(&r.payload, "wal entry")?)?
+                    } else {
+                        formats::legacy::entry(&r.payload)?
+                    };
+                    if entry.log_id.index != r.index {
+                        return Err(format!(
+                            "wal entry record at index {} holds entry {}",
+                            r.index, entry.log_id.index
+                        ));
+                    }
                     // An append overwrites any suffix from this index on.
                     log.entries.split_off(&r.index);
                     log.entries.insert(r.index, entry);
                 }
-                KIND_TRUNCATE => {
+                kind::TRUNCATE | kind::LEGACY_TRUNCATE => {
                     log.entries.split_off(&(r.index + 1));
                 }
-                KIND_VOTE => log.vote = Some(decode(&r.payload)?),
-                KIND_PURGED => {
-                    let purged: LogId = decode(&r.payload)?;
+                kind::VOTE => {
+                    log.vote = Some(formats::vote_from_pb(&formats::from_bytes::<pb::Vote>(
+                        &r.payload, "wal vote",
+                    )?))
+                }
+                kind::LEGACY_VOTE => log.vote = Some(formats::legacy::vote(&r.payload)?),
+                kind::PURGED | kind::LEGACY_PURGED => {
+                    let purged = decode_log_id(r)?;
                     log.entries = log.entries.split_off(&(purged.index + 1));
                     log.purged = Some(purged);
                 }
-                KIND_COMMITTED => log.committed = Some(decode(&r.payload)?),
-                other => return Err(format!("unknown wal record kind {other}")),
+                kind::COMMITTED | kind::LEGACY_COMMITTED => log.committed = Some(decode_log_id(r)?),
+                other => {
+                    return Err(format!(
+                        "unknown wal record kind {other} (written by a newer holdfast?)"
+                    ))
+                }
             }
         }
         // The committed hint may run ahead of what this server has on disk; never point past the log.
@@ -82,12 +99,19 @@ impl GroupLog {
     }
 }
 
-fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(bytes).map_err(|e| format!("wal record does not decode: {e}"))
+fn decode_log_id(r: &Record) -> Result<LogId, String> {
+    if r.kind >= kind::ENTRY {
+        Ok(formats::log_id_from_pb(&formats::from_bytes::<pb::LogId>(
+            &r.payload,
+            "wal log id",
+        )?))
+    } else {
+        formats::legacy::log_id_record(&r.payload)
+    }
 }
 
-fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    postcard::to_allocvec(value).expect("encoding to a Vec cannot fail")
+fn encode_log_id(l: &LogId) -> Vec<u8> {
+    formats::to_bytes(&formats::log_id_to_pb(l))
 }
 
 fn wal_io(e: WalError) -> io::Error {
@@ -170,8 +194,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), io::Error> {
-        self.write_durable(vec![self.record(KIND_VOTE, true, 0, encode(vote))])
-            .await?;
+        self.write_durable(vec![self.record(
+            kind::VOTE,
+            true,
+            0,
+            formats::to_bytes(&formats::vote_to_pb(vote)),
+        )])
+        .await?;
         self.lock().vote = Some(*vote);
         Ok(())
     }
@@ -181,7 +210,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         if let Some(c) = committed {
             self.lock().committed = Some(c);
             self.wal.append(
-                vec![self.record(KIND_COMMITTED, true, 0, encode(&c))],
+                vec![self.record(kind::COMMITTED, true, 0, encode_log_id(&c))],
                 Box::new(|_| {}),
             );
         }
@@ -206,7 +235,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             let mut log = self.lock();
             for entry in entries {
                 let index = entry.log_id.index;
-                records.push(self.record(KIND_ENTRY, false, index, encode(&entry)));
+                records.push(self.record(
+                    kind::ENTRY,
+                    false,
+                    index,
+                    formats::to_bytes(&formats::entry_to_pb(&entry)),
+                ));
                 log.entries.split_off(&index);
                 log.entries.insert(index, entry);
             }
@@ -221,7 +255,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
         let keep_through = last_log_id.map_or(0, |l| l.index);
         self.write_durable(vec![self.record(
-            KIND_TRUNCATE,
+            kind::TRUNCATE,
             false,
             keep_through,
             Vec::new(),
@@ -237,9 +271,71 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             log.entries = log.entries.split_off(&(log_id.index + 1));
             log.purged = Some(log_id);
         }
-        self.write_durable(vec![self.record(KIND_PURGED, true, 0, encode(&log_id))])
-            .await?;
+        self.write_durable(vec![self.record(
+            kind::PURGED,
+            true,
+            0,
+            encode_log_id(&log_id),
+        )])
+        .await?;
         self.wal.release(self.group, log_id.index);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::legacy;
+
+    fn record(kind: u8, index: u64, payload: Vec<u8>) -> Record {
+        Record {
+            group: 0,
+            kind,
+            sticky: true,
+            index,
+            payload,
+        }
+    }
+
+    /// A segment head after an upgrade holds the group's last format-0 sticky records before its format-1
+    /// ones (the WAL orders them by kind); replay must end with the newer, format-1 values.
+    #[test]
+    fn format_1_sticky_records_win_over_the_format_0_ones_before_them() {
+        let old_vote = vec![5, 1, 1]; // postcard: term 5, node 1, committed
+        assert_eq!(legacy::vote(&old_vote).unwrap(), Vote::new_committed(5, 1));
+        let new_vote = Vote::new_committed(7, 2);
+        let old_purged = vec![5, 1, 40]; // term 5, node 1, index 40
+        let new_purged = crate::formats::log_id_to_pb(&legacy::log_id_record(&[7, 2, 90]).unwrap());
+        let records = [
+            record(kind::LEGACY_VOTE, 0, old_vote),
+            record(kind::LEGACY_PURGED, 0, old_purged),
+            record(
+                kind::VOTE,
+                0,
+                formats::to_bytes(&formats::vote_to_pb(&new_vote)),
+            ),
+            record(kind::PURGED, 0, formats::to_bytes(&new_purged)),
+        ];
+        let log = GroupLog::replay(records.iter()).unwrap();
+        assert_eq!(log.vote, Some(new_vote));
+        assert_eq!(log.purged.map(|p| p.index), Some(90));
+    }
+
+    #[test]
+    fn unknown_kinds_and_misplaced_entries_are_refused() {
+        let err = GroupLog::replay([record(99, 0, vec![])].iter())
+            .err()
+            .unwrap();
+        assert!(err.contains("unknown wal record kind 99"), "{err}");
+        let entry = Entry {
+            log_id: legacy::log_id_record(&[1, 1, 5]).unwrap(),
+            payload: openraft::EntryPayload::Blank,
+        };
+        let bytes = formats::to_bytes(&formats::entry_to_pb(&entry));
+        let mut r = record(kind::ENTRY, 6, bytes);
+        r.sticky = false;
+        let err = GroupLog::replay([r].iter()).err().unwrap();
+        assert!(err.contains("at index 6 holds entry 5"), "{err}");
     }
 }

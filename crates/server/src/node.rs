@@ -6,12 +6,14 @@ use crate::group::{event_sink, Group, Waiters};
 use crate::lease::Leases;
 use crate::log_store::{GroupLog, LogStore};
 use crate::metrics::{self, ServerMetrics};
-use crate::peer::{PeerNetwork, PeerService, Peers, RaftLookup, MAX_PEER_MESSAGE_BYTES};
+use crate::peer::{
+    PeerIdentity, PeerNetwork, PeerService, Peers, RaftLookup, MAX_PEER_MESSAGE_BYTES,
+};
 use crate::raft_types::Raft;
 use crate::service::{ClientService, MAX_REQUEST_BYTES};
 use crate::snapshot_store::SnapshotStore;
 use crate::state_machine::StateMachine;
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, Context};
 use holdfast_proto::transport::Listener;
 use holdfast_proto::v1 as pb;
 use holdfast_wal::fs;
@@ -28,6 +30,8 @@ use tokio::task::JoinHandle;
 /// What the gRPC and HTTP handlers share.
 pub struct NodeShared {
     pub config: Arc<ServerConfig>,
+    /// From the data directory's IDENTITY.
+    pub cluster_id: u64,
     pub groups: Vec<Arc<Group>>,
     pub metrics: Arc<ServerMetrics>,
     /// Ids for the acquire calls this server proposes (see `abandon`).
@@ -66,7 +70,7 @@ impl Node {
         fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
         let dir_lock = lock_data_dir(&config)?;
-        check_identity(&config)?;
+        let identity = crate::identity::check(&config)?;
 
         let metrics = Arc::new(ServerMetrics::default());
         let m = metrics.clone();
@@ -99,7 +103,18 @@ impl Node {
         }
         let wal = Arc::new(wal);
 
-        let peers = Peers::default();
+        let peer_identity = PeerIdentity {
+            cluster_id: identity.cluster_id,
+            node_id: config.node_id,
+        };
+        let peers = Peers::new(
+            peer_identity,
+            config
+                .members
+                .iter()
+                .map(|m| (m.id, m.peer.clone()))
+                .collect(),
+        );
         let raft_config = Arc::new(
             openraft::Config {
                 cluster_name: "holdfast".into(),
@@ -182,6 +197,7 @@ impl Node {
 
         let shared = Arc::new(NodeShared {
             config: config.clone(),
+            cluster_id: identity.cluster_id,
             groups,
             metrics,
             attempt_ids: crate::abandon::AttemptIds::new(rng_seed, config.node_id, crate::now_ms()),
@@ -209,8 +225,9 @@ impl Node {
         let peer_addr = peer_listener.local_addr()?;
         let client_addr = client_listener.local_addr()?;
 
-        let peer_service = holdfast_proto::v1::raft_peer_server::RaftPeerServer::new(PeerService {
+        let peer_service = holdfast_proto::v1::peer_server::PeerServer::new(PeerService {
             lookup: shared.clone(),
+            me: peer_identity,
         })
         .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
@@ -395,6 +412,7 @@ impl NodeShared {
             .collect();
         pb::StatusResponse {
             node_id: self.config.node_id,
+            cluster_id: format!("{:016x}", self.cluster_id),
             group_count: self.config.groups,
             groups,
             members: self
@@ -647,42 +665,9 @@ fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<Option<std::fs::File>>
         .with_context(|| format!("cannot open {}", path.display()))?;
     match file.try_lock() {
         Ok(()) => Ok(Some(file)),
-        Err(_) => bail!(
+        Err(_) => anyhow::bail!(
             "data dir {} is in use by another holdfast server",
             config.data_dir.display()
         ),
-    }
-}
-
-/// The node id, group count and members are fixed when a data directory is created; starting it with
-/// others would silently move locks between groups or merge clusters, so it is refused.
-fn check_identity(config: &ServerConfig) -> anyhow::Result<()> {
-    let path = config.data_dir.join("IDENTITY");
-    let members: Vec<String> = config
-        .members
-        .iter()
-        .map(|m| format!("{}={}/{}", m.id, m.client, m.peer))
-        .collect();
-    let identity = format!(
-        "node_id={}\ngroups={}\nmembers={}\n",
-        config.node_id,
-        config.groups,
-        members.join(",")
-    );
-    match fs::read_to_string(&path) {
-        Ok(existing) if existing == identity => Ok(()),
-        Ok(existing) => bail!(
-            "data dir {} belongs to another configuration:\n{existing}this server was started with:\n{identity}(node id, groups and members are fixed at creation)",
-            config.data_dir.display()
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let tmp = path.with_extension("tmp");
-            fs::write(&tmp, &identity)?;
-            fs::File::open(&tmp)?.sync_all()?;
-            fs::rename(&tmp, &path)?;
-            fs::sync_dir(&config.data_dir)?;
-            Ok(())
-        }
-        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
     }
 }

@@ -1,14 +1,20 @@
 //! Raft traffic between servers over gRPC: the client side ([`PeerNetwork`], openraft's network) and the
 //! server side ([`PeerService`]).
 //!
-//! Each message is an openraft request encoded with postcard inside a `RaftMessage { group, payload }`; the
-//! reply is a postcard `Result<response, String>`. Snapshots stream in 1 MiB chunks. Every call has a
-//! timeout taken from openraft's `RPCOption`, so a partitioned peer costs a bounded wait.
+//! Messages are the protobuf types of `proto/holdfast/v1/raft.proto` (service `Peer`, format
+//! [`PEER_FORMAT`]), converted from and to openraft's by [`crate::formats`]. Every request starts with a
+//! `PeerHeader`; the receiver checks its format, cluster id and addressee before anything else and refuses a
+//! mismatch with a status that says which. Snapshots stream in 1 MiB chunks. Every call has a timeout taken
+//! from openraft's `RPCOption`, so a partitioned peer costs a bounded wait.
+//!
+//! A peer's address comes from this server's configuration when it lists that member id (so a member can
+//! move to a new address by configuration), else from the Raft membership.
 
-use crate::raft_types::{NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
-use holdfast_proto::v1::raft_peer_client::RaftPeerClient;
-use holdfast_proto::v1::raft_peer_server::RaftPeer;
-use holdfast_proto::v1::{RaftMessage, SnapshotChunk};
+use crate::formats::{self, required, PEER_FORMAT};
+use crate::raft_types::{NodeId, Raft, Snapshot, SnapshotData, TypeConfig, Vote};
+use holdfast_proto::v1 as pb;
+use holdfast_proto::v1::peer_client::PeerClient as GrpcPeerClient;
+use holdfast_proto::v1::peer_server::Peer;
 use openraft::errors::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
 use openraft::network::{RPCOption, RaftNetworkFactory, RaftNetworkV2};
 use openraft::raft::{
@@ -16,8 +22,6 @@ use openraft::raft::{
     TransferLeaderResponse, VoteRequest, VoteResponse,
 };
 use openraft::BasicNode;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -31,17 +35,19 @@ pub const MAX_SNAPSHOT_BYTES: usize = 2 << 30;
 /// Largest single peer message (an AppendEntries batch).
 pub const MAX_PEER_MESSAGE_BYTES: usize = 64 << 20;
 
-fn encode<T: Serialize>(v: &T) -> Vec<u8> {
-    postcard::to_allocvec(v).expect("encoding to a Vec cannot fail")
-}
-
-fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(b).map_err(|e| format!("bad peer message: {e}"))
+/// Who this server is on the peer network: put in every request it sends, checked on every one it gets.
+#[derive(Clone, Copy, Debug)]
+pub struct PeerIdentity {
+    pub cluster_id: u64,
+    pub node_id: NodeId,
 }
 
 /// Connections to the other servers, one lazily connected channel per peer, shared by all groups.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Peers {
+    me: PeerIdentity,
+    /// Peer addresses from this server's configuration, preferred over the Raft membership's.
+    addresses: Arc<HashMap<NodeId, String>>,
     channels: Arc<Mutex<HashMap<NodeId, Channel>>>,
     health: Arc<Mutex<HashMap<NodeId, Health>>>,
 }
@@ -59,6 +65,15 @@ struct Health {
 const HEALTH_SUMMARY: Duration = Duration::from_secs(10);
 
 impl Peers {
+    pub fn new(me: PeerIdentity, addresses: HashMap<NodeId, String>) -> Self {
+        Peers {
+            me,
+            addresses: Arc::new(addresses),
+            channels: Arc::default(),
+            health: Arc::default(),
+        }
+    }
+
     /// Records the outcome of one message to `target`, logging only the changes and a summary.
     fn report(&self, target: NodeId, result: Result<(), &str>) {
         let now = tokio::time::Instant::now();
@@ -129,10 +144,16 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        let addr = self
+            .peers
+            .addresses
+            .get(&target)
+            .cloned()
+            .unwrap_or_else(|| node.addr.clone());
         PeerClient {
             group: self.group,
             target,
-            channel: self.peers.channel(target, &node.addr),
+            channel: self.peers.channel(target, &addr),
             peers: self.peers.clone(),
         }
     }
@@ -146,33 +167,47 @@ pub struct PeerClient {
 }
 
 impl PeerClient {
-    fn client(&self) -> Result<RaftPeerClient<Channel>, RPCError<TypeConfig>> {
+    fn client(&self) -> Result<GrpcPeerClient<Channel>, RPCError<TypeConfig>> {
         match &self.channel {
-            Ok(c) => Ok(RaftPeerClient::new(c.clone())
+            Ok(c) => Ok(GrpcPeerClient::new(c.clone())
                 .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES)),
             Err(e) => Err(RPCError::Unreachable(Unreachable::from_string(e))),
         }
     }
 
-    async fn call<Req, Resp, F, Fut>(
+    fn header(&self) -> pb::PeerHeader {
+        pb::PeerHeader {
+            format: PEER_FORMAT,
+            cluster_id: self.peers.me.cluster_id,
+            from_node: self.peers.me.node_id,
+            to_node: self.target,
+            group: self.group,
+        }
+    }
+
+    /// One call with a timeout; its outcome feeds the peer's health log.
+    async fn call<Resp, F, Fut>(
         &self,
-        req: &Req,
         timeout: Duration,
         f: F,
     ) -> Result<Resp, RPCError<TypeConfig>>
     where
-        Req: Serialize,
-        Resp: DeserializeOwned,
-        F: FnOnce(RaftPeerClient<Channel>, RaftMessage) -> Fut,
-        Fut: Future<Output = Result<tonic::Response<RaftMessage>, tonic::Status>>,
+        F: FnOnce(GrpcPeerClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
-        let result = self.call_once(req, timeout, f).await;
-        let outcome = match &result {
-            // An answer, even a refusal, means the peer is reachable.
-            Ok(_) | Err(RPCError::RemoteError(_)) => Ok(()),
-            Err(e) => Err(e.to_string()),
+        let result = match self.client() {
+            Err(e) => Err(e),
+            Ok(client) => match tokio::time::timeout(timeout, f(client)).await {
+                Err(_) => Err(RPCError::Network(NetworkError::from_string(format!(
+                    "no reply from node {} within {timeout:?}",
+                    self.target
+                )))),
+                Ok(Err(status)) => Err(status_error(self.target, status)),
+                Ok(Ok(reply)) => Ok(reply.into_inner()),
+            },
         };
+        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
         self.peers.report(
             self.target,
             outcome.as_ref().map(|_| ()).map_err(String::as_str),
@@ -180,41 +215,11 @@ impl PeerClient {
         result
     }
 
-    async fn call_once<Req, Resp, F, Fut>(
-        &self,
-        req: &Req,
-        timeout: Duration,
-        f: F,
-    ) -> Result<Resp, RPCError<TypeConfig>>
-    where
-        Req: Serialize,
-        Resp: DeserializeOwned,
-        F: FnOnce(RaftPeerClient<Channel>, RaftMessage) -> Fut,
-        Fut: Future<Output = Result<tonic::Response<RaftMessage>, tonic::Status>>,
-    {
-        let client = self.client()?;
-        let msg = RaftMessage {
-            group: self.group,
-            payload: encode(req),
-        };
-        let reply = match tokio::time::timeout(timeout, f(client, msg)).await {
-            Err(_) => {
-                return Err(RPCError::Network(NetworkError::from_string(format!(
-                    "no reply from node {} within {timeout:?}",
-                    self.target
-                ))))
-            }
-            Ok(Err(status)) => return Err(status_error(self.target, status)),
-            Ok(Ok(reply)) => reply.into_inner(),
-        };
-        let result: Result<Resp, String> =
-            decode(&reply.payload).map_err(|e| RPCError::Network(NetworkError::from_string(e)))?;
-        result.map_err(|e| {
-            RPCError::Network(NetworkError::from_string(format!(
-                "node {}: {e}",
-                self.target
-            )))
-        })
+    fn malformed(&self, e: String) -> RPCError<TypeConfig> {
+        RPCError::Network(NetworkError::from_string(format!(
+            "malformed reply from node {}: {e}",
+            self.target
+        )))
     }
 }
 
@@ -231,6 +236,23 @@ fn status_error(target: NodeId, status: tonic::Status) -> RPCError<TypeConfig> {
     }
 }
 
+fn vote_request_to_pb(header: pb::PeerHeader, rpc: &VoteRequest<TypeConfig>) -> pb::VoteRequest {
+    pb::VoteRequest {
+        header: Some(header),
+        vote: Some(formats::vote_to_pb(&rpc.vote)),
+        last_log_id: formats::opt_log_id_to_pb(&rpc.last_log_id),
+        leadership_transfer: rpc.leadership_transfer,
+    }
+}
+
+fn vote_reply_from_pb(r: &pb::VoteReply) -> Result<VoteResponse<TypeConfig>, String> {
+    Ok(VoteResponse {
+        vote: formats::vote_from_pb(required(&r.vote, "vote")?),
+        vote_granted: r.granted,
+        last_log_id: formats::opt_log_id_from_pb(&r.last_log_id),
+    })
+}
+
 impl RaftNetworkV2<TypeConfig> for PeerClient {
     type SnapshotData = SnapshotData;
 
@@ -239,10 +261,30 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
-        self.call(&rpc, option.soft_ttl(), |mut c, m| async move {
-            c.append_entries(m).await
-        })
-        .await
+        let req = pb::AppendEntriesRequest {
+            header: Some(self.header()),
+            vote: Some(formats::vote_to_pb(&rpc.vote)),
+            prev_log_id: formats::opt_log_id_to_pb(&rpc.prev_log_id),
+            entries: rpc.entries.iter().map(formats::entry_to_pb).collect(),
+            leader_commit: formats::opt_log_id_to_pb(&rpc.leader_commit),
+        };
+        let reply = self
+            .call(option.soft_ttl(), |mut c| async move {
+                c.append_entries(req).await
+            })
+            .await?;
+        use pb::append_entries_reply::Result as R;
+        match reply.result {
+            Some(R::Success(_)) => Ok(AppendEntriesResponse::Success),
+            Some(R::PartialSuccess(p)) => Ok(AppendEntriesResponse::PartialSuccess(
+                formats::opt_log_id_from_pb(&p.matching),
+            )),
+            Some(R::Conflict(_)) => Ok(AppendEntriesResponse::Conflict),
+            Some(R::HigherVote(v)) => {
+                Ok(AppendEntriesResponse::HigherVote(formats::vote_from_pb(&v)))
+            }
+            None => Err(self.malformed("append entries reply without a result".into())),
+        }
     }
 
     async fn vote(
@@ -250,10 +292,11 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         rpc: VoteRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
-        self.call(&rpc, option.soft_ttl(), |mut c, m| async move {
-            c.vote(m).await
-        })
-        .await
+        let req = vote_request_to_pb(self.header(), &rpc);
+        let reply = self
+            .call(option.soft_ttl(), |mut c| async move { c.vote(req).await })
+            .await?;
+        vote_reply_from_pb(&reply).map_err(|e| self.malformed(e))
     }
 
     async fn pre_vote(
@@ -261,10 +304,14 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         rpc: VoteRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
-        self.call(&rpc, option.soft_ttl(), |mut c, m| async move {
-            c.pre_vote(m).await
-        })
-        .await
+        let req = vote_request_to_pb(self.header(), &rpc);
+        let reply = self
+            .call(
+                option.soft_ttl(),
+                |mut c| async move { c.pre_vote(req).await },
+            )
+            .await?;
+        vote_reply_from_pb(&reply).map_err(|e| self.malformed(e))
     }
 
     async fn transfer_leader(
@@ -272,10 +319,36 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         req: TransferLeaderRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<TransferLeaderResponse<TypeConfig>, RPCError<TypeConfig>> {
-        self.call(&req, option.soft_ttl(), |mut c, m| async move {
-            c.transfer_leader(m).await
-        })
-        .await
+        let msg = pb::PeerTransferLeaderRequest {
+            header: Some(self.header()),
+            from_leader: Some(formats::vote_to_pb(req.from_leader())),
+            to_node: *req.to_node_id(),
+            last_log_id: formats::opt_log_id_to_pb(&req.last_log_id().copied()),
+        };
+        let reply = self
+            .call(option.soft_ttl(), |mut c| async move {
+                c.transfer_leader(msg).await
+            })
+            .await?;
+        use openraft::raft::TransferLeaderError as E;
+        use pb::peer_transfer_leader_reply::Result as R;
+        match reply.result {
+            Some(R::Accepted(_)) => Ok(Ok(())),
+            Some(R::VoteChanged(v)) => {
+                let expected =
+                    required(&v.expected, "expected vote").map_err(|e| self.malformed(e))?;
+                let actual = required(&v.actual, "actual vote").map_err(|e| self.malformed(e))?;
+                Ok(Err(E::VoteChanged {
+                    expected: formats::vote_from_pb(expected),
+                    actual: formats::vote_from_pb(actual),
+                }))
+            }
+            Some(R::LogNotFlushed(l)) => Ok(Err(E::LogNotFlushed {
+                expected: formats::opt_log_id_from_pb(&l.expected),
+                actual: formats::opt_log_id_from_pb(&l.actual),
+            })),
+            None => Err(self.malformed("transfer leader reply without a result".into())),
+        }
     }
 
     async fn full_snapshot(
@@ -286,22 +359,24 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         _option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let mut client = self.client()?;
-        let header = encode(&(vote, snapshot.meta.clone()));
         let data = snapshot.snapshot.into_inner();
-        let group = self.group;
         let mut chunks = Vec::with_capacity(data.len() / SNAPSHOT_CHUNK_BYTES + 1);
         let mut first = true;
         for piece in data
             .chunks(SNAPSHOT_CHUNK_BYTES)
             .chain(data.is_empty().then_some(&[][..]))
         {
-            let header = if first { header.clone() } else { Vec::new() };
-            first = false;
-            chunks.push(SnapshotChunk {
-                group,
-                header,
+            let mut chunk = pb::SnapshotChunk {
                 data: piece.to_vec(),
-            });
+                ..Default::default()
+            };
+            if first {
+                chunk.header = Some(self.header());
+                chunk.vote = Some(formats::vote_to_pb(&vote));
+                chunk.meta = Some(formats::snapshot_meta_to_pb(&snapshot.meta));
+                first = false;
+            }
+            chunks.push(chunk);
         }
         let send = client.install_snapshot(tokio_stream::iter(chunks));
         let reply = tokio::select! {
@@ -311,9 +386,9 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         let reply = reply
             .map_err(|s| StreamingError::from(status_error(self.target, s)))?
             .into_inner();
-        let result: Result<SnapshotResponse<TypeConfig>, String> = decode(&reply.payload)
-            .map_err(|e| StreamingError::Network(NetworkError::from_string(e)))?;
-        result.map_err(|e| StreamingError::Network(NetworkError::from_string(e)))
+        let vote =
+            required(&reply.vote, "vote").map_err(|e| StreamingError::from(self.malformed(e)))?;
+        Ok(SnapshotResponse::new(formats::vote_from_pb(vote)))
     }
 }
 
@@ -325,85 +400,165 @@ pub trait RaftLookup: Send + Sync + 'static {
 /// The server side of peer traffic.
 pub struct PeerService<L> {
     pub lookup: Arc<L>,
+    pub me: PeerIdentity,
 }
 
 impl<L: RaftLookup> PeerService<L> {
-    fn raft(&self, group: u32) -> Result<&Raft, tonic::Status> {
-        self.lookup.raft(group).ok_or_else(|| {
-            tonic::Status::not_found(format!("no raft group {group} on this server"))
+    /// Checks a request's header and finds its group. Refusals name what did not match.
+    fn raft(&self, header: &Option<pb::PeerHeader>) -> Result<&Raft, tonic::Status> {
+        let h = header
+            .as_ref()
+            .ok_or_else(|| tonic::Status::invalid_argument("peer message without a header"))?;
+        if h.format != PEER_FORMAT {
+            return Err(tonic::Status::failed_precondition(format!(
+                "node {} speaks peer format {}, this server (node {}) format {PEER_FORMAT}: run one holdfast version",
+                h.from_node, h.format, self.me.node_id
+            )));
+        }
+        if h.cluster_id != self.me.cluster_id {
+            return Err(tonic::Status::permission_denied(format!(
+                "node {} belongs to cluster {:016x}, this server (node {}) to cluster {:016x}: refusing messages from another cluster",
+                h.from_node, h.cluster_id, self.me.node_id, self.me.cluster_id
+            )));
+        }
+        if h.to_node != self.me.node_id {
+            return Err(tonic::Status::failed_precondition(format!(
+                "message from node {} for node {} reached node {}: its address for node {} is wrong",
+                h.from_node, h.to_node, self.me.node_id, h.to_node
+            )));
+        }
+        self.lookup.raft(h.group).ok_or_else(|| {
+            tonic::Status::not_found(format!("no raft group {} on this server", h.group))
         })
     }
 }
 
-fn reply<T: Serialize, E: std::fmt::Display>(
-    r: Result<T, E>,
-) -> Result<tonic::Response<RaftMessage>, tonic::Status> {
-    let r = r.map_err(|e| e.to_string());
-    Ok(tonic::Response::new(RaftMessage {
-        group: 0,
-        payload: encode(&r),
-    }))
+fn bad(e: String) -> tonic::Status {
+    tonic::Status::invalid_argument(format!("malformed peer message: {e}"))
 }
 
-fn request<T: DeserializeOwned>(m: &RaftMessage) -> Result<T, tonic::Status> {
-    decode(&m.payload).map_err(tonic::Status::invalid_argument)
+fn raft_error(e: impl std::fmt::Display) -> tonic::Status {
+    tonic::Status::internal(format!("raft: {e}"))
+}
+
+fn vote_request_from_pb(r: &pb::VoteRequest) -> Result<VoteRequest<TypeConfig>, tonic::Status> {
+    let mut req = VoteRequest::new(
+        formats::vote_from_pb(required(&r.vote, "vote").map_err(bad)?),
+        formats::opt_log_id_from_pb(&r.last_log_id),
+    );
+    req.leadership_transfer = r.leadership_transfer;
+    Ok(req)
+}
+
+fn vote_reply_to_pb(r: VoteResponse<TypeConfig>) -> tonic::Response<pb::VoteReply> {
+    tonic::Response::new(pb::VoteReply {
+        vote: Some(formats::vote_to_pb(&r.vote)),
+        granted: r.vote_granted,
+        last_log_id: formats::opt_log_id_to_pb(&r.last_log_id),
+    })
 }
 
 #[tonic::async_trait]
-impl<L: RaftLookup> RaftPeer for PeerService<L> {
+impl<L: RaftLookup> Peer for PeerService<L> {
     async fn append_entries(
         &self,
-        r: tonic::Request<RaftMessage>,
-    ) -> Result<tonic::Response<RaftMessage>, tonic::Status> {
+        r: tonic::Request<pb::AppendEntriesRequest>,
+    ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
         let m = r.into_inner();
-        let raft = self.raft(m.group)?;
-        reply(raft.append_entries(request(&m)?).await)
+        let raft = self.raft(&m.header)?;
+        let entries = m
+            .entries
+            .iter()
+            .map(formats::entry_from_pb)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(bad)?;
+        let req = AppendEntriesRequest {
+            vote: formats::vote_from_pb(required(&m.vote, "vote").map_err(bad)?),
+            prev_log_id: formats::opt_log_id_from_pb(&m.prev_log_id),
+            entries,
+            leader_commit: formats::opt_log_id_from_pb(&m.leader_commit),
+        };
+        use pb::append_entries_reply::Result as R;
+        let result = match raft.append_entries(req).await.map_err(raft_error)? {
+            AppendEntriesResponse::Success => R::Success(pb::Blank {}),
+            AppendEntriesResponse::PartialSuccess(l) => R::PartialSuccess(pb::PartialSuccess {
+                matching: formats::opt_log_id_to_pb(&l),
+            }),
+            AppendEntriesResponse::Conflict => R::Conflict(pb::Blank {}),
+            AppendEntriesResponse::HigherVote(v) => R::HigherVote(formats::vote_to_pb(&v)),
+        };
+        Ok(tonic::Response::new(pb::AppendEntriesReply {
+            result: Some(result),
+        }))
     }
 
     async fn vote(
         &self,
-        r: tonic::Request<RaftMessage>,
-    ) -> Result<tonic::Response<RaftMessage>, tonic::Status> {
+        r: tonic::Request<pb::VoteRequest>,
+    ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
         let m = r.into_inner();
-        reply(self.raft(m.group)?.vote(request(&m)?).await)
+        let raft = self.raft(&m.header)?;
+        let req = vote_request_from_pb(&m)?;
+        Ok(vote_reply_to_pb(raft.vote(req).await.map_err(raft_error)?))
     }
 
     async fn pre_vote(
         &self,
-        r: tonic::Request<RaftMessage>,
-    ) -> Result<tonic::Response<RaftMessage>, tonic::Status> {
+        r: tonic::Request<pb::VoteRequest>,
+    ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
         let m = r.into_inner();
-        reply(self.raft(m.group)?.pre_vote(request(&m)?).await)
+        let raft = self.raft(&m.header)?;
+        let req = vote_request_from_pb(&m)?;
+        Ok(vote_reply_to_pb(
+            raft.pre_vote(req).await.map_err(raft_error)?,
+        ))
     }
 
     async fn transfer_leader(
         &self,
-        r: tonic::Request<RaftMessage>,
-    ) -> Result<tonic::Response<RaftMessage>, tonic::Status> {
+        r: tonic::Request<pb::PeerTransferLeaderRequest>,
+    ) -> Result<tonic::Response<pb::PeerTransferLeaderReply>, tonic::Status> {
         let m = r.into_inner();
-        let result = self
-            .raft(m.group)?
-            .handle_transfer_leader(request(&m)?)
-            .await;
-        match result {
-            Ok(inner) => reply::<TransferLeaderResponse<TypeConfig>, String>(Ok(inner)),
-            Err(fatal) => reply::<TransferLeaderResponse<TypeConfig>, _>(Err(fatal)),
-        }
+        let raft = self.raft(&m.header)?;
+        let req = TransferLeaderRequest::new(
+            formats::vote_from_pb(required(&m.from_leader, "from_leader").map_err(bad)?),
+            m.to_node,
+            formats::opt_log_id_from_pb(&m.last_log_id),
+        );
+        use openraft::raft::TransferLeaderError as E;
+        use pb::peer_transfer_leader_reply::Result as R;
+        let result = match raft.handle_transfer_leader(req).await.map_err(raft_error)? {
+            Ok(()) => R::Accepted(pb::Blank {}),
+            Err(E::VoteChanged { expected, actual }) => R::VoteChanged(pb::VoteChanged {
+                expected: Some(formats::vote_to_pb(&expected)),
+                actual: Some(formats::vote_to_pb(&actual)),
+            }),
+            Err(E::LogNotFlushed { expected, actual }) => R::LogNotFlushed(pb::LogNotFlushed {
+                expected: formats::opt_log_id_to_pb(&expected),
+                actual: formats::opt_log_id_to_pb(&actual),
+            }),
+        };
+        Ok(tonic::Response::new(pb::PeerTransferLeaderReply {
+            result: Some(result),
+        }))
     }
 
     async fn install_snapshot(
         &self,
-        r: tonic::Request<tonic::Streaming<SnapshotChunk>>,
-    ) -> Result<tonic::Response<RaftMessage>, tonic::Status> {
+        r: tonic::Request<tonic::Streaming<pb::SnapshotChunk>>,
+    ) -> Result<tonic::Response<pb::SnapshotReply>, tonic::Status> {
         let mut stream = r.into_inner();
-        let mut header: Option<(u32, Vote, SnapshotMeta)> = None;
-        let mut data = Vec::new();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| tonic::Status::invalid_argument("empty snapshot stream"))?;
+        let raft = self.raft(&first.header)?;
+        let vote = formats::vote_from_pb(required(&first.vote, "vote").map_err(bad)?);
+        let meta =
+            formats::snapshot_meta_from_pb(required(&first.meta, "snapshot meta").map_err(bad)?)
+                .map_err(bad)?;
+        let mut data = first.data;
         while let Some(chunk) = stream.message().await? {
-            if header.is_none() {
-                let (vote, meta): (Vote, SnapshotMeta) =
-                    decode(&chunk.header).map_err(tonic::Status::invalid_argument)?;
-                header = Some((chunk.group, vote, meta));
-            }
             if data.len() + chunk.data.len() > MAX_SNAPSHOT_BYTES {
                 return Err(tonic::Status::resource_exhausted(format!(
                     "snapshot over the limit of {MAX_SNAPSHOT_BYTES} bytes (max_snapshot_bytes)"
@@ -411,8 +566,6 @@ impl<L: RaftLookup> RaftPeer for PeerService<L> {
             }
             data.extend_from_slice(&chunk.data);
         }
-        let (group, vote, meta) =
-            header.ok_or_else(|| tonic::Status::invalid_argument("empty snapshot stream"))?;
         // Check the bytes before handing them to openraft, which treats a bad snapshot as fatal.
         crate::snapshot_store::SnapshotStore::decode(&data).map_err(|e| {
             tonic::Status::invalid_argument(format!("snapshot from the leader is unusable: {e}"))
@@ -421,10 +574,12 @@ impl<L: RaftLookup> RaftPeer for PeerService<L> {
             meta,
             snapshot: std::io::Cursor::new(data),
         };
-        reply(
-            self.raft(group)?
-                .install_full_snapshot(vote, snapshot)
-                .await,
-        )
+        let reply = raft
+            .install_full_snapshot(vote, snapshot)
+            .await
+            .map_err(raft_error)?;
+        Ok(tonic::Response::new(pb::SnapshotReply {
+            vote: Some(formats::vote_to_pb(&reply.vote)),
+        }))
     }
 }

@@ -1,8 +1,11 @@
 //! Snapshot files of one group's state machine.
 //!
-//! A snapshot file `snap-<index, 20 digits>.bin` holds: magic `b"HFSNAP01"`, a little-endian `u32` length
-//! and the postcard encoding of the [`SnapshotMeta`], then the lock table snapshot bytes (which carry their
-//! own CRC), and a trailing CRC-32 of everything before it. Files are written to a temporary name, fsynced,
+//! A snapshot file `snap-<index, 20 digits>.bin` holds: magic `b"HFSNAP02"` (format 1), a little-endian
+//! `u32` length and the protobuf `SnapshotMeta` (see [`crate::formats`]), then the lock table snapshot bytes
+//! (which carry their own version and CRC), and a trailing CRC-32 of everything before it. Files with magic
+//! `b"HFSNAP01"` (format 0, Holdfast 0.1: the same layout with a postcard meta) are still read.
+//!
+//! Files are written to a temporary name, fsynced,
 //! renamed into place and the directory fsynced, so a crash leaves either the old or the new snapshot.
 
 use crate::raft_types::SnapshotMeta;
@@ -11,7 +14,8 @@ use holdfast_wal::fs;
 use std::io::Write;
 use std::path::PathBuf;
 
-const MAGIC: &[u8; 8] = b"HFSNAP01";
+const MAGIC: &[u8; 8] = b"HFSNAP02";
+const MAGIC_FORMAT_0: &[u8; 8] = b"HFSNAP01";
 
 pub struct SnapshotStore {
     dir: PathBuf,
@@ -38,7 +42,7 @@ impl SnapshotStore {
 
     /// Encodes a snapshot file's bytes (also what is sent to a peer that needs it).
     pub fn encode(meta: &SnapshotMeta, table_bytes: &[u8]) -> Vec<u8> {
-        let meta_bytes = postcard::to_allocvec(meta).expect("encoding to a Vec cannot fail");
+        let meta_bytes = crate::formats::to_bytes(&crate::formats::snapshot_meta_to_pb(meta));
         let mut out = Vec::with_capacity(16 + meta_bytes.len() + table_bytes.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&(meta_bytes.len() as u32).to_le_bytes());
@@ -59,16 +63,29 @@ impl SnapshotStore {
         if crc32fast::hash(body) != stored {
             return Err("snapshot checksum mismatch".into());
         }
-        if &body[..8] != MAGIC {
-            return Err("snapshot has bad magic".into());
-        }
+        let format_0 = match &body[..8] {
+            m if m == MAGIC => false,
+            m if m == MAGIC_FORMAT_0 => true,
+            _ => {
+                return Err(
+                    "snapshot has bad magic (not a holdfast snapshot, or a newer format)".into(),
+                )
+            }
+        };
         let meta_len = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
         let meta_end = 12usize
             .checked_add(meta_len)
             .filter(|&e| e <= body.len())
             .ok_or("snapshot meta runs past its end")?;
-        let meta: SnapshotMeta = postcard::from_bytes(&body[12..meta_end])
-            .map_err(|e| format!("snapshot meta does not decode: {e}"))?;
+        let meta_bytes = &body[12..meta_end];
+        let meta: SnapshotMeta = if format_0 {
+            crate::formats::legacy::snapshot_meta(meta_bytes)?
+        } else {
+            crate::formats::snapshot_meta_from_pb(&crate::formats::from_bytes(
+                meta_bytes,
+                "snapshot meta",
+            )?)?
+        };
         let table = LockTable::decode_snapshot(&body[meta_end..]).map_err(|e| e.to_string())?;
         Ok(Loaded { meta, table })
     }

@@ -288,34 +288,59 @@ fn lock_dev(data_dir: &Path) -> anyhow::Result<std::fs::File> {
     Ok(file)
 }
 
-/// A data directory is created for one cluster shape (servers, ports, groups); the servers refuse
-/// another, so say so here, with what to run instead.
+/// A data directory is created for one cluster shape (servers, ports, groups), recorded in
+/// `DATA_DIR/dev.shape`; starting it with another would fail or confuse, so say so here, with what to run
+/// instead. A directory made by an older `holdfast dev` has no shape file: its shape is read from node 1's
+/// format-0 IDENTITY, which recorded the member list.
 fn check_shape(plan: &Plan) -> anyhow::Result<()> {
-    let Ok(identity) = std::fs::read_to_string(plan.data_dir.join("node1").join("IDENTITY")) else {
-        return Ok(());
-    };
-    let field = |key: &str| {
-        identity
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .unwrap_or("")
+    let shape_path = plan.data_dir.join("dev.shape");
+    let wanted = format!(
+        "nodes={}\nbase_port={}\ngroups={}\n",
+        plan.nodes, plan.base_port, plan.groups
+    );
+    let field = |text: &str, key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .unwrap_or("?")
             .to_string()
     };
-    let (members, groups) = (field("members="), field("groups="));
-    if members == plan.members && groups == plan.groups.to_string() {
-        return Ok(());
+    let recorded = match std::fs::read_to_string(&shape_path) {
+        Ok(text) => Some(text),
+        Err(_) => std::fs::read_to_string(plan.data_dir.join("node1").join("IDENTITY"))
+            .ok()
+            .filter(|identity| identity.contains("\nmembers="))
+            .map(|identity| {
+                let members = field(&identity, "members");
+                let nodes = members.split(',').filter(|m| !m.is_empty()).count();
+                let base_port = members
+                    .split(',')
+                    .next()
+                    .and_then(|m| m.split('/').next())
+                    .and_then(|c| c.rsplit(':').next())
+                    .unwrap_or("?")
+                    .to_string();
+                let groups = field(&identity, "groups");
+                format!("nodes={nodes}\nbase_port={base_port}\ngroups={groups}\n")
+            }),
+    };
+    match recorded {
+        Some(text) if text == wanted => {}
+        Some(text) => {
+            let (nodes, base_port, groups) = (
+                field(&text, "nodes"),
+                field(&text, "base_port"),
+                field(&text, "groups"),
+            );
+            bail!(
+                "{dir} holds a cluster made with --nodes {nodes} --base-port {base_port} --groups {groups}; run `holdfast dev --nodes {nodes} --base-port {base_port} --groups {groups}` to use it, or use another --data-dir (or delete {dir} to start afresh)",
+                dir = plan.data_dir.display()
+            )
+        }
+        None => {}
     }
-    let nodes = members.split(',').filter(|m| !m.is_empty()).count();
-    let base_port = members
-        .split(',')
-        .next()
-        .and_then(|m| m.split('/').next())
-        .and_then(|c| c.rsplit(':').next())
-        .unwrap_or("?");
-    bail!(
-        "{dir} holds a cluster made with --nodes {nodes} --base-port {base_port} --groups {groups}; run `holdfast dev --nodes {nodes} --base-port {base_port} --groups {groups}` to use it, or use another --data-dir (or delete {dir} to start afresh)",
-        dir = plan.data_dir.display()
-    )
+    std::fs::write(&shape_path, wanted)
+        .with_context(|| format!("cannot write {}", shape_path.display()))?;
+    Ok(())
 }
 
 /// Every port the servers will listen on must be free now, or a server would exit at start.

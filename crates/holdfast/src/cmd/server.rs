@@ -33,6 +33,14 @@ pub struct ServerArgs {
     /// Raft groups lock names are hashed over (fixed at creation; default 1).
     #[arg(long)]
     groups: Option<u32>,
+    /// The cluster id (hex) a new data directory records (default: derived from the members' ids and
+    /// client addresses, the groups and --cluster-token). For a server joining a cluster whose member list
+    /// changed since it was created; `holdfast status` shows the id.
+    #[arg(long)]
+    cluster_id: Option<String>,
+    /// Mixed into the derived cluster id: a cluster re-created on the same addresses needs a new one.
+    #[arg(long)]
+    cluster_token: Option<String>,
     /// Leader heartbeat interval (default 100).
     #[arg(long)]
     heartbeat_interval_ms: Option<u64>,
@@ -88,6 +96,8 @@ impl ServerArgs {
             election_timeout_min_ms,
             election_timeout_max_ms,
             snapshot_every_entries,
+            snapshot_keep_entries,
+            cluster_token,
             default_ttl_ms,
             min_ttl_ms,
             max_ttl_ms
@@ -97,6 +107,9 @@ impl ServerArgs {
         }
         if self.fault_fsync_fail_after.is_some() {
             c.fault_fsync_fail_after = self.fault_fsync_fail_after;
+        }
+        if self.cluster_id.is_some() {
+            c.cluster_id = self.cluster_id.clone();
         }
         if let Some(a) = self.client_listen {
             c.client_listen = Some(a);

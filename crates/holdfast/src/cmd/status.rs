@@ -95,6 +95,17 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             problems.push(format!("{node} at {ep} is unreachable: {e}"));
         }
     }
+    let clusters: std::collections::BTreeSet<&str> = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .map(|s| s.cluster_id.as_str())
+        .collect();
+    if clusters.len() > 1 {
+        problems.push(format!(
+            "servers belong to different clusters ({}): they refuse each other's messages",
+            clusters.iter().copied().collect::<Vec<_>>().join(", ")
+        ));
+    }
     for group in 0..group_count {
         let views: Vec<_> = answers
             .iter()
@@ -135,7 +146,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|(ep, a)| match a {
                 Ok(s) => json!({
-                    "endpoint": ep, "node_id": s.node_id, "group_count": s.group_count,
+                    "endpoint": ep, "node_id": s.node_id, "cluster_id": s.cluster_id, "group_count": s.group_count,
                     "groups": s.groups.iter().map(|g| json!({
                         "group": g.group, "role": g.role, "term": g.term, "leader_id": g.leader_id,
                         "leader_endpoint": g.leader_endpoint, "leader_confirmed": g.leader_confirmed,
@@ -151,6 +162,9 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .collect();
         println!("{}", serde_json::to_string_pretty(&servers)?);
     } else {
+        if let [only] = clusters.iter().collect::<Vec<_>>()[..] {
+            println!("cluster {only}");
+        }
         println!(
             "{:<5} {:<21} {:>5} {:<9} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7}",
             "NODE",

@@ -23,6 +23,8 @@ pub struct Options {
     pub groups: u32,
     pub snapshot_every_entries: u64,
     pub snapshot_keep_entries: u64,
+    /// Start each server N on a copy of `DIR/nodeN` (a committed fixture) instead of an empty data dir.
+    pub seed_data: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -34,6 +36,7 @@ impl Default for Options {
             groups: 1,
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
+            seed_data: None,
         }
     }
 }
@@ -75,6 +78,20 @@ fn free_port() -> u16 {
     panic!("no free port in {base}..{}", base + 100);
 }
 
+/// Copies a directory tree (fixtures are small).
+pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap_or_else(|e| panic!("{}: {e}", from.display())) {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
 impl Cluster {
     pub async fn start(options: Options) -> Cluster {
         let dir = tempfile::Builder::new()
@@ -98,6 +115,9 @@ impl Cluster {
             }
             let (client_port, peer_port) = ports[(i - 1) as usize];
             let data_dir = dir.path().join(format!("node{i}"));
+            if let Some(seed) = &options.seed_data {
+                copy_dir(&seed.join(format!("node{i}")), &data_dir);
+            }
             let mut args: Vec<String> = vec![
                 "server".into(),
                 "--exit-on-stdin-close".into(),

@@ -12,3 +12,4 @@ mod newcomer;
 mod operations;
 mod proxy;
 mod storage;
+mod upgrade;
