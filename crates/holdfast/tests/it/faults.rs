@@ -26,6 +26,9 @@ enum Nemesis {
     PauseClients,
     /// A seeded random choice of the above at each step.
     Mixed,
+    /// Restart every server once, one after the other, as an upgrade would: SIGTERM (the server hands
+    /// its leadership over first), wait for it to exit cleanly, start it, wait until it has caught up.
+    RollingRestart,
 }
 
 fn signal(pid: u32, sig: &str) {
@@ -102,7 +105,28 @@ async fn run(nemesis: Nemesis, seed: u64) {
     };
     let started = Instant::now();
     let mut faults = Vec::new();
-    while started.elapsed() + Duration::from_secs(4) < Duration::from_secs(secs) {
+    if let Nemesis::RollingRestart = nemesis {
+        for id in 1..=5u64 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let leader = c.wait_for_leader(0, Duration::from_secs(30)).await;
+            faults.push(format!(
+                "{:.1}s restart {id}{}",
+                started.elapsed().as_secs_f64(),
+                if id == leader { " (the leader)" } else { "" }
+            ));
+            crate::harness::terminate(c.pid(id));
+            let status = c.wait_exit(id, Duration::from_secs(20)).await;
+            assert!(
+                status.success(),
+                "server {id} did not stop cleanly: {status}"
+            );
+            c.start_server(id);
+            c.wait_converged(0, Duration::from_secs(30)).await;
+        }
+    }
+    while !matches!(nemesis, Nemesis::RollingRestart)
+        && started.elapsed() + Duration::from_secs(4) < Duration::from_secs(secs)
+    {
         tokio::time::sleep(Duration::from_millis(500 + next(1000))).await;
         let step = match nemesis {
             Nemesis::Mixed => [
@@ -149,7 +173,7 @@ async fn run(nemesis: Nemesis, seed: u64) {
                 tokio::time::sleep(Duration::from_secs(4)).await;
                 signal(pid, "-CONT");
             }
-            Nemesis::Mixed => unreachable!(),
+            Nemesis::Mixed | Nemesis::RollingRestart => unreachable!(),
         }
     }
     for mut client in clients {
@@ -178,8 +202,18 @@ async fn run(nemesis: Nemesis, seed: u64) {
         .map(|r| StoreRecord::new(r.write, r.key, r.token, &r.value))
         .collect();
     let report = check(&history, &audits, &store);
+    // Availability: the longest time without a successful acquire completing, and the operations whose
+    // outcome the client could not learn.
+    let mut grants: Vec<u64> = history
+        .iter()
+        .filter(|o| o.op == "acquire" && o.ok())
+        .map(|o| o.complete_ms)
+        .collect();
+    grants.sort();
+    let longest_gap_ms = grants.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    let unknown = history.iter().filter(|o| o.result == "unknown").count();
     eprintln!(
-        "{nemesis:?} seed {seed}: {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive); faults: {}",
+        "{nemesis:?} seed {seed}: longest gap between grants {longest_gap_ms} ms, {unknown} outcomes unknown; {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive); faults: {}",
         report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, report.linearized_ops, report.linearizability_inconclusive, faults.join(", ")
     );
     assert!(
@@ -194,6 +228,23 @@ async fn run(nemesis: Nemesis, seed: u64) {
         report.ops
     );
     assert!(!faults.is_empty());
+    if let Nemesis::RollingRestart = nemesis {
+        // Planned restarts hand leadership over: no election timeout (1 s max here) between grants, and
+        // no request left without an answer.
+        assert!(
+            longest_gap_ms < 1_000,
+            "a rolling restart left {longest_gap_ms} ms without a grant; faults: {faults:?}"
+        );
+        assert_eq!(
+            unknown, 0,
+            "operations with an unknown outcome during a rolling restart"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_rolling_restart_of_every_server() {
+    run(Nemesis::RollingRestart, 7).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
