@@ -123,6 +123,9 @@ fn channel_to(endpoint: &str, options: &ClientOptions) -> Result<Channel, Error>
     Ok(holdfast_proto::transport::connect_lazy(e))
 }
 
+/// How much longer than a normal request a membership change may take (a learner catching up).
+const MEMBER_CHANGE_EXTRA: Duration = Duration::from_secs(120);
+
 /// A failed call in words an operator can act on: the causes behind tonic's message, and what a
 /// wrong kind of port looks like.
 pub fn describe_status(status: &tonic::Status) -> String {
@@ -514,6 +517,49 @@ impl Client {
             })
             .await?;
         Ok(r.leader_id)
+    }
+
+    /// Adds server `node_id` to `group`: as a learner, then, once it has caught up, as a voter. The server
+    /// must be running (with `--join` if its data directory is new). Returns the group's voters and
+    /// learners after the change. Idempotent, so it is retried like any request.
+    pub async fn add_member(
+        &self,
+        group: u32,
+        node_id: u64,
+        client_endpoint: &str,
+        peer_endpoint: &str,
+    ) -> Result<pb::MembershipResponse, Error> {
+        let (client_endpoint, peer_endpoint) =
+            (client_endpoint.to_string(), peer_endpoint.to_string());
+        self.call(group, MEMBER_CHANGE_EXTRA, |mut c| {
+            let req = pb::AddMemberRequest {
+                group,
+                node_id,
+                client_endpoint: client_endpoint.clone(),
+                peer_endpoint: peer_endpoint.clone(),
+            };
+            async move { c.add_member(req).await }
+        })
+        .await
+    }
+
+    /// Removes server `node_id` from `group`. Refused when fewer than 3 voters would remain, unless
+    /// `force`. Idempotent.
+    pub async fn remove_member(
+        &self,
+        group: u32,
+        node_id: u64,
+        force: bool,
+    ) -> Result<pb::MembershipResponse, Error> {
+        self.call(group, MEMBER_CHANGE_EXTRA, |mut c| async move {
+            c.remove_member(pb::RemoveMemberRequest {
+                group,
+                node_id,
+                force,
+            })
+            .await
+        })
+        .await
     }
 
     /// Asks one server (by its index in [`Client::endpoints`]) for its own view of the cluster. Not

@@ -39,6 +39,8 @@ enum Cmd {
     Lock(cmd::lock::LockArgs),
     /// Hand a group's Raft leadership to another server (`holdfast leader transfer`).
     Leader(cmd::leader::LeaderArgs),
+    /// List, add and remove the servers of each group (membership changes).
+    Member(cmd::member::MemberArgs),
     /// Campaign for a role (leader election), or observe who leads it.
     Elect(cmd::elect::ElectArgs),
     /// Load a running cluster and report throughput and latency percentiles.
@@ -77,6 +79,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Lock(args) => cmd::lock::run(args).await,
             Cmd::Elect(args) => cmd::elect::run(args).await,
             Cmd::Leader(args) => cmd::leader::run(args).await,
+            Cmd::Member(args) => cmd::member::run(args).await,
             Cmd::Bench(args) => cmd::bench::run(args).await,
             Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
             Cmd::FenceWrite(args) => cmd::fence::write(args).await,

@@ -367,11 +367,10 @@ async fn forward(
     name: &LockName,
     attempt: u64,
 ) -> Result<(), String> {
-    let member = node
-        .config
-        .member(leader)
+    let client_endpoint = node
+        .client_endpoint(leader)
         .ok_or_else(|| format!("node {leader} is not a member"))?;
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", member.client))
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{client_endpoint}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(holdfast_proto::transport::CONNECT_TIMEOUT)
         .timeout(FORWARD_TIMEOUT);

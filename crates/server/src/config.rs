@@ -12,7 +12,7 @@ pub struct Member {
     pub id: u64,
     /// Where clients reach this server (gRPC `holdfast.v1.Holdfast`), as `host:port`.
     pub client: String,
-    /// Where peers reach this server (gRPC `holdfast.v1.RaftPeer`), as `host:port`.
+    /// Where peers reach this server (gRPC `holdfast.v1.Peer`), as `host:port`.
     pub peer: String,
 }
 
@@ -30,7 +30,8 @@ pub struct ServerConfig {
     /// Where the WAL and snapshots live. Required: a server that silently wrote to the working
     /// directory would look like a fresh, empty member when started from another one.
     pub data_dir: PathBuf,
-    /// Every server of the cluster (3 or 5 for real use). Fixed at creation.
+    /// The servers of the cluster (3 or 5 for real use): the initial membership of a new cluster, and the
+    /// preferred addresses of those ids. Later changes go through `holdfast member` (see `group`).
     pub members: Vec<Member>,
     /// Number of Raft groups lock names are spread over. Fixed at creation.
     pub groups: u32,
@@ -41,6 +42,9 @@ pub struct ServerConfig {
     /// Mixed into a derived cluster id: give a cluster re-created on the same addresses a new token, so
     /// that a data directory of the old one cannot talk to it.
     pub cluster_token: String,
+    /// Join an existing cluster instead of forming one: with an empty data directory, wait to be added
+    /// (`holdfast member add`) instead of initializing the groups with `members`. Needs `cluster_id`.
+    pub join: bool,
     /// Leader heartbeat interval.
     pub heartbeat_interval_ms: u64,
     /// A follower that hears no leader for a random time in [min, max) starts an election. The leader
@@ -93,6 +97,7 @@ impl Default for ServerConfig {
             groups: 1,
             cluster_id: None,
             cluster_token: String::new(),
+            join: false,
             heartbeat_interval_ms: 100,
             election_timeout_min_ms: 500,
             election_timeout_max_ms: 1_000,
@@ -160,6 +165,11 @@ impl ServerConfig {
         }
         if let Some(id) = &self.cluster_id {
             crate::identity::parse_cluster_id(id)?;
+        }
+        if self.join && self.cluster_id.is_none() {
+            return Err(
+                "join needs the cluster's id (--cluster-id; `holdfast status` shows it)".into(),
+            );
         }
         if self.election_timeout_min_ms <= self.heartbeat_interval_ms * 3 {
             return Err("election_timeout_min_ms must exceed 3 × heartbeat_interval_ms".into());

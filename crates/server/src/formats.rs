@@ -13,19 +13,21 @@
 //!
 //! Format 0 is decoded by the [`legacy`] mirror structs, which copy the layout openraft 0.10.0-alpha.37's
 //! serde derive produced and do not depend on openraft at all. Golden-bytes tests (`tests` below) pin both.
-//! The format-0 decoder cannot be dropped yet: a group's last format-0 sticky records (vote, purged,
-//! committed; a few bytes) are carried at the head of every new WAL segment, because the WAL keeps the
-//! latest sticky record per (group, kind) and format 1 uses new kinds. Replay meets them first in each
+//! The format-0 decoder cannot be dropped without a migration: a group's last format-0 sticky records
+//! (vote, purged, committed; a few bytes) are carried at the head of every new WAL segment forever,
+//! because the WAL keeps the latest sticky record per (group, kind) and format 1 uses new kinds. Replay meets them first in each
 //! segment (lower kinds come first), so the newer format-1 record always wins.
 //!
 //! Invariant: `decode(encode(x)) == x` for every value (paired in the tests), and a decode failure is an
 //! error naming what did not decode, never a panic or a default value.
 
-use crate::raft_types::{Entry, LogId, NodeId, Request, SnapshotMeta, StoredMembership, Vote};
+use crate::raft_types::{
+    Entry, LogId, MemberNode, Membership, Request, SnapshotMeta, StoredMembership, Vote,
+};
 use holdfast_lock_table::Command;
 use holdfast_proto::v1 as pb;
 use openraft::impls::leader_id_adv::LeaderId;
-use openraft::{BasicNode, EntryPayload, Membership};
+use openraft::EntryPayload;
 use prost::Message;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -96,7 +98,7 @@ pub fn required<'a, T>(field: &'a Option<T>, what: &str) -> Result<&'a T, String
     field.as_ref().ok_or_else(|| format!("{what} is missing"))
 }
 
-pub fn membership_to_pb(m: &Membership<NodeId, BasicNode>) -> pb::Membership {
+pub fn membership_to_pb(m: &Membership) -> pb::Membership {
     pb::Membership {
         configs: m
             .get_joint_config()
@@ -109,22 +111,29 @@ pub fn membership_to_pb(m: &Membership<NodeId, BasicNode>) -> pb::Membership {
             .nodes()
             .map(|(id, n)| pb::MemberNode {
                 id: *id,
-                addr: n.addr.clone(),
+                addr: n.peer.clone(),
+                client: n.client.clone(),
             })
             .collect(),
     }
 }
 
-pub fn membership_from_pb(m: &pb::Membership) -> Result<Membership<NodeId, BasicNode>, String> {
+pub fn membership_from_pb(m: &pb::Membership) -> Result<Membership, String> {
     let configs: Vec<BTreeSet<u64>> = m
         .configs
         .iter()
         .map(|s| s.ids.iter().copied().collect())
         .collect();
-    let nodes: BTreeMap<u64, BasicNode> = m
+    let nodes: BTreeMap<u64, MemberNode> = m
         .nodes
         .iter()
-        .map(|n| (n.id, BasicNode::new(n.addr.clone())))
+        .map(|n| {
+            let node = MemberNode {
+                peer: n.addr.clone(),
+                client: n.client.clone(),
+            };
+            (n.id, node)
+        })
         .collect();
     Membership::new(configs, nodes).map_err(|e| format!("invalid membership: {e}"))
 }
@@ -264,11 +273,17 @@ pub mod legacy {
         )
     }
 
-    fn membership(m: MembershipV0) -> Result<Membership<NodeId, BasicNode>, String> {
-        let nodes: BTreeMap<u64, BasicNode> = m
+    fn membership(m: MembershipV0) -> Result<Membership, String> {
+        let nodes: BTreeMap<u64, MemberNode> = m
             .nodes
             .into_iter()
-            .map(|(id, n)| (id, BasicNode::new(n.addr)))
+            .map(|(id, n)| {
+                let node = MemberNode {
+                    peer: n.addr,
+                    client: String::new(),
+                };
+                (id, node)
+            })
             .collect();
         Membership::new(m.configs, nodes).map_err(|e| format!("invalid membership: {e}"))
     }
@@ -341,10 +356,17 @@ mod tests {
         )
     }
 
-    fn membership() -> Membership<NodeId, BasicNode> {
-        let nodes: BTreeMap<u64, BasicNode> = [(1, "a:1"), (2, "b:2"), (3, "c:3")]
+    /// Three voters with peer addresses only, as format 0 could record them.
+    fn membership() -> Membership {
+        let nodes: BTreeMap<u64, MemberNode> = [(1, "a:1"), (2, "b:2"), (3, "c:3")]
             .into_iter()
-            .map(|(id, a)| (id, BasicNode::new(a)))
+            .map(|(id, a)| {
+                let node = MemberNode {
+                    peer: a.into(),
+                    client: String::new(),
+                };
+                (id, node)
+            })
             .collect();
         Membership::new(vec![BTreeSet::from([1, 2, 3])], nodes).unwrap()
     }
@@ -469,15 +491,58 @@ mod tests {
     /// deleted (the golden bytes above stay the contract; they are what old data directories hold).
     #[test]
     fn format_0_golden_bytes_are_what_openraft_alpha_37_wrote() {
+        use openraft::BasicNode;
+        type Node = BasicNode;
         let postcard = |v: &dyn erased::Ser| v.bytes();
-        assert_eq!(hex(&postcard(&command_entry())), hex_format0_entry());
-        let meta = SnapshotMeta {
+        let nodes: BTreeMap<u64, Node> = [(1, "a:1"), (2, "b:2"), (3, "c:3")]
+            .into_iter()
+            .map(|(id, a)| (id, BasicNode::new(a)))
+            .collect();
+        let m =
+            openraft::Membership::<u64, Node>::new(vec![BTreeSet::from([1, 2, 3])], nodes).unwrap();
+        let Entry { log_id, payload } = command_entry();
+        let EntryPayload::Normal(request) = payload else {
+            unreachable!()
+        };
+        let entry = openraft::Entry::<LeaderId<u64, u64>, EntryPayload<Request, u64, Node>> {
+            log_id,
+            payload: EntryPayload::Normal(request),
+        };
+        assert_eq!(hex(&postcard(&entry)), hex_format0_entry());
+        let meta = openraft::storage::SnapshotMeta::<LeaderId<u64, u64>, u64, Node> {
             last_log_id: Some(lid(7, 2, 300)),
-            last_membership: StoredMembership::new(Some(lid(1, 1, 2)), membership()),
+            last_membership: openraft::StoredMembership::new(Some(lid(1, 1, 2)), m),
         };
         assert_eq!(hex(&postcard(&meta)), hex_format0_meta());
         assert_eq!(hex(&postcard(&Vote::new_committed(7, 2))), "070201");
         assert_eq!(hex(&postcard(&lid(7, 2, 300))), "0702ac02");
+    }
+
+    /// A member's client address is recorded too (format 1 only).
+    #[test]
+    fn format_1_membership_records_client_addresses() {
+        let nodes: BTreeMap<u64, MemberNode> = [(1, "p:1", "c:1"), (4, "p:4", "")]
+            .into_iter()
+            .map(|(id, p, c)| {
+                let node = MemberNode {
+                    peer: p.into(),
+                    client: c.into(),
+                };
+                (id, node)
+            })
+            .collect();
+        // A joint configuration ({1} then {1, 4}) with its learner-to-be.
+        let m = Membership::new(vec![BTreeSet::from([1]), BTreeSet::from([1, 4])], nodes).unwrap();
+        let bytes = to_bytes(&membership_to_pb(&m));
+        assert_eq!(
+            hex(&bytes),
+            "0a030a0101 0a040a020104 120c0801 1203703a31 1a03633a31 120708041203703a34"
+                .replace(' ', "")
+        );
+        assert_eq!(
+            membership_from_pb(&from_bytes(&bytes, "membership").unwrap()).unwrap(),
+            m
+        );
     }
 
     mod erased {

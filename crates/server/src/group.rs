@@ -4,14 +4,14 @@
 use crate::config::ServerConfig;
 use crate::lease::Leases;
 use crate::metrics::GroupMetrics;
-use crate::raft_types::{Raft, Request, Response, TypeConfig};
+use crate::raft_types::{MemberNode, Raft, Request, Response, TypeConfig};
 use crate::state_machine::SmState;
 use holdfast_lock_table::{Command, Event, FencingToken, Outcome, RequestId, SessionId};
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, ForwardReason, LinearizableReadError, RaftError};
 use openraft::raft::ReadPolicy;
-use openraft::{Instant as _, RaftMetrics, ServerState};
-use std::collections::HashMap;
+use openraft::{ChangeMembers, Instant as _, RaftMetrics, ServerState};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -35,6 +35,29 @@ pub enum ProposeError {
     Unknown(String),
     /// Raft on this server has stopped (storage failure or shutdown).
     Stopped(String),
+}
+
+/// How long one step of a membership change may take (a learner catching up by snapshot included).
+const MEMBER_CHANGE_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn membership_result<T>(
+    r: Result<
+        Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>,
+        tokio::time::error::Elapsed,
+    >,
+    step: &str,
+) -> Result<(), ProposeError> {
+    match r {
+        Err(_) => Err(ProposeError::Unknown(format!(
+            "{step} did not finish within {MEMBER_CHANGE_TIMEOUT:?}; the change may still complete: check `holdfast member list` and retry"
+        ))),
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
+            Err(ProposeError::NotLeader(f.leader_id))
+        }
+        Ok(Err(RaftError::APIError(other))) => Err(ProposeError::Unknown(format!("{step}: {other}"))),
+        Ok(Err(RaftError::Fatal(f))) => Err(ProposeError::Stopped(f.to_string())),
+    }
 }
 
 /// How a waiting acquire ended.
@@ -309,6 +332,51 @@ impl Group {
                 Err(RaftError::Fatal(f)) => return Err(ProposeError::Stopped(f.to_string())),
             }
         }
+    }
+
+    /// The group's voters and learners now.
+    pub fn voters_and_learners(&self) -> (Vec<u64>, Vec<u64>) {
+        let m = self.raft_metrics();
+        let membership = m.membership_config.membership();
+        (
+            membership.voter_ids().collect(),
+            membership.learner_ids().collect(),
+        )
+    }
+
+    /// Adds `id` as a learner, waits until it has caught up, then makes it a voter (joint consensus).
+    /// Adding a member that is already a voter changes nothing.
+    pub async fn add_member(&self, id: u64, node: MemberNode) -> Result<(), ProposeError> {
+        let (voters, _) = self.voters_and_learners();
+        if voters.contains(&id) {
+            return Ok(());
+        }
+        let learner =
+            tokio::time::timeout(MEMBER_CHANGE_TIMEOUT, self.raft.add_learner(id, node, true));
+        membership_result(learner.await, "adding the learner")?;
+        let voter = tokio::time::timeout(
+            MEMBER_CHANGE_TIMEOUT,
+            self.raft
+                .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false),
+        );
+        membership_result(voter.await, "promoting the learner to voter")
+    }
+
+    /// Removes voter or learner `id` from the group (and from its nodes).
+    pub async fn remove_member(&self, id: u64) -> Result<(), ProposeError> {
+        let (voters, learners) = self.voters_and_learners();
+        let change = if voters.contains(&id) {
+            ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+        } else if learners.contains(&id) {
+            ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        } else {
+            return Ok(());
+        };
+        let removed = tokio::time::timeout(
+            MEMBER_CHANGE_TIMEOUT,
+            self.raft.change_membership(change, false),
+        );
+        membership_result(removed.await, "removing the member")
     }
 
     /// Waits until this server may serve a linearizable read of the state machine: it is the leader, a

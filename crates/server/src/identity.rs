@@ -17,7 +17,9 @@
 //! carries it and a server refuses messages from another cluster ([`crate::peer`]).
 //!
 //! Format 0 (Holdfast 0.1) had no format line and pinned the whole member list (`node_id`, `groups`,
-//! `members`); it is upgraded in place, its cluster id derived from the member list it recorded.
+//! `members`); it is upgraded in place, its cluster id derived from the member list it recorded, or the
+//! configured `cluster_id` if one is given (for servers whose configurations spelled a member's client
+//! address differently, which would derive different ids).
 //!
 //! Invariant: a data directory is only ever served as the node id and group count it was created with,
 //! and in the cluster it was created in.
@@ -177,9 +179,16 @@ pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
             wanted.groups
         );
     }
-    // Once created, the stored cluster id is the truth: members may move or change since. Only an
-    // explicitly configured id that differs is a contradiction.
-    if config.cluster_id.is_some() && stored.cluster_id != wanted.cluster_id {
+    let format_0 = field(&text, "format").is_none();
+    let mut stored = stored;
+    if format_0 && config.cluster_id.is_some() {
+        // Format 0 recorded no id; the one derived from its member list differs between servers whose
+        // configurations spelled a member differently (a host name on one, an address on another). An
+        // operator who gives the id explicitly settles it.
+        stored.cluster_id = wanted.cluster_id;
+    } else if config.cluster_id.is_some() && stored.cluster_id != wanted.cluster_id {
+        // Once created, the stored id is the truth (members may move or change since); only an
+        // explicitly configured id that differs is a contradiction.
         bail!(
             "data dir {} belongs to cluster {:016x}, but this server was configured with cluster_id {:016x}",
             dir.display(),
@@ -187,7 +196,7 @@ pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
             wanted.cluster_id
         );
     }
-    if field(&text, "format").is_none() {
+    if format_0 {
         tracing::info!(cluster_id = %format!("{:016x}", stored.cluster_id), "upgrading {} from format 0 to format {FORMAT}", path.display());
         write(dir, &stored)?;
     }
@@ -228,6 +237,48 @@ mod tests {
         assert_eq!(a.cluster_id, 0x38457bf461dac524);
         let other = "node_id=1\ngroups=2\nmembers=1=h:1/p:9,2=h:3/p:8\n";
         assert_ne!(parse(other).unwrap().cluster_id, a.cluster_id);
+    }
+
+    fn config(dir: &Path, cluster_id: Option<&str>) -> ServerConfig {
+        ServerConfig {
+            node_id: 1,
+            groups: 2,
+            data_dir: dir.to_path_buf(),
+            cluster_id: cluster_id.map(str::to_string),
+            members: ServerConfig::parse_members("1=h:1/p:1,2=h:2/p:2").unwrap(),
+            ..ServerConfig::default()
+        }
+    }
+
+    #[test]
+    fn check_creates_upgrades_and_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE);
+        // Format 0 with an explicit id: the id is adopted and the file rewritten as format 1.
+        std::fs::write(&path, "node_id=1\ngroups=2\nmembers=1=x:1/p:1,2=h:2/p:2\n").unwrap();
+        let id = check(&config(dir.path(), Some("abc"))).unwrap();
+        assert_eq!(id.cluster_id, 0xabc);
+        assert!(std::fs::read_to_string(&path)
+            .unwrap()
+            .starts_with("format=1\ncluster_id=0000000000000abc\n"));
+        // From now on the recorded id counts: none configured is fine, another one is refused.
+        assert_eq!(check(&config(dir.path(), None)).unwrap().cluster_id, 0xabc);
+        let err = check(&config(dir.path(), Some("abd")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("belongs to cluster 0000000000000abc"), "{err}");
+        // Another node id is refused, naming both.
+        let mut other = config(dir.path(), None);
+        other.node_id = 2;
+        let err = check(&other).unwrap_err().to_string();
+        assert!(err.contains("created for node 1 with 2 groups"), "{err}");
+        // A new directory records the derived id.
+        let fresh = tempfile::tempdir().unwrap();
+        let id = check(&config(fresh.path(), None)).unwrap();
+        assert_eq!(
+            id.cluster_id,
+            derive_cluster_id([(1, "h:1"), (2, "h:2")], 2, "")
+        );
     }
 
     #[test]

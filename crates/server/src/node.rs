@@ -18,7 +18,7 @@ use holdfast_proto::transport::Listener;
 use holdfast_proto::v1 as pb;
 use holdfast_wal::fs;
 use holdfast_wal::{Wal, WalOptions};
-use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use openraft::{ServerState, SnapshotPolicy};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -137,10 +137,16 @@ impl Node {
             .validate()
             .context("invalid raft timing")?,
         );
-        let members: BTreeMap<u64, BasicNode> = config
+        let members: BTreeMap<u64, crate::raft_types::MemberNode> = config
             .members
             .iter()
-            .map(|m| (m.id, BasicNode::new(m.peer.clone())))
+            .map(|m| {
+                let node = crate::raft_types::MemberNode {
+                    peer: m.peer.clone(),
+                    client: m.client.clone(),
+                };
+                (m.id, node)
+            })
             .collect();
 
         let rng_seed = config.rng_seed.unwrap_or_else(random_seed);
@@ -184,7 +190,8 @@ impl Node {
             .map_err(|e| anyhow!("group {g}: raft did not start: {e}"))?;
             // Every server initializes with the same membership; openraft makes that safe, and it means
             // the cluster forms whichever servers start first.
-            if !raft.is_initialized().await.map_err(|e| anyhow!("{e}"))? {
+            // A joining server waits for the leader to add it instead.
+            if !config.join && !raft.is_initialized().await.map_err(|e| anyhow!("{e}"))? {
                 if let Err(e) = raft.initialize(members.clone()).await {
                     tracing::debug!(group = g, %e, "initialize skipped");
                 }
@@ -388,8 +395,7 @@ impl NodeShared {
                 let m = g.raft_metrics();
                 let leader_endpoint = m
                     .current_leader
-                    .and_then(|l| self.config.member(l))
-                    .map(|m| m.client.clone())
+                    .and_then(|l| self.client_endpoint(l))
                     .unwrap_or_default();
                 let s = g.state.read().expect("state lock");
                 pb::GroupStatus {
@@ -415,17 +421,64 @@ impl NodeShared {
             cluster_id: format!("{:016x}", self.cluster_id),
             group_count: self.config.groups,
             groups,
-            members: self
-                .config
-                .members
-                .iter()
-                .map(|m| pb::Member {
+            members: self.members(),
+        }
+    }
+
+    /// Where clients reach member `id`: this server's configuration, else the Raft membership of any
+    /// group (a member added after this server was configured).
+    pub fn client_endpoint(&self, id: u64) -> Option<String> {
+        if let Some(m) = self.config.member(id) {
+            return Some(m.client.clone());
+        }
+        self.groups.iter().find_map(|g| {
+            g.raft_metrics()
+                .membership_config
+                .membership()
+                .get_node(&id)
+                .map(|n| n.client.clone())
+                .filter(|c| !c.is_empty())
+        })
+    }
+
+    /// Group 0's current members (voters, then learners), then configured servers not among them.
+    fn members(&self) -> Vec<pb::Member> {
+        let metrics = self.groups[0].raft_metrics();
+        let membership = metrics.membership_config.membership();
+        let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+        let mut out: Vec<pb::Member> = membership
+            .nodes()
+            .map(|(id, n)| {
+                let configured = self.config.member(*id);
+                pb::Member {
+                    node_id: *id,
+                    client_endpoint: configured
+                        .map(|m| m.client.clone())
+                        .unwrap_or_else(|| n.client.clone()),
+                    peer_endpoint: configured
+                        .map(|m| m.peer.clone())
+                        .unwrap_or_else(|| n.peer.clone()),
+                    role: if voters.contains(id) {
+                        "voter"
+                    } else {
+                        "learner"
+                    }
+                    .into(),
+                }
+            })
+            .collect();
+        out.sort_by_key(|m| (m.role != "voter", m.node_id));
+        for m in &self.config.members {
+            if !out.iter().any(|o| o.node_id == m.id) {
+                out.push(pb::Member {
                     node_id: m.id,
                     client_endpoint: m.client.clone(),
                     peer_endpoint: m.peer.clone(),
-                })
-                .collect(),
+                    role: "configured".into(),
+                });
+            }
         }
+        out
     }
 
     /// Ready when a write or a linearizable read of every group can be served now, here or at the leader
@@ -448,7 +501,7 @@ impl NodeShared {
             }
         }
         for (leader, groups) in elsewhere {
-            let endpoint = self.config.member(leader).map(|m| m.client.clone());
+            let endpoint = self.client_endpoint(leader);
             let answer = match &endpoint {
                 Some(ep) => leader_status(ep).await,
                 None => Err(format!("node {leader} is not a member")),

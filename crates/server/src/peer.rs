@@ -11,7 +11,7 @@
 //! move to a new address by configuration), else from the Raft membership.
 
 use crate::formats::{self, required, PEER_FORMAT};
-use crate::raft_types::{NodeId, Raft, Snapshot, SnapshotData, TypeConfig, Vote};
+use crate::raft_types::{MemberNode, NodeId, Raft, Snapshot, SnapshotData, TypeConfig, Vote};
 use holdfast_proto::v1 as pb;
 use holdfast_proto::v1::peer_client::PeerClient as GrpcPeerClient;
 use holdfast_proto::v1::peer_server::Peer;
@@ -21,7 +21,6 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
     TransferLeaderResponse, VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -143,13 +142,13 @@ pub struct PeerNetwork {
 impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
     type Network = PeerClient;
 
-    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+    async fn new_client(&mut self, target: NodeId, node: &MemberNode) -> PeerClient {
         let addr = self
             .peers
             .addresses
             .get(&target)
             .cloned()
-            .unwrap_or_else(|| node.addr.clone());
+            .unwrap_or_else(|| node.peer.clone());
         PeerClient {
             group: self.group,
             target,
@@ -557,14 +556,18 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         let meta =
             formats::snapshot_meta_from_pb(required(&first.meta, "snapshot meta").map_err(bad)?)
                 .map_err(bad)?;
-        let mut data = first.data;
-        while let Some(chunk) = stream.message().await? {
-            if data.len() + chunk.data.len() > MAX_SNAPSHOT_BYTES {
+        let mut data = Vec::new();
+        let mut next = Some(first.data);
+        while let Some(piece) = match next.take() {
+            Some(first) => Some(first),
+            None => stream.message().await?.map(|c| c.data),
+        } {
+            if data.len() + piece.len() > MAX_SNAPSHOT_BYTES {
                 return Err(tonic::Status::resource_exhausted(format!(
                     "snapshot over the limit of {MAX_SNAPSHOT_BYTES} bytes (max_snapshot_bytes)"
                 )));
             }
-            data.extend_from_slice(&chunk.data);
+            data.extend_from_slice(&piece);
         }
         // Check the bytes before handing them to openraft, which treats a bad snapshot as fatal.
         crate::snapshot_store::SnapshotStore::decode(&data).map_err(|e| {

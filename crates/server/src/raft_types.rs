@@ -22,12 +22,28 @@ pub enum Response {
     Outcome(Outcome),
 }
 
+/// A member as the Raft membership records it: where peers and clients reach it. Replicated, so every
+/// server (and, through `Status`, every client) knows a member added after it was configured.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberNode {
+    /// `host:port` of its peer listener.
+    pub peer: String,
+    /// `host:port` of its client listener; empty in memberships written before it was recorded.
+    pub client: String,
+}
+
+impl fmt::Display for MemberNode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.client, self.peer)
+    }
+}
+
 openraft::declare_raft_types!(
     pub TypeConfig:
         D = Request,
         R = Response,
         NodeId = u64,
-        Node = openraft::BasicNode,
+        Node = MemberNode,
         AsyncRuntime = Runtime,
 );
 
@@ -37,6 +53,7 @@ openraft::declare_raft_types!(
 pub type Runtime = openraft::rt::deterministic_rng::DeterministicRng<openraft::impls::TokioRuntime>;
 
 pub type NodeId = u64;
+pub type Membership = openraft::Membership<NodeId, MemberNode>;
 pub type Raft = openraft::Raft<TypeConfig, crate::state_machine::StateMachine>;
 pub type LogId = openraft::alias::LogIdOf<TypeConfig>;
 pub type Vote = openraft::alias::VoteOf<TypeConfig>;

@@ -102,10 +102,8 @@ impl ClientService {
     }
 
     fn not_leader(&self, id: Option<u64>) -> Status {
-        let endpoint = id
-            .and_then(|id| self.node.config.member(id))
-            .map(|m| m.client.as_str());
-        not_leader(id, endpoint)
+        let endpoint = id.and_then(|id| self.node.client_endpoint(id));
+        not_leader(id, endpoint.as_deref())
     }
 
     fn lock_info(&self, group: &Group, view: LockView) -> pb::LockInfo {
@@ -606,12 +604,79 @@ impl Holdfast for ClientService {
         }
     }
 
+    async fn add_member(
+        &self,
+        r: Request<pb::AddMemberRequest>,
+    ) -> Result<Response<pb::MembershipResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        if r.node_id == 0 {
+            return Err(invalid("node id 0 is reserved"));
+        }
+        for (what, endpoint) in [("client", &r.client_endpoint), ("peer", &r.peer_endpoint)] {
+            if endpoint.parse::<std::net::SocketAddr>().is_err()
+                && !endpoint
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+            {
+                return Err(invalid(format!(
+                    "bad {what} endpoint {endpoint:?}: want host:port"
+                )));
+            }
+        }
+        let node = crate::raft_types::MemberNode {
+            peer: r.peer_endpoint,
+            client: r.client_endpoint,
+        };
+        group
+            .add_member(r.node_id, node)
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        Ok(Response::new(membership_response(group)))
+    }
+
+    async fn remove_member(
+        &self,
+        r: Request<pb::RemoveMemberRequest>,
+    ) -> Result<Response<pb::MembershipResponse>, Status> {
+        let r = r.into_inner();
+        let group = self.group(r.group)?;
+        let (voters, _) = group.voters_and_learners();
+        let remaining = voters.iter().filter(|&&v| v != r.node_id).count();
+        if voters.contains(&r.node_id) && remaining < 3 && !r.force {
+            return Err(Status::failed_precondition(format!(
+                "removing node {} would leave group {} with {remaining} voters, which survives {} failures; give force to do it anyway",
+                r.node_id,
+                r.group,
+                remaining.saturating_sub(1) / 2
+            )));
+        }
+        let me = self.node.config.node_id;
+        if r.node_id == me && group.raft_metrics().state == openraft::ServerState::Leader {
+            // A leader does not remove itself: it hands over, and the retry reaches the new leader.
+            let leader = group.hand_over(None, TRANSFER_TIMEOUT).await.map_err(|e| {
+                errors::unavailable(format!("handing over before removing this server: {e}"))
+            })?;
+            return Err(self.not_leader(Some(leader)));
+        }
+        group
+            .remove_member(r.node_id)
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        Ok(Response::new(membership_response(group)))
+    }
+
     async fn status(
         &self,
         r: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
         Ok(Response::new(self.node.status(r.into_inner().with_digest)))
     }
+}
+
+fn membership_response(group: &Group) -> pb::MembershipResponse {
+    let (voters, learners) = group.voters_and_learners();
+    pb::MembershipResponse { voters, learners }
 }
 
 fn page_size(limit: u32) -> Result<usize, Status> {

@@ -11,6 +11,7 @@ pub mod fence_store;
 pub mod leader;
 pub mod lock;
 pub mod locks;
+pub mod member;
 pub mod server;
 pub mod sessions;
 pub mod status;

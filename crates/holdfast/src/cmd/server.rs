@@ -41,6 +41,10 @@ pub struct ServerArgs {
     /// Mixed into the derived cluster id: a cluster re-created on the same addresses needs a new one.
     #[arg(long)]
     cluster_token: Option<String>,
+    /// Join an existing cluster: with an empty data dir, wait to be added by `holdfast member add`
+    /// instead of forming a cluster with --members. Needs --cluster-id.
+    #[arg(long)]
+    join: bool,
     /// Leader heartbeat interval (default 100).
     #[arg(long)]
     heartbeat_interval_ms: Option<u64>,
@@ -107,6 +111,9 @@ impl ServerArgs {
         }
         if self.fault_fsync_fail_after.is_some() {
             c.fault_fsync_fail_after = self.fault_fsync_fail_after;
+        }
+        if self.join {
+            c.join = true;
         }
         if self.cluster_id.is_some() {
             c.cluster_id = self.cluster_id.clone();

@@ -65,7 +65,7 @@ pub struct Cluster {
 /// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
 /// `bind(0)` or outgoing connection can take it between this check and the server's bind, and from a
 /// range that depends on the test process id, so parallel test processes do not pick the same ports.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let base = 10_000 + (std::process::id() % 220) * 100;
@@ -163,6 +163,82 @@ impl Cluster {
         }
         cluster.wait_for_leader(0, Duration::from_secs(30)).await;
         cluster
+    }
+
+    /// Prepares one more server (id = current count + 1) that joins this cluster (`--join` with the
+    /// cluster id of node 1's data dir) instead of forming one: its configuration lists every server with
+    /// its direct peer port and itself, `extra` is added to its command line. Not started.
+    pub async fn add_server(&mut self, extra: &[&str]) -> u64 {
+        let id = self.servers.len() as u64 + 1;
+        let (client_port, peer_port) = (free_port(), free_port());
+        let mut members: Vec<String> = self
+            .servers
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}=127.0.0.1:{}/127.0.0.1:{}",
+                    s.id, s.client_port, s.peer_port
+                )
+            })
+            .collect();
+        members.push(format!(
+            "{id}=127.0.0.1:{client_port}/127.0.0.1:{peer_port}"
+        ));
+        let data_dir = self.dir().join(format!("node{id}"));
+        let groups = self.servers[0]
+            .args
+            .iter()
+            .find(|a| a.starts_with("--groups="))
+            .cloned()
+            .expect("groups flag");
+        let mut args: Vec<String> = vec![
+            "server".into(),
+            "--exit-on-stdin-close".into(),
+            format!("--node-id={id}"),
+            format!("--members={}", members.join(",")),
+            format!("--data-dir={}", data_dir.display()),
+            format!("--client-listen=127.0.0.1:{client_port}"),
+            format!("--peer-listen=127.0.0.1:{peer_port}"),
+            groups,
+            "--join".into(),
+            format!("--cluster-id={}", self.cluster_id().await),
+        ];
+        args.extend(
+            self.servers[0]
+                .args
+                .iter()
+                .filter(|a| a.starts_with("--snapshot-"))
+                .cloned(),
+        );
+        args.extend(extra.iter().map(|a| a.to_string()));
+        self.servers.push(Server {
+            id,
+            client_port,
+            peer_port,
+            http_port: None,
+            log: self.dir().join(format!("node{id}.log")),
+            data_dir,
+            extra_args: Vec::new(),
+            args,
+            child: None,
+        });
+        id
+    }
+
+    /// The cluster id, from the first running server's status.
+    pub async fn cluster_id(&self) -> String {
+        let id = self
+            .servers
+            .iter()
+            .find(|s| s.child.is_some())
+            .expect("a running server")
+            .id;
+        let mut raw = self.raw(id).await;
+        raw.status(StatusRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .cluster_id
     }
 
     pub fn dir(&self) -> &std::path::Path {

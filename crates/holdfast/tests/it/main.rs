@@ -8,6 +8,7 @@ mod cluster;
 mod faults;
 mod fencing;
 mod harness;
+mod membership;
 mod newcomer;
 mod operations;
 mod proxy;

@@ -1,0 +1,211 @@
+//! Membership changes with real processes: add a server and remove one under load, replace a server whose
+//! data directory was lost, and the guard against leaving too few voters. These are the runbooks of
+//! docs/operations.md, "Membership changes", performed by `holdfast member` as an operator would.
+
+use crate::harness::{Cluster, Options};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+async fn member(c: &Cluster, args: &[&str]) -> (bool, String, String) {
+    let out = c
+        .holdfast()
+        .arg("member")
+        .args(args)
+        .args(["--timeout", "60s"])
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn member_ok(c: &Cluster, args: &[&str]) -> String {
+    let (ok, out, err) = member(c, args).await;
+    assert!(ok, "holdfast member {args:?} failed: {err}{out}");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sixth_server_is_added_and_one_removed_under_load() {
+    let mut c = Cluster::start(Options {
+        groups: 2,
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let kept = session.acquire("member/kept").await.unwrap();
+
+    // A client loops acquire + release on both groups the whole time; nothing may fail.
+    let stop = Arc::new(AtomicBool::new(false));
+    let grants = Arc::new(AtomicU32::new(0));
+    let looping = tokio::spawn({
+        let (session, stop, grants) = (session.clone(), stop.clone(), grants.clone());
+        async move {
+            let mut i = 0u32;
+            while !stop.load(Relaxed) {
+                i += 1;
+                let g = session
+                    .acquire_timeout(&format!("member/loop-{}", i % 8), Duration::from_secs(10))
+                    .await
+                    .expect("acquire during membership changes");
+                g.release()
+                    .await
+                    .expect("release during membership changes");
+                grants.fetch_add(1, Relaxed);
+            }
+        }
+    });
+
+    let six = c.add_server(&[]).await;
+    c.start_server(six);
+    let (client_ep, peer_ep) = (c.endpoint(six), c.peer_endpoint(six));
+    let out = member_ok(
+        &c,
+        &["add", "6", "--client", &client_ep, "--peer", &peer_ep],
+    )
+    .await;
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("voters [1, 2, 3, 4, 5, 6]"))
+            .count(),
+        2,
+        "{out}"
+    );
+    for g in 0..2 {
+        c.wait_converged(g, Duration::from_secs(30)).await;
+    }
+    // The new server serves reads of state written before it joined.
+    let info = c
+        .client()
+        .await
+        .describe("member/kept")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(info.token, kept.token());
+
+    // Remove node 1 (whoever leads: a leader asked to remove itself hands over first), then stop it.
+    let out = member_ok(&c, &["remove", "1"]).await;
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("voters [2, 3, 4, 5, 6]"))
+            .count(),
+        2,
+        "{out}"
+    );
+    c.kill(1).await;
+    for g in 0..2 {
+        c.wait_converged(g, Duration::from_secs(30)).await;
+    }
+    let before = grants.load(Relaxed);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while grants.load(Relaxed) < before + 20 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no grants after the removal"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Relaxed);
+    looping.await.expect("the load loop failed");
+
+    // `member list` shows the voters, and node 1 only as configured somewhere.
+    let list = member_ok(&c, &["list", "--json"]).await;
+    let members: serde_json::Value = serde_json::from_str(&list).unwrap();
+    let role = |id: u64| {
+        members
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["node_id"] == id)
+            .map(|m| m["role"].as_str().unwrap().to_string())
+    };
+    for id in 2..=6 {
+        assert_eq!(role(id).as_deref(), Some("voter"), "{list}");
+    }
+    assert_eq!(role(1).as_deref(), Some("configured"), "{list}");
+    assert_eq!(
+        members
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["node_id"] == 6)
+            .unwrap()["client"],
+        client_ep.as_str(),
+        "{list}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_whose_disk_was_lost_is_replaced() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        snapshot_every_entries: 100,
+        snapshot_keep_entries: 20,
+        ..Options::default()
+    })
+    .await;
+    // Never fewer than 3 voters by mistake.
+    let (ok, _, err) = member(&c, &["remove", "3"]).await;
+    assert!(!ok);
+    assert!(
+        err.contains("would leave group 0 with 2 voters") && err.contains("force"),
+        "{err}"
+    );
+
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(30)).await.unwrap();
+    let kept = session.acquire("replace/kept").await.unwrap();
+    // Enough entries that the log has been snapshotted and purged: the replacement catches up by snapshot.
+    for i in 0..120 {
+        let g = session
+            .acquire(&format!("replace/{}", i % 5))
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+    c.wait_converged(0, Duration::from_secs(30)).await;
+
+    // Node 3's disk is lost.
+    c.kill(3).await;
+    std::fs::remove_dir_all(&c.servers[2].data_dir).unwrap();
+
+    // A new server with a new id and an empty data dir joins, then the dead one is removed.
+    let four = c.add_server(&[]).await;
+    c.start_server(four);
+    let (client_ep, peer_ep) = (c.endpoint(four), c.peer_endpoint(four));
+    let out = member_ok(
+        &c,
+        &["add", "4", "--client", &client_ep, "--peer", &peer_ep],
+    )
+    .await;
+    assert!(out.contains("voters [1, 2, 3, 4]"), "{out}");
+    let out = member_ok(&c, &["remove", "3"]).await;
+    assert!(out.contains("voters [1, 2, 4]"), "{out}");
+    c.wait_converged(0, Duration::from_secs(30)).await;
+    let snapshots = std::fs::read_dir(c.servers[3].data_dir.join("snapshots/g0"))
+        .unwrap()
+        .count();
+    assert!(
+        snapshots > 0,
+        "the replacement did not catch up by snapshot"
+    );
+
+    // The cluster survives losing another original server: 1 and 4 are a majority of {1, 2, 4}.
+    c.kill(2).await;
+    let info = c
+        .client()
+        .await
+        .describe("replace/kept")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(info.token, kept.token());
+    let g = session.acquire("replace/after").await.unwrap();
+    assert!(g.token() > kept.token());
+}
