@@ -562,6 +562,42 @@ impl Client {
         .await
     }
 
+    /// A consistent copy of `group`'s lock table from its leader, at a committed index (for backups):
+    /// the first chunk's index, term, leader and digest, with `data` holding the whole table.
+    pub async fn snapshot_group(&self, group: u32) -> Result<pb::SnapshotGroupChunk, Error> {
+        let mut stream = self
+            .call(group, MEMBER_CHANGE_EXTRA, |mut c| async move {
+                c.snapshot_group(pb::SnapshotGroupRequest { group }).await
+            })
+            .await?;
+        let mut all: Option<pb::SnapshotGroupChunk> = None;
+        loop {
+            match stream.message().await {
+                Ok(Some(chunk)) => match &mut all {
+                    None => all = Some(chunk),
+                    Some(a) => a.data.extend_from_slice(&chunk.data),
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    return Err(Error::Unavailable(format!(
+                        "snapshot stream of group {group} broke: {}",
+                        describe_status(&s)
+                    )))
+                }
+            }
+        }
+        let all =
+            all.ok_or_else(|| Error::Unavailable(format!("empty snapshot of group {group}")))?;
+        if all.data.len() as u64 != all.total_bytes {
+            return Err(Error::Unavailable(format!(
+                "snapshot of group {group} ended after {} of {} bytes",
+                all.data.len(),
+                all.total_bytes
+            )));
+        }
+        Ok(all)
+    }
+
     /// Asks one server (by its index in [`Client::endpoints`]) for its own view of the cluster. Not
     /// linearizable.
     pub async fn status_of(&self, index: usize) -> Result<pb::StatusResponse, Error> {

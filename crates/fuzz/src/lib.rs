@@ -22,7 +22,15 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("client_request", client_request),
     ("peer_message", peer_message),
     ("fenced_store_log", fenced_store_log),
+    ("backup_file", backup_file),
 ];
+
+/// A backup file as `holdfast snapshot restore` reads it: whatever decodes re-encodes to the same bytes.
+pub fn backup_file(bytes: &[u8]) {
+    if let Ok(b) = holdfast_server::backup::Backup::decode(bytes) {
+        assert_eq!(b.encode(), bytes);
+    }
+}
 
 /// The WAL recovery decoder: a segment's bytes, as the last segment and as an older one.
 pub fn wal_segment(bytes: &[u8]) {

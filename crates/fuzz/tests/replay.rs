@@ -286,6 +286,25 @@ fn write_corpus() {
         &[&[3u8][..], &postcard::to_allocvec(&entry).unwrap()].concat(),
     );
 
+    let backup = holdfast_server::backup::Backup {
+        cluster_id: 7,
+        created_at_ms: 1,
+        written_by: "corpus".into(),
+        groups: vec![holdfast_server::backup::GroupBackup {
+            group: 0,
+            last_log_id: openraft::LogId::new(
+                openraft::impls::leader_id_adv::LeaderId {
+                    term: 3,
+                    node_id: 1,
+                },
+                5,
+            ),
+            digest: table.digest(),
+            table: table.encode_snapshot(),
+        }],
+    };
+    write("backup_file", "one-group", &backup.encode());
+
     let fence = dir.path().join("fence.log");
     let store = holdfast_fence::store::FencedStore::open(&fence).unwrap();
     store.write("k", 3, b"one").unwrap();

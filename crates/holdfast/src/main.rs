@@ -41,6 +41,8 @@ enum Cmd {
     Leader(cmd::leader::LeaderArgs),
     /// List, add and remove the servers of each group (membership changes).
     Member(cmd::member::MemberArgs),
+    /// Back up every group to a file, or seed a new cluster's data dirs from one.
+    Snapshot(cmd::snapshot::SnapshotArgs),
     /// Campaign for a role (leader election), or observe who leads it.
     Elect(cmd::elect::ElectArgs),
     /// Load a running cluster and report throughput and latency percentiles.
@@ -80,6 +82,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Elect(args) => cmd::elect::run(args).await,
             Cmd::Leader(args) => cmd::leader::run(args).await,
             Cmd::Member(args) => cmd::member::run(args).await,
+            Cmd::Snapshot(args) => cmd::snapshot::run(args).await,
             Cmd::Bench(args) => cmd::bench::run(args).await,
             Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
             Cmd::FenceWrite(args) => cmd::fence::write(args).await,

@@ -35,6 +35,17 @@ pub enum ProposeError {
     Unknown(String),
     /// Raft on this server has stopped (storage failure or shutdown).
     Stopped(String),
+    /// Refused before anything was proposed (a membership change that would be unsafe or is malformed).
+    Refused(String),
+}
+
+/// A group's membership as one server sees it (see [`Group::membership_view`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MembershipView {
+    pub voters: Vec<u64>,
+    pub learners: Vec<u64>,
+    pub joint: bool,
+    pub log_id: Option<crate::raft_types::LogId>,
 }
 
 /// How long one step of a membership change may take (a learner catching up by snapshot included).
@@ -334,22 +345,55 @@ impl Group {
         }
     }
 
-    /// The group's voters and learners now.
-    pub fn voters_and_learners(&self) -> (Vec<u64>, Vec<u64>) {
+    /// The group's membership as this server knows it: the voters of the newest configuration (the
+    /// target of a joint change in progress), learners, whether a joint change is in progress, and the
+    /// log id of the entry that made it.
+    pub fn membership_view(&self) -> MembershipView {
         let m = self.raft_metrics();
-        let membership = m.membership_config.membership();
-        (
-            membership.voter_ids().collect(),
-            membership.learner_ids().collect(),
-        )
+        let stored = &m.membership_config;
+        let joint = stored.membership().get_joint_config();
+        MembershipView {
+            voters: joint
+                .last()
+                .map(|set| set.iter().copied().collect())
+                .unwrap_or_default(),
+            learners: stored.membership().learner_ids().collect(),
+            joint: joint.len() > 1,
+            log_id: *stored.log_id(),
+        }
     }
 
-    /// Adds `id` as a learner, waits until it has caught up, then makes it a voter (joint consensus).
-    /// Adding a member that is already a voter changes nothing.
+    fn ensure_leader(&self) -> Result<(), ProposeError> {
+        let m = self.raft_metrics();
+        if m.state == ServerState::Leader {
+            Ok(())
+        } else {
+            Err(ProposeError::NotLeader(
+                m.current_leader.filter(|&l| l != m.id),
+            ))
+        }
+    }
+
+    /// Adds `id` as a learner, waits until it has caught up, then makes it a voter (joint consensus). On
+    /// the leader only. A voter of a settled configuration is left alone; a change left joint by an
+    /// interrupted earlier call is finished.
     pub async fn add_member(&self, id: u64, node: MemberNode) -> Result<(), ProposeError> {
-        let (voters, _) = self.voters_and_learners();
-        if voters.contains(&id) {
+        self.ensure_leader()?;
+        let view = self.membership_view();
+        if !view.joint && view.voters.contains(&id) {
             return Ok(());
+        }
+        // openraft keeps a known node's addresses on a re-add; say so instead of keeping them silently.
+        if let Some(known) = self
+            .raft_metrics()
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .filter(|known| **known != node)
+        {
+            return Err(ProposeError::Refused(format!(
+                "node {id} is already known as {known} (client/peer); remove it first to change its addresses"
+            )));
         }
         let learner =
             tokio::time::timeout(MEMBER_CHANGE_TIMEOUT, self.raft.add_learner(id, node, true));
@@ -362,19 +406,54 @@ impl Group {
         membership_result(voter.await, "promoting the learner to voter")
     }
 
-    /// Removes voter or learner `id` from the group (and from its nodes).
-    pub async fn remove_member(&self, id: u64) -> Result<(), ProposeError> {
-        let (voters, learners) = self.voters_and_learners();
-        let change = if voters.contains(&id) {
+    /// Refuses removing voter `id` when fewer than 3 voters would remain, unless `force`.
+    pub fn check_removal(
+        &self,
+        view: &MembershipView,
+        id: u64,
+        force: bool,
+    ) -> Result<(), ProposeError> {
+        if !view.voters.contains(&id) || force {
+            return Ok(());
+        }
+        let remaining = view.voters.len() - 1;
+        if remaining < 3 {
+            return Err(ProposeError::Refused(format!(
+                "removing node {id} would leave group {} with {remaining} voters, which survives {} failures; give force to do it anyway",
+                self.id,
+                remaining.saturating_sub(1) / 2
+            )));
+        }
+        Ok(())
+    }
+
+    /// Removes voter or learner `id` (and its node). On the leader only. Refused when fewer than 3 voters
+    /// would remain, unless `force`; the check and the change are tied together by the membership log id
+    /// the check saw, so a concurrent change makes this one fail (and a retry check again) instead of
+    /// both passing the check.
+    pub async fn remove_member(&self, id: u64, force: bool) -> Result<(), ProposeError> {
+        self.ensure_leader()?;
+        let view = self.membership_view();
+        self.check_removal(&view, id, force)?;
+        let change = if view.voters.contains(&id) {
             ChangeMembers::RemoveVoters(BTreeSet::from([id]))
-        } else if learners.contains(&id) {
+        } else if view.learners.contains(&id) {
             ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        } else if view.joint {
+            // A removal left joint by an interrupted call: finish it.
+            ChangeMembers::RemoveVoters(BTreeSet::new())
         } else {
             return Ok(());
         };
         let removed = tokio::time::timeout(
             MEMBER_CHANGE_TIMEOUT,
-            self.raft.change_membership(change, false),
+            self.raft.change_membership_if(
+                change,
+                false,
+                [openraft::raft::Precondition::LastMembershipLogId {
+                    last_membership_log_id: view.log_id,
+                }],
+            ),
         );
         membership_result(removed.await, "removing the member")
     }

@@ -143,7 +143,8 @@ pub fn parse(text: &str) -> Result<Identity, String> {
     })
 }
 
-fn write(dir: &Path, identity: &Identity) -> anyhow::Result<()> {
+/// Writes (atomically, durably) the IDENTITY of a data directory; used at creation and by a restore.
+pub fn create(dir: &Path, identity: &Identity) -> anyhow::Result<()> {
     let path = dir.join(FILE);
     let tmp = path.with_extension("tmp");
     fs::write(&tmp, identity.encode())?;
@@ -163,7 +164,7 @@ pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
     let text = match fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            write(dir, &wanted)?;
+            create(dir, &wanted)?;
             return Ok(wanted);
         }
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
@@ -198,7 +199,7 @@ pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
     }
     if format_0 {
         tracing::info!(cluster_id = %format!("{:016x}", stored.cluster_id), "upgrading {} from format 0 to format {FORMAT}", path.display());
-        write(dir, &stored)?;
+        create(dir, &stored)?;
     }
     Ok(stored)
 }

@@ -12,10 +12,12 @@
 //!   messages); openraft's structs never reach a disk or a socket.
 //! - [`peer`]: Raft traffic between servers over gRPC.
 //! - [`service`], [`errors`]: the client gRPC API and how refusals become statuses.
+//! - [`backup`]: backup files of every group's table, and seeding a new cluster's data dirs from one.
 //! - [`abandon`]: acquires whose caller went away are abandoned through the log.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod abandon;
+pub mod backup;
 pub mod config;
 pub mod errors;
 pub mod formats;

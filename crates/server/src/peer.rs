@@ -47,7 +47,8 @@ pub struct Peers {
     me: PeerIdentity,
     /// Peer addresses from this server's configuration, preferred over the Raft membership's.
     addresses: Arc<HashMap<NodeId, String>>,
-    channels: Arc<Mutex<HashMap<NodeId, Channel>>>,
+    /// Keyed by address too: a member re-added at a new address gets a new channel.
+    channels: Arc<Mutex<HashMap<(NodeId, String), Channel>>>,
     health: Arc<Mutex<HashMap<NodeId, Health>>>,
 }
 
@@ -114,7 +115,7 @@ impl Peers {
 
     fn channel(&self, target: NodeId, addr: &str) -> Result<Channel, String> {
         let mut channels = self.channels.lock().expect("peer channel lock");
-        if let Some(c) = channels.get(&target) {
+        if let Some(c) = channels.get(&(target, addr.to_string())) {
             return Ok(c.clone());
         }
         let channel = Endpoint::from_shared(format!("http://{addr}"))
@@ -128,7 +129,7 @@ impl Peers {
             .keep_alive_timeout(Duration::from_secs(3))
             .keep_alive_while_idle(true);
         let channel = holdfast_proto::transport::connect_lazy(channel);
-        channels.insert(target, channel.clone());
+        channels.insert((target, addr.to_string()), channel.clone());
         Ok(channel)
     }
 }

@@ -46,6 +46,10 @@ pub struct ClientService {
 }
 
 type KeepAliveStream = Pin<Box<dyn Stream<Item = Result<pb::KeepAliveResponse, Status>> + Send>>;
+type SnapshotStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotGroupChunk, Status>> + Send>>;
+
+/// Table bytes per `SnapshotGroup` chunk.
+const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 impl ClientService {
     fn group(&self, g: u32) -> Result<&Arc<Group>, Status> {
@@ -84,6 +88,7 @@ impl ClientService {
             ProposeError::Stopped(msg) => {
                 errors::unavailable(format!("this server is stopping: {msg}"))
             }
+            ProposeError::Refused(msg) => Status::failed_precondition(msg),
         }
     }
 
@@ -641,18 +646,11 @@ impl Holdfast for ClientService {
     ) -> Result<Response<pb::MembershipResponse>, Status> {
         let r = r.into_inner();
         let group = self.group(r.group)?;
-        let (voters, _) = group.voters_and_learners();
-        let remaining = voters.iter().filter(|&&v| v != r.node_id).count();
-        if voters.contains(&r.node_id) && remaining < 3 && !r.force {
-            return Err(Status::failed_precondition(format!(
-                "removing node {} would leave group {} with {remaining} voters, which survives {} failures; give force to do it anyway",
-                r.node_id,
-                r.group,
-                remaining.saturating_sub(1) / 2
-            )));
-        }
         let me = self.node.config.node_id;
         if r.node_id == me && group.raft_metrics().state == openraft::ServerState::Leader {
+            group
+                .check_removal(&group.membership_view(), me, r.force)
+                .map_err(|e| self.propose_error(e))?;
             // A leader does not remove itself: it hands over, and the retry reaches the new leader.
             let leader = group.hand_over(None, TRANSFER_TIMEOUT).await.map_err(|e| {
                 errors::unavailable(format!("handing over before removing this server: {e}"))
@@ -660,10 +658,51 @@ impl Holdfast for ClientService {
             return Err(self.not_leader(Some(leader)));
         }
         group
-            .remove_member(r.node_id)
+            .remove_member(r.node_id, r.force)
             .await
             .map_err(|e| self.propose_error(e))?;
         Ok(Response::new(membership_response(group)))
+    }
+
+    type SnapshotGroupStream = SnapshotStream;
+
+    async fn snapshot_group(
+        &self,
+        r: Request<pb::SnapshotGroupRequest>,
+    ) -> Result<Response<Self::SnapshotGroupStream>, Status> {
+        let group = self.group(r.into_inner().group)?;
+        group
+            .linearizable_read()
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        // The table and its log position under one read lock: a consistent copy at a committed index.
+        let (bytes, last, digest) = {
+            let state = group.state.read().expect("state lock");
+            (
+                state.table.encode_snapshot(),
+                state.last_applied,
+                state.table.digest(),
+            )
+        };
+        let last = last.ok_or_else(|| errors::unavailable("group has applied nothing yet"))?;
+        let total = bytes.len() as u64;
+        let mut chunks: Vec<Result<pb::SnapshotGroupChunk, Status>> = bytes
+            .chunks(SNAPSHOT_CHUNK_BYTES)
+            .map(|c| {
+                Ok(pb::SnapshotGroupChunk {
+                    data: c.to_vec(),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        if let Some(Ok(first)) = chunks.first_mut() {
+            first.index = last.index;
+            first.term = last.leader_id.term;
+            first.leader = last.leader_id.node_id;
+            first.digest = digest;
+            first.total_bytes = total;
+        }
+        Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
     }
 
     async fn status(
@@ -675,8 +714,12 @@ impl Holdfast for ClientService {
 }
 
 fn membership_response(group: &Group) -> pb::MembershipResponse {
-    let (voters, learners) = group.voters_and_learners();
-    pb::MembershipResponse { voters, learners }
+    let view = group.membership_view();
+    pb::MembershipResponse {
+        voters: view.voters,
+        learners: view.learners,
+        joint: view.joint,
+    }
 }
 
 fn page_size(limit: u32) -> Result<usize, Status> {

@@ -14,6 +14,7 @@ pub mod locks;
 pub mod member;
 pub mod server;
 pub mod sessions;
+pub mod snapshot;
 pub mod status;
 pub mod workload;
 

@@ -25,6 +25,9 @@ pub struct Options {
     pub snapshot_keep_entries: u64,
     /// Start each server N on a copy of `DIR/nodeN` (a committed fixture) instead of an empty data dir.
     pub seed_data: Option<PathBuf>,
+    /// Seed each server's data dir from this backup file with `holdfast snapshot restore` (its own
+    /// member list), as the "all servers lost" runbook does.
+    pub restore: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -37,6 +40,7 @@ impl Default for Options {
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
             seed_data: None,
+            restore: None,
         }
     }
 }
@@ -117,6 +121,21 @@ impl Cluster {
             let data_dir = dir.path().join(format!("node{i}"));
             if let Some(seed) = &options.seed_data {
                 copy_dir(&seed.join(format!("node{i}")), &data_dir);
+            }
+            if let Some(backup) = &options.restore {
+                let out = std::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+                    .args(["snapshot", "restore"])
+                    .arg(backup)
+                    .arg("--data-dir")
+                    .arg(&data_dir)
+                    .args(["--node-id", &i.to_string(), "--members", &members.join(",")])
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "restore of node {i}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
             let mut args: Vec<String> = vec![
                 "server".into(),
@@ -203,11 +222,16 @@ impl Cluster {
             "--join".into(),
             format!("--cluster-id={}", self.cluster_id().await),
         ];
+        // The cluster's snapshot policy, unless `extra` sets its own.
+        let overridden = |a: &str| {
+            let name = a.split('=').next().unwrap_or(a);
+            extra.iter().any(|e| e.split('=').next() == Some(name))
+        };
         args.extend(
             self.servers[0]
                 .args
                 .iter()
-                .filter(|a| a.starts_with("--snapshot-"))
+                .filter(|a| a.starts_with("--snapshot-") && !overridden(a))
                 .cloned(),
         );
         args.extend(extra.iter().map(|a| a.to_string()));

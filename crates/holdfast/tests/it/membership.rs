@@ -161,8 +161,9 @@ async fn a_server_whose_disk_was_lost_is_replaced() {
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(30)).await.unwrap();
     let kept = session.acquire("replace/kept").await.unwrap();
-    // Enough entries that the log has been snapshotted and purged: the replacement catches up by snapshot.
-    for i in 0..120 {
+    // Enough entries that the log has been snapshotted and purged (the server purges in batches of 256
+    // entries, 20 kept behind a snapshot): the replacement must catch up by snapshot.
+    for i in 0..200 {
         let g = session
             .acquire(&format!("replace/{}", i % 5))
             .await
@@ -175,8 +176,9 @@ async fn a_server_whose_disk_was_lost_is_replaced() {
     c.kill(3).await;
     std::fs::remove_dir_all(&c.servers[2].data_dir).unwrap();
 
-    // A new server with a new id and an empty data dir joins, then the dead one is removed.
-    let four = c.add_server(&[]).await;
+    // A new server with a new id and an empty data dir joins, then the dead one is removed. It never
+    // snapshots by itself here, so a snapshot in its data dir is one it installed from the leader.
+    let four = c.add_server(&["--snapshot-every-entries=100000"]).await;
     c.start_server(four);
     let (client_ep, peer_ep) = (c.endpoint(four), c.peer_endpoint(four));
     let out = member_ok(
