@@ -13,12 +13,13 @@
 //! `Holdfast.SnapshotGroup`), and the header records that index and the table's digest.
 //!
 //! A restore writes, for one server of the new cluster, an `IDENTITY` with a **new** cluster id and one
-//! snapshot file per group at the backed-up log index (under term 0, since the new cluster's terms start
-//! afresh), whose membership is the new members. On start
-//! openraft finds a snapshot and no log, and begins the log after it; every session gets a fresh full TTL
-//! from the new leader, as after any failover. The log index (and so every fencing token) continues from
-//! the backup's, so a resource that saw tokens from the old cluster refuses nothing it should accept and
-//! accepts nothing older.
+//! snapshot file per group, whose membership is the new members. The snapshot sits at the backup's index
+//! plus [`DEFAULT_INDEX_GAP`] (or at `--index-floor`), under term 0 since the new cluster's terms start
+//! afresh. Fencing tokens and session ids are log indexes, and the old cluster may have gone on after the
+//! backup: starting far above it keeps every token the restored cluster issues above every token the old
+//! one did, so a resource's "refuse lower tokens" check stays right. On start openraft finds a snapshot
+//! and no log, and begins the log after it; every session gets a fresh full TTL from the new leader, as
+//! after any failover.
 
 use crate::formats;
 use crate::identity::{self, Identity};
@@ -103,6 +104,9 @@ impl Backup {
             .filter(|&e| e <= body.len())
             .ok_or("backup header runs past the end")?;
         let header: pb::BackupHeader = formats::from_bytes(&body[16..header_end], "backup header")?;
+        if header.groups.is_empty() {
+            return Err("backup holds no groups".into());
+        }
         if header.groups.len() != header.group_count as usize
             || header
                 .groups
@@ -154,14 +158,53 @@ impl Backup {
     }
 }
 
+/// How far above the backup's index a restored log starts by default: 2^40 entries. Fencing tokens (and
+/// session ids) are log indexes, and the old cluster may have gone on after the backup was taken; its
+/// tokens must stay below every token the restored cluster issues. An old cluster at 10,000 entries a
+/// second needs three and a half years past the backup to reach this.
+pub const DEFAULT_INDEX_GAP: u64 = 1 << 40;
+
 /// The cluster id a restored cluster gets: derived like a new cluster's, mixed with the backed-up
-/// cluster's id, so it never equals the old cluster's even on the same addresses.
-pub fn restored_cluster_id(backup: &Backup, members: &[crate::config::Member], token: &str) -> u64 {
+/// cluster's id and every group's position and digest, so it never equals the old cluster's (even on
+/// the same addresses), and servers seeded from two different backups refuse each other.
+pub fn restored_cluster_id(
+    backup: &Backup,
+    members: &[crate::config::Member],
+    start: u64,
+    token: &str,
+) -> u64 {
+    let mut mix = format!(
+        "restored-from-{:016x}/start-{start}/{token}",
+        backup.cluster_id
+    );
+    for g in &backup.groups {
+        mix.push_str(&format!(
+            "/{}:{}:{:016x}",
+            g.group, g.last_log_id.index, g.digest
+        ));
+    }
     identity::derive_cluster_id(
         members.iter().map(|m| (m.id, m.client.as_str())),
         backup.groups.len() as u32,
-        &format!("restored-from-{:016x}/{token}", backup.cluster_id),
+        &mix,
     )
+}
+
+/// Where a restored group's log starts: `floor` if given (at least the backup's index), else the
+/// backup's index plus [`DEFAULT_INDEX_GAP`].
+pub fn restored_index(g: &GroupBackup, floor: Option<u64>) -> Result<u64, String> {
+    match floor {
+        Some(f) if f < g.last_log_id.index => Err(format!(
+            "--index-floor {f} is below group {}'s backed-up index {}: tokens would repeat",
+            g.group, g.last_log_id.index
+        )),
+        Some(f) => Ok(f),
+        None => g
+            .last_log_id
+            .index
+            .checked_add(DEFAULT_INDEX_GAP)
+            .ok_or_else(|| format!("group {}: index overflows", g.group)),
+    }
 }
 
 /// Writes the data directory of server `node_id` of a new cluster seeded from `backup`. Refuses a data
@@ -171,6 +214,7 @@ pub fn restore(
     data_dir: &Path,
     node_id: u64,
     members: &[crate::config::Member],
+    index_floor: Option<u64>,
     token: &str,
 ) -> Result<u64, String> {
     if !members.iter().any(|m| m.id == node_id) {
@@ -191,7 +235,12 @@ pub fn restore(
         }
     }
     std::fs::create_dir_all(data_dir).map_err(|e| format!("{}: {e}", data_dir.display()))?;
-    let cluster_id = restored_cluster_id(backup, members, token);
+    let starts = backup
+        .groups
+        .iter()
+        .map(|g| restored_index(g, index_floor))
+        .collect::<Result<Vec<u64>, String>>()?;
+    let cluster_id = restored_cluster_id(backup, members, index_floor.unwrap_or(0), token);
     let voters: BTreeSet<u64> = members.iter().map(|m| m.id).collect();
     let nodes: BTreeMap<u64, MemberNode> = members
         .iter()
@@ -204,14 +253,14 @@ pub fn restore(
         })
         .collect();
     let membership = Membership::new(vec![voters], nodes).map_err(|e| e.to_string())?;
-    for g in &backup.groups {
+    for (g, start) in backup.groups.iter().zip(starts) {
         // The new cluster's terms start afresh (its servers have voted in none), so the restored position
         // carries term 0 and leader 0: below every leader the new cluster elects, as openraft requires of
         // a log its new leader inherits. The index, which fencing tokens are, continues.
         let position = formats::log_id_from_pb(&pb::LogId {
             term: 0,
             leader: 0,
-            index: g.last_log_id.index,
+            index: start,
         });
         let meta = SnapshotMeta {
             last_log_id: Some(position),
@@ -220,7 +269,7 @@ pub fn restore(
         let store = SnapshotStore::open(data_dir.join("snapshots").join(format!("g{}", g.group)))
             .map_err(|e| e.to_string())?;
         store
-            .save(g.last_log_id.index, &SnapshotStore::encode(&meta, &g.table))
+            .save(start, &SnapshotStore::encode(&meta, &g.table))
             .map_err(|e| format!("group {}: cannot write the snapshot: {e}", g.group))?;
     }
     identity::create(
@@ -304,7 +353,7 @@ mod tests {
         let members =
             crate::config::ServerConfig::parse_members("1=h:1/p:1,2=h:2/p:2,3=h:3/p:3").unwrap();
         let b = backup();
-        let id = restore(&b, &dir.path().join("n1"), 1, &members, "").unwrap();
+        let id = restore(&b, &dir.path().join("n1"), 1, &members, None, "").unwrap();
         assert_ne!(id, b.cluster_id);
         assert_ne!(
             id,
@@ -317,11 +366,30 @@ mod tests {
             .unwrap()
             .unwrap();
         let loaded = SnapshotStore::decode(&snap.1).unwrap();
-        assert_eq!(loaded.meta.last_log_id.unwrap().index, 5);
+        assert_eq!(
+            loaded.meta.last_log_id.unwrap().index,
+            5 + DEFAULT_INDEX_GAP
+        );
         assert_eq!(loaded.table.digest(), b.groups[0].digest);
-        assert!(restore(&b, &dir.path().join("n1"), 1, &members, "")
+        assert!(restore(&b, &dir.path().join("n1"), 1, &members, None, "")
             .unwrap_err()
             .contains("not empty"));
-        assert!(restore(&b, &dir.path().join("n9"), 9, &members, "").is_err());
+        assert!(restore(&b, &dir.path().join("n9"), 9, &members, None, "").is_err());
+        // An explicit floor, never below the backup.
+        let id2 = restore(&b, &dir.path().join("n2"), 2, &members, Some(1_000), "").unwrap();
+        assert_ne!(id2, id, "another start is another cluster");
+        assert!(
+            restore(&b, &dir.path().join("n3"), 3, &members, Some(4), "")
+                .unwrap_err()
+                .contains("below")
+        );
+        // Servers seeded from a different backup get a different cluster id.
+        let mut other = backup();
+        other.groups[1].last_log_id = formats::log_id_from_pb(&pb::LogId {
+            term: 2,
+            leader: 1,
+            index: 6,
+        });
+        assert_ne!(restored_cluster_id(&other, &members, 0, ""), id);
     }
 }

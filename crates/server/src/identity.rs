@@ -154,6 +154,39 @@ pub fn create(dir: &Path, identity: &Identity) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `check` would decide, without writing anything: `Ok(None)` for a new data directory, the stored
+/// identity for an existing compatible one, an error for one that would be refused.
+pub fn inspect(config: &ServerConfig) -> anyhow::Result<Option<Identity>> {
+    let path = config.data_dir.join(FILE);
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let stored = parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let wanted = configured(config)?;
+    if stored.node_id != wanted.node_id || stored.groups != wanted.groups {
+        bail!(
+            "data dir {} was created for node {} with {} groups; this configuration is node {} with {} groups",
+            config.data_dir.display(),
+            stored.node_id,
+            stored.groups,
+            wanted.node_id,
+            wanted.groups
+        );
+    }
+    let format_0 = field(&text, "format").is_none();
+    if !format_0 && config.cluster_id.is_some() && stored.cluster_id != wanted.cluster_id {
+        bail!(
+            "data dir {} belongs to cluster {:016x}, but this configuration gives cluster_id {:016x}",
+            config.data_dir.display(),
+            stored.cluster_id,
+            wanted.cluster_id
+        );
+    }
+    Ok(Some(stored))
+}
+
 /// Checks (or, for a new data directory, writes) the identity and returns it. Refuses a data directory
 /// created for another node id, group count or cluster: serving it would move locks between groups or
 /// merge clusters.

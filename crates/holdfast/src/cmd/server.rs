@@ -65,6 +65,10 @@ pub struct ServerArgs {
     /// Test hook: append every applied command to DATA_DIR/audit-gN.jsonl for the fault tests' checker.
     #[arg(long, hide = true)]
     audit_log: bool,
+    /// Check the configuration (file and flags), the listen addresses and the data dir against it, print
+    /// a summary and exit (0 if it would start, 1 with the reason if not), without starting.
+    #[arg(long)]
+    check_config: bool,
     /// Exit when standard input closes (for supervisors and tests that must not leave servers behind).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
@@ -135,7 +139,79 @@ impl ServerArgs {
     }
 }
 
+/// `--check-config`: everything `holdfast server` checks before it starts, without starting.
+fn check_config(config: &ServerConfig) -> anyhow::Result<()> {
+    let me = config.me();
+    for (what, addr) in [
+        (
+            "client",
+            config
+                .client_listen
+                .map(|a| a.to_string())
+                .unwrap_or(me.client.clone()),
+        ),
+        (
+            "peer",
+            config
+                .peer_listen
+                .map(|a| a.to_string())
+                .unwrap_or(me.peer.clone()),
+        ),
+    ] {
+        addr.parse::<SocketAddr>()
+            .map_err(|_| anyhow!("this member's {what} listen address {addr:?} is not ip:port (give --{what}-listen)"))?;
+    }
+    let identity = holdfast_server::identity::inspect(config)?;
+    println!(
+        "config OK: node {} of {} members, {} groups, heartbeat {} ms, election timeout {}..{} ms, TTL {}..{} ms (default {})",
+        config.node_id,
+        config.members.len(),
+        config.groups,
+        config.heartbeat_interval_ms,
+        config.election_timeout_min_ms,
+        config.election_timeout_max_ms,
+        config.min_ttl_ms,
+        config.max_ttl_ms,
+        config.default_ttl_ms
+    );
+    match identity {
+        None => println!(
+            "data dir {}: new{}",
+            config.data_dir.display(),
+            if config.join {
+                " (will wait to be added: --join)"
+            } else {
+                " (will form the cluster with these members)"
+            }
+        ),
+        Some(id) => println!(
+            "data dir {}: node {} of cluster {:016x}",
+            config.data_dir.display(),
+            id.node_id,
+            id.cluster_id
+        ),
+    }
+    if config.members.len() < 3 {
+        println!(
+            "warning: {} members survive no server failure; use 3 or 5",
+            config.members.len()
+        );
+    } else if config.members.len().is_multiple_of(2) {
+        println!(
+            "warning: {} members tolerate as many failures as {}; use an odd number",
+            config.members.len(),
+            config.members.len() - 1
+        );
+    }
+    Ok(())
+}
+
 pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
+    if args.check_config {
+        let config = args.into_config()?;
+        check_config(&config)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("HOLDFAST_LOG")
         // While a peer is down, openraft warns once per failed heartbeat and replication attempt, and
         // once a second about the peer's progress; `peer` logs the same as one line when a peer goes

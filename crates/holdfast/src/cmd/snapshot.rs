@@ -42,6 +42,10 @@ enum SnapshotAction {
         /// a different token).
         #[arg(long, default_value = "")]
         cluster_token: String,
+        /// Start every group's log at this index instead of the backup's plus 2^40 (must be at least the
+        /// backup's; above the old cluster's last index, or fencing tokens repeat). Same on every server.
+        #[arg(long)]
+        index_floor: Option<u64>,
     },
 }
 
@@ -54,18 +58,29 @@ pub async fn run(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             node_id,
             members,
             cluster_token,
+            index_floor,
         } => {
             let bytes =
                 std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
             let backup =
                 Backup::decode(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
             let members = ServerConfig::parse_members(&members).map_err(anyhow::Error::msg)?;
-            let cluster_id = backup::restore(&backup, &data_dir, node_id, &members, &cluster_token)
-                .map_err(anyhow::Error::msg)?;
+            let cluster_id = backup::restore(
+                &backup,
+                &data_dir,
+                node_id,
+                &members,
+                index_floor,
+                &cluster_token,
+            )
+            .map_err(anyhow::Error::msg)?;
             for g in &backup.groups {
                 println!(
-                    "group {}: restored at index {} (digest {:016x})",
-                    g.group, g.last_log_id.index, g.digest
+                    "group {}: backed up at index {}, restored to start at index {} (digest {:016x})",
+                    g.group,
+                    g.last_log_id.index,
+                    backup::restored_index(g, index_floor).map_err(anyhow::Error::msg)?,
+                    g.digest
                 );
             }
             println!(

@@ -66,6 +66,19 @@ async fn a_backup_restores_into_a_new_cluster_with_the_same_table() {
         assert_eq!(a.wait_converged(*g, Duration::from_secs(20)).await, *digest);
     }
 
+    // The old cluster goes on after the backup: its later tokens must stay below the restored cluster's.
+    let mut old_tokens = Vec::new();
+    for i in 0..20 {
+        let g = session
+            .acquire(&format!("backup/cycle-{}", i % 4))
+            .await
+            .unwrap();
+        old_tokens.push(g.token());
+        g.release().await.unwrap();
+    }
+    let old_max = *old_tokens.iter().max().unwrap();
+    assert!(saved.values().all(|(index, _)| *index < old_max));
+
     // Every server is lost.
     drop(session);
     drop(client);

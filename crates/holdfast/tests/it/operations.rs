@@ -121,3 +121,64 @@ async fn leader_transfer_moves_the_leadership_by_hand() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("node 9 is not a voter"), "{stderr}");
 }
+
+/// `holdfast server --check-config` on the shipped example configuration (deploy/config/holdfast.toml),
+/// a broken variant, and a data dir of another node: it says what a start would do or why it would
+/// fail, and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_judges_the_shipped_example_and_writes_nothing() {
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/config/holdfast.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let check = |extra: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_holdfast"));
+        c.args(["server", "--check-config", "--config"])
+            .arg(&example)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(extra);
+        c.output().unwrap()
+    };
+    let out = check(&["--node-id", "1"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("config OK: node 1 of 5 members, 4 groups"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("new (will form the cluster"), "{stdout}");
+    assert!(
+        !data.join("IDENTITY").exists(),
+        "--check-config wrote to the data dir"
+    );
+
+    let out = check(&["--node-id", "1", "--min-ttl-ms", "500"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("min_ttl_ms"));
+    let out = check(&["--node-id", "9"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("node id 9 is not among the members"));
+
+    // A data dir created for node 2 is refused for node 1, naming both.
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(
+        data.join("IDENTITY"),
+        "format=1\ncluster_id=00000000000000aa\nnode_id=2\ngroups=4\n",
+    )
+    .unwrap();
+    let out = check(&["--node-id", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("was created for node 2 with 4 groups"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = check(&["--node-id", "2"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("node 2 of cluster 00000000000000aa"));
+}
