@@ -59,6 +59,10 @@ pub struct ServerConfig {
     /// returned EIO). Never set in production, so only a hidden flag sets it, not a config file.
     #[serde(skip)]
     pub fault_fsync_fail_after: Option<u64>,
+    /// WAL segment size (default 64 MiB). A test hook (small segments rotate in a short test), set by a
+    /// hidden flag only.
+    #[serde(skip)]
+    pub wal_segment_bytes: Option<u64>,
     /// For the fault tests' checker: append one JSON line per applied command to `DATA_DIR/audit-gN.jsonl`.
     /// A test hook, set by a hidden flag only.
     #[serde(skip)]
@@ -104,6 +108,7 @@ impl Default for ServerConfig {
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
             fault_fsync_fail_after: None,
+            wal_segment_bytes: None,
             audit_log: false,
             rng_seed: None,
             audit_sink: None,

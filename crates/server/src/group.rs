@@ -48,6 +48,9 @@ pub struct MembershipView {
     pub log_id: Option<crate::raft_types::LogId>,
 }
 
+/// How long a snapshot asked for by [`Group::compact_log`] may take.
+const COMPACT_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How long one step of a membership change may take (a learner catching up by snapshot included).
 const MEMBER_CHANGE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -588,6 +591,42 @@ impl Group {
                         }
                     }
                 });
+            }
+        }
+    }
+
+    /// Snapshots this group and purges its whole log up to the snapshot, ignoring the entries normally
+    /// kept behind it: for a group whose old records keep a WAL segment on disk (see
+    /// `holdfast_wal::Wal::pinning_groups`), which a group that rarely writes would otherwise do for ever.
+    /// A follower that needs the purged entries gets the snapshot instead.
+    pub async fn compact_log(&self) {
+        let m = self.raft_metrics();
+        let applied = m.last_applied.map(|l| l.index);
+        if m.snapshot.map(|l| l.index) < applied {
+            if let Err(e) = self.raft.trigger().snapshot().await {
+                tracing::warn!(group = self.id, %e, "cannot snapshot to free a wal segment");
+                return;
+            }
+            let deadline = Instant::now() + COMPACT_TIMEOUT;
+            while self.raft_metrics().snapshot.map(|l| l.index) < applied {
+                if Instant::now() > deadline {
+                    tracing::warn!(
+                        group = self.id,
+                        "snapshot to free a wal segment not built within {COMPACT_TIMEOUT:?}"
+                    );
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        if let Some(snapshot) = self.raft_metrics().snapshot {
+            tracing::info!(
+                group = self.id,
+                upto = snapshot.index,
+                "purging the log to free an old wal segment"
+            );
+            if let Err(e) = self.raft.trigger().purge_log(snapshot.index).await {
+                tracing::warn!(group = self.id, %e, "cannot purge the log");
             }
         }
     }

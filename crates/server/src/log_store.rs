@@ -128,6 +128,10 @@ pub struct LogStore {
 
 impl LogStore {
     pub fn new(group: u32, log: GroupLog, wal: Arc<Wal>) -> Self {
+        // What was purged before a restart stays released, or its segments would never be deleted.
+        if let Some(purged) = log.purged {
+            wal.release(group, purged.index);
+        }
         LogStore {
             group,
             log: Arc::new(Mutex::new(log)),

@@ -94,6 +94,9 @@ impl Node {
             }),
             #[cfg(holdfast_sim)]
             sim_sync_delay: config.sim_fsync,
+            segment_bytes: config
+                .wal_segment_bytes
+                .unwrap_or(WalOptions::default().segment_bytes),
             ..WalOptions::default()
         };
         let (wal, recovered) = Wal::open(&config.data_dir.join("wal"), wal_options)?;
@@ -297,6 +300,11 @@ impl Node {
             tasks.push(tokio::spawn(group.clone().run_leadership()));
             tasks.push(tokio::spawn(group.clone().run_expiry(shutdown_rx.clone())));
         }
+        tasks.push(tokio::spawn(compact_pinning_groups(
+            wal.clone(),
+            shared.clone(),
+            shutdown_rx.clone(),
+        )));
         tracing::info!(node = config.node_id, %client_addr, %peer_addr, groups = config.groups, "holdfast server started");
         Ok(Node {
             shared,
@@ -687,6 +695,41 @@ fn role(s: ServerState) -> &'static str {
         ServerState::Candidate => "candidate",
         ServerState::Learner => "learner",
         ServerState::Shutdown => "shutdown",
+    }
+}
+
+/// How often the server looks for groups that pin the oldest WAL segment, and the least time between two
+/// compactions of one group (a group that keeps writing a little would otherwise be snapshotted on every
+/// look).
+const PIN_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+const PIN_COMPACT_MIN_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Keeps disk use bounded: a group whose old records keep the oldest closed WAL segment on disk (a group
+/// that rarely writes never reaches its snapshot threshold) is snapshotted and its log purged.
+async fn compact_pinning_groups(
+    wal: Arc<Wal>,
+    shared: Arc<NodeShared>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut last: std::collections::HashMap<u32, tokio::time::Instant> = Default::default();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(PIN_CHECK_INTERVAL) => {}
+            _ = shutdown.changed() => return,
+        }
+        for g in wal.pinning_groups() {
+            let now = tokio::time::Instant::now();
+            if last
+                .get(&g)
+                .is_some_and(|t| now - *t < PIN_COMPACT_MIN_INTERVAL)
+            {
+                continue;
+            }
+            last.insert(g, now);
+            if let Some(group) = shared.groups.get(g as usize) {
+                group.compact_log().await;
+            }
+        }
     }
 }
 

@@ -66,6 +66,8 @@ enum Op {
 /// A handle to the log. Cheap to share behind an `Arc`; all writes go through one writer thread.
 pub struct Wal {
     tx: Mutex<Option<mpsc::Sender<Op>>>,
+    /// Groups whose unreleased records keep the oldest closed segment on disk (see [`Wal::pinning_groups`]).
+    pinning: Arc<Mutex<Vec<u32>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// In the simulation the writer is a task on the host's runtime (a thread would run outside
     /// simulated time); this wakes it.
@@ -92,7 +94,9 @@ impl Wal {
             sticky,
             released: BTreeMap::new(),
             poisoned: None,
+            pinning: Arc::default(),
         };
+        let pinning = writer.pinning.clone();
         writer.rotate()?;
         let (tx, rx) = mpsc::channel();
         #[cfg(not(holdfast_sim))]
@@ -111,6 +115,7 @@ impl Wal {
         Ok((
             Wal {
                 tx: Mutex::new(Some(tx)),
+                pinning,
                 thread: Mutex::new(thread),
                 #[cfg(holdfast_sim)]
                 wake,
@@ -158,6 +163,14 @@ impl Wal {
         }
         #[cfg(holdfast_sim)]
         self.wake.notify_one();
+    }
+
+    /// The groups that keep the oldest closed segment from being deleted: each has a record in it that
+    /// it has not released (purged) yet. Empty while no closed segment waits. A group that rarely writes
+    /// would otherwise pin old segments for ever; the owner compacts such a group (the server snapshots
+    /// it and purges its log) so that disk use stays bounded.
+    pub fn pinning_groups(&self) -> Vec<u32> {
+        self.pinning.lock().expect("wal pinning lock").clone()
     }
 
     /// Stops the writer after it has finished everything queued.
@@ -216,6 +229,7 @@ struct Writer {
     sticky: BTreeMap<(u32, u8), Record>,
     released: BTreeMap<u32, u64>,
     poisoned: Option<String>,
+    pinning: Arc<Mutex<Vec<u32>>>,
 }
 
 impl Writer {
@@ -411,6 +425,7 @@ impl Writer {
                 max_index: old.max_index,
             });
         }
+        self.update_pinning();
         self.active = Some(Active {
             file,
             path,
@@ -420,6 +435,19 @@ impl Writer {
         });
         self.next_seq = seq + 1;
         Ok(())
+    }
+
+    /// Recomputes [`Wal::pinning_groups`] from the oldest closed segment.
+    fn update_pinning(&self) {
+        let groups = self.segments.front().map_or_else(Vec::new, |oldest| {
+            oldest
+                .max_index
+                .iter()
+                .filter(|(g, max)| self.released.get(g).is_none_or(|r| *max > r))
+                .map(|(g, _)| *g)
+                .collect()
+        });
+        *self.pinning.lock().expect("wal pinning lock") = groups;
     }
 
     fn delete_released(&mut self) -> Result<(), WalError> {
@@ -439,6 +467,7 @@ impl Writer {
         if deleted {
             sync_dir(&self.dir)?;
         }
+        self.update_pinning();
         Ok(())
     }
 }

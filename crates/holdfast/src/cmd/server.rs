@@ -62,6 +62,9 @@ pub struct ServerArgs {
     /// Test hook: every WAL fsync after this many fails, as if the disk returned EIO.
     #[arg(long, hide = true)]
     fault_fsync_fail_after: Option<u64>,
+    /// Test hook: WAL segment size in bytes (default 64 MiB).
+    #[arg(long, hide = true)]
+    wal_segment_bytes: Option<u64>,
     /// Test hook: append every applied command to DATA_DIR/audit-gN.jsonl for the fault tests' checker.
     #[arg(long, hide = true)]
     audit_log: bool,
@@ -112,6 +115,9 @@ impl ServerArgs {
         );
         if self.audit_log {
             c.audit_log = true;
+        }
+        if self.wal_segment_bytes.is_some() {
+            c.wal_segment_bytes = self.wal_segment_bytes;
         }
         if self.fault_fsync_fail_after.is_some() {
             c.fault_fsync_fail_after = self.fault_fsync_fail_after;

@@ -28,6 +28,8 @@ pub struct Options {
     /// Seed each server's data dir from this backup file with `holdfast snapshot restore` (its own
     /// member list), as the "all servers lost" runbook does.
     pub restore: Option<PathBuf>,
+    /// Added to every server's command line (hidden test flags such as `--wal-segment-bytes`).
+    pub server_args: Vec<String>,
 }
 
 impl Default for Options {
@@ -41,6 +43,7 @@ impl Default for Options {
             snapshot_keep_entries: 1_000,
             seed_data: None,
             restore: None,
+            server_args: Vec::new(),
         }
     }
 }
@@ -155,6 +158,7 @@ impl Cluster {
             if options.audit {
                 args.push("--audit-log".into());
             }
+            args.extend(options.server_args.iter().cloned());
             let http_port = options.http.then(free_port);
             if let Some(port) = http_port {
                 args.push(format!("--http-listen=127.0.0.1:{port}"));

@@ -264,3 +264,70 @@ fn newest_segment(data_dir: &Path) -> PathBuf {
 fn oldest_segment(data_dir: &Path) -> PathBuf {
     segments(data_dir).remove(0)
 }
+
+fn wal_segments(data_dir: &std::path::Path) -> (usize, u64) {
+    let mut count = 0;
+    let mut bytes = 0;
+    for e in std::fs::read_dir(data_dir.join("wal")).unwrap() {
+        let e = e.unwrap();
+        if e.file_name().to_string_lossy().ends_with(".log") {
+            count += 1;
+            bytes += e.metadata().unwrap().len();
+        }
+    }
+    (count, bytes)
+}
+
+/// One busy group and one idle one, with 64 KiB WAL segments: the idle group's few old entries would keep
+/// the oldest segment, and every later one, on disk for ever. The server snapshots and purges the group
+/// that pins the oldest segment, so the WAL stays one or two segments long (without that: 4 after 2,400 entries, and growing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_group_does_not_pin_the_wal() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        groups: 2,
+        snapshot_every_entries: 200,
+        snapshot_keep_entries: 20,
+        server_args: vec!["--wal-segment-bytes=65536".into()],
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let busy: Vec<String> = (0..200)
+        .map(|i| format!("busy/{i}"))
+        .filter(|n| holdfast_lock_table::group_for(n, 2).0 == 0)
+        .take(4)
+        .collect();
+    let mut most = 0;
+    for i in 0..1500 {
+        let g = session.acquire(&busy[i % busy.len()]).await.unwrap();
+        g.release().await.unwrap();
+        if i % 100 == 0 {
+            most = most.max(wal_segments(&c.servers[0].data_dir).0);
+        }
+    }
+    let written = c.group_status(1, 0).await.unwrap().last_log_index;
+    // The idle group applied only its first entries and never reached its snapshot threshold.
+    assert!(c.group_status(1, 1).await.unwrap().applied_index < 10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let sizes: Vec<(usize, u64)> = c
+            .servers
+            .iter()
+            .map(|s| wal_segments(&s.data_dir))
+            .collect();
+        if sizes.iter().all(|(n, _)| *n <= 2) {
+            eprintln!(
+                "{written} entries in group 0; at most {most} segments on node 1 while writing; now (segments, bytes) per node: {sizes:?}"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the WAL stayed long: {sizes:?} (segments, bytes) per node; logs in {}",
+            c.dir().display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -308,3 +308,33 @@ fn rotation_keeps_sticky_records_and_release_deletes_old_segments() {
     sorted.dedup();
     assert_eq!(sorted, indexes);
 }
+
+/// A group that wrote once and never releases pins the oldest segment: the WAL names it, and once it
+/// releases, the segments go.
+#[test]
+fn a_group_that_never_releases_is_named_as_pinning_the_oldest_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4096,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    wal.append_blocking(vec![rec(1, 1, b"cold")]).unwrap();
+    assert!(wal.pinning_groups().is_empty(), "no closed segment yet");
+    for i in 1..=200u64 {
+        wal.append_blocking(vec![rec(0, i, &[7u8; 100])]).unwrap();
+    }
+    wal.release(0, 200);
+    wal.append_blocking(vec![rec(0, 201, b"x")]).unwrap();
+    let segments = Wal::segment_paths(dir.path()).unwrap().len();
+    assert!(
+        segments > 3,
+        "group 1 pins the first segment, so nothing goes: {segments}"
+    );
+    assert_eq!(wal.pinning_groups(), vec![1]);
+    wal.release(1, 1);
+    wal.append_blocking(vec![rec(0, 202, b"y")]).unwrap();
+    assert!(wal.pinning_groups().is_empty());
+    let after = Wal::segment_paths(dir.path()).unwrap().len();
+    assert!(after <= 2, "released segments stay: {segments} -> {after}");
+}
