@@ -518,7 +518,17 @@ impl Group {
                     self.leases.stop_leading();
                     // The barrier makes sure an ExpireSession proposed by an earlier leader is either applied
                     // (the session is gone) or will never commit, before any keepalive is acknowledged.
-                    if self.linearizable_read().await.is_ok() {
+                    let barrier = self.linearizable_read().await;
+                    if let Err(e) = &barrier {
+                        // Metrics say leader but the barrier failed (e.g. openraft forwards reads while a
+                        // membership change leaves this leader outside the voters). Without a pause
+                        // each failed read changes the metrics and wakes this loop again at once: a
+                        // hot loop (found by the simulation's server replacements, seed 80).
+                        tracing::debug!(group = self.id, ?e, "leader barrier failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    if barrier.is_ok() {
                         let s = self.state.read().expect("state machine lock poisoned");
                         let still = rx.borrow_watched();
                         if still.state == ServerState::Leader && still.current_term == term {

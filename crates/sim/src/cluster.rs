@@ -40,6 +40,26 @@ pub struct Shared {
     /// Set by the driver at the end; the store host then copies its file's records into `store_records`.
     pub dump_store: Mutex<bool>,
     pub store_records: Mutex<Option<Vec<holdfast_fence::store::Record>>>,
+    /// The node id each server index runs as now (index + 1 until a `Replace` gives it a new one).
+    pub ids: Mutex<Vec<u64>>,
+    /// Servers whose next start begins with an empty data dir and joins (`Replace`).
+    pub wipe: Mutex<Vec<bool>>,
+    /// The cluster id, recorded by the first server that starts (a joining server needs it).
+    pub cluster_id: Mutex<Option<u64>>,
+    /// Membership operations for the admin host, in order.
+    pub admin: Mutex<std::collections::VecDeque<AdminOp>>,
+}
+
+/// What the admin host does (see `run::admin_host`).
+#[derive(Clone, Debug)]
+pub enum AdminOp {
+    /// Add `new` (running on server index `server`), then remove `old`.
+    Replace {
+        server: usize,
+        old: u64,
+        new: u64,
+    },
+    TransferLeader,
 }
 
 impl Shared {
@@ -49,6 +69,8 @@ impl Shared {
                 .map(|_| Arc::new(Mutex::new(Vec::new())))
                 .collect(),
             boots: Mutex::new(vec![0; crate::plan::SERVERS]),
+            ids: Mutex::new((1..=crate::plan::SERVERS as u64).collect()),
+            wipe: Mutex::new(vec![false; crate::plan::SERVERS]),
             ..Shared::default()
         })
     }
@@ -73,20 +95,26 @@ impl Write for SinkWriter {
 /// The configuration of server `i` on its `boot`-th start.
 pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> ServerConfig {
     let seed = plan.seed;
+    let ids = shared.ids.lock().unwrap().clone();
     let members = (0..crate::plan::SERVERS)
         .map(|m| Member {
-            id: m as u64 + 1,
+            id: ids[m],
             client: format!("{}:{CLIENT_PORT}", server_name(m)),
             peer: format!("{}:{PEER_PORT}", server_name(m)),
         })
         .collect();
     let audit = shared.audits[i].clone();
     ServerConfig {
-        node_id: i as u64 + 1,
+        node_id: ids[i],
         client_listen: Some(SocketAddr::from(([0, 0, 0, 0], CLIENT_PORT))),
         peer_listen: Some(SocketAddr::from(([0, 0, 0, 0], PEER_PORT))),
         http_listen: None,
-        data_dir: "/data".into(),
+        // A server that lost its disk (`Replace`) starts on a new, empty directory under its new id.
+        data_dir: if ids[i] == i as u64 + 1 {
+            "/data".into()
+        } else {
+            format!("/data-node{}", ids[i]).into()
+        },
         members,
         // Small, so runs take and install snapshots and purge the log.
         snapshot_every_entries: 300,
@@ -117,7 +145,23 @@ pub fn add_hosts(sim: &mut turmoil::Sim<'_>, plan: &Plan, shared: &Arc<Shared>) 
                     boots[i] += 1;
                     boots[i]
                 };
-                let node = Node::start(server_config(i, &plan, boot, &shared)).await?;
+                let mut config = server_config(i, &plan, boot, &shared);
+                let wipe = std::mem::take(&mut shared.wipe.lock().unwrap()[i]);
+                if wipe {
+                    // The lost disk: a new, empty data dir (see `server_config`), joining under its new id.
+                    config.join = true;
+                    config.cluster_id = shared
+                        .cluster_id
+                        .lock()
+                        .unwrap()
+                        .map(|c| format!("{c:016x}"));
+                }
+                let node = Node::start(config).await?;
+                shared
+                    .cluster_id
+                    .lock()
+                    .unwrap()
+                    .get_or_insert(node.shared.cluster_id);
                 shared
                     .nodes
                     .lock()

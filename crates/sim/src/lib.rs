@@ -10,8 +10,11 @@
 //! (`ServerConfig::rng_seed`), client nonces (`ClientOptions::nonce_seed`) and the fault plan.
 //!
 //! - [`plan`]: the seed's fault rates and schedule (partitions, one-way links, held messages, crashes,
-//!   leader crashes, client pauses longer than the TTL).
+//!   leader crashes, client pauses longer than the TTL, lost disks replaced by a new member, leader
+//!   transfers).
 //! - [`cluster`]: the server and store hosts.
+//! - [`admin`]: the operator host: membership changes (replacing a server whose disk was lost) and
+//!   leader transfers, through the real RPCs.
 //! - [`workload`]: the client hosts.
 //! - [`run`]: plays one seed and collects what the invariants need.
 //! - [`invariants`]: one file per property, P1–P7 and linearizable reads.
@@ -20,6 +23,7 @@
 
 #![cfg(holdfast_sim)]
 
+pub mod admin;
 pub mod cluster;
 pub mod invariants;
 pub mod plan;

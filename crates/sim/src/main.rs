@@ -103,6 +103,8 @@ fn main() -> std::process::ExitCode {
                 "applied_entries": report.applied_entries,
                 "recovered_after_ms": outcome.recovered_after_ms,
                 "converged_after_ms": outcome.converged_after_ms,
+                "replacements": outcome.replacements_done,
+                "leader_transfers": outcome.leader_transfers,
                 "violations": report.violations,
             });
             println!("{line}");

@@ -41,6 +41,13 @@ pub enum Fault {
     /// Holds every message of a client host (to servers and the store) for longer than the TTL: to the
     /// cluster the client is paused; its in-flight writes arrive late, with old tokens.
     PauseClient { host: usize },
+    /// The disk of a server is lost: it crashes, and when the fault ends it starts with an empty data
+    /// dir under a new node id (`--join`); the admin host adds the new id and then removes the old one
+    /// (`AddMember`, `RemoveMember`), retrying through whatever other faults are going on.
+    Replace { server: usize },
+    /// The admin host asks for a leader transfer of group 0 (`TransferLeader`), as before a planned
+    /// restart.
+    TransferLeader,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,6 +178,25 @@ impl Plan {
                 at_ms,
                 duration_ms,
                 fault,
+            });
+        }
+        // Membership changes and leader transfers come from their own stream, so every fault drawn above
+        // is the same as before they existed (seeds named in docs/testing.md keep their plans).
+        let mut ops = Rng::new(seed ^ 0x6d65_6d62_6572_7321);
+        if ops.chance(0.3) {
+            events.push(Event {
+                at_ms: ops.between(500, work_ms.saturating_sub(4_000).max(600)),
+                duration_ms: ops.between(200, 2_000),
+                fault: Fault::Replace {
+                    server: ops.between(0, SERVERS as u64 - 1) as usize,
+                },
+            });
+        }
+        for _ in 0..ops.pick(&[0, 0, 1, 2]) {
+            events.push(Event {
+                at_ms: ops.between(500, work_ms.saturating_sub(1_500).max(600)),
+                duration_ms: 0,
+                fault: Fault::TransferLeader,
             });
         }
         events.sort_by_key(|e| e.at_ms);

@@ -44,6 +44,12 @@ pub struct Outcome {
     pub fault_log_len: usize,
     /// An error the simulation itself reported (a host failed or panicked).
     pub sim_error: Option<String>,
+    /// Server replacements (`Fault::Replace`) the admin was asked for, and how many it completed (new
+    /// member added and old one removed, configuration no longer joint).
+    pub replacements_asked: u64,
+    pub replacements_done: u64,
+    /// Leader transfers the admin asked for and that returned a new leader.
+    pub leader_transfers: u64,
 }
 
 /// The links a partition cuts: between the servers in `side` (with the client hosts `clients`) and the
@@ -107,7 +113,7 @@ impl Driver<'_> {
             }
             if let Some(node) = self.shared.node(i) {
                 let m = node.groups[0].raft_metrics();
-                if m.current_leader == Some(i as u64 + 1)
+                if m.current_leader == Some(self.shared.ids.lock().unwrap()[i])
                     && best.is_none_or(|(t, _)| m.current_term > t)
                 {
                     best = Some((m.current_term, i));
@@ -152,6 +158,22 @@ impl Driver<'_> {
                     self.sim.hold(c.as_str(), s.as_str());
                 }
             }
+            Fault::Replace { server } => {
+                // One replacement at a time per server, and not of a server already down.
+                let replacing = self
+                    .ending
+                    .iter()
+                    .any(|a| matches!(a.fault, Fault::Replace { server: s } if s == *server));
+                if !replacing && !self.down.contains(server) {
+                    crashed = Some(*server);
+                }
+            }
+            Fault::TransferLeader => self
+                .shared
+                .admin
+                .lock()
+                .unwrap()
+                .push_back(crate::cluster::AdminOp::TransferLeader),
         }
         if let Some(s) = crashed {
             if self.down.insert(s) {
@@ -211,6 +233,32 @@ impl Driver<'_> {
                     self.sim.release(c.as_str(), s.as_str());
                 }
             }
+            Fault::Replace { server } => {
+                if let Some(s) = crashed {
+                    // The disk is gone: the server starts empty under the next unused id, and the admin
+                    // adds that id and removes the old one.
+                    let (old, new) = {
+                        let mut ids = self.shared.ids.lock().unwrap();
+                        let new = ids.iter().max().unwrap() + 1;
+                        let old = std::mem::replace(&mut ids[s], new);
+                        (old, new)
+                    };
+                    self.shared.wipe.lock().unwrap()[s] = true;
+                    self.down.remove(&s);
+                    self.sim.bounce(server_name(s));
+                    self.shared
+                        .admin
+                        .lock()
+                        .unwrap()
+                        .push_back(crate::cluster::AdminOp::Replace {
+                            server: *server,
+                            old,
+                            new,
+                        });
+                    self.log(format!("server {} now runs node {new} (was {old})", s + 1));
+                }
+            }
+            Fault::TransferLeader => {}
         }
         self.log(format!("stop {fault:?}"));
     }
@@ -291,6 +339,20 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         let until = epoch_ms + options.work_ms;
         sim.client(format!("c{}", h + 1), async move {
             workload::client_host(h, seed, until, history).await
+        });
+    }
+    let admin_log: crate::admin::AdminLog = Arc::default();
+    {
+        let (shared, log) = (shared.clone(), admin_log.clone());
+        sim.client("admin", async move {
+            crate::admin::admin_host(
+                shared,
+                seed,
+                epoch_ms + heal_ms,
+                epoch_ms + heal_ms + HEAL_BUDGET_MS,
+                log,
+            )
+            .await
         });
     }
     let probe: Arc<Mutex<Option<u64>>> = Arc::default();
@@ -386,6 +448,20 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         }
     }
     let mut trace = std::mem::take(&mut d.trace);
+    let admin_lines = std::mem::take(&mut *admin_log.lock().unwrap());
+    let replacements_asked = trace
+        .iter()
+        .filter(|l| l.contains(" now runs node "))
+        .count() as u64;
+    let replacements_done = admin_lines
+        .iter()
+        .filter(|l| l.contains(" admin remove ") && l.ends_with("joint false"))
+        .count() as u64;
+    let leader_transfers = admin_lines
+        .iter()
+        .filter(|l| l.contains(" admin transfer leader: now "))
+        .count() as u64;
+    trace.extend(admin_lines);
     let fault_log_len = trace.len();
     trace.extend(history.iter().map(|o| format!("{o:?}")));
     for (id, lines) in &audits {
@@ -401,6 +477,9 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         store,
         recovered_after_ms,
         converged_after_ms,
+        replacements_asked,
+        replacements_done,
+        leader_transfers,
         trace,
         fault_log_len,
         sim_error,

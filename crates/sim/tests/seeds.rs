@@ -33,6 +33,8 @@ struct Totals {
     linearized: u64,
     inconclusive: u64,
     unacknowledged: u64,
+    replacements: u64,
+    transfers: u64,
 }
 
 #[test]
@@ -77,6 +79,8 @@ fn seeds_hold_every_invariant() {
                     t.linearized += n("linearized_ops");
                     t.inconclusive += n("linearizability_inconclusive");
                     t.unacknowledged += n("unacknowledged_grants_checked");
+                    t.replacements += n("replacements");
+                    t.transfers += n("leader_transfers");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
                     if !violations.is_empty() || !out.status.success() {
                         failures.lock().unwrap().push(format!(
@@ -93,7 +97,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} servers replaced by a new member, {} leader transfers",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -104,7 +108,9 @@ fn seeds_hold_every_invariant() {
         t.reads,
         t.linearized,
         t.inconclusive,
-        t.unacknowledged
+        t.unacknowledged,
+        t.replacements,
+        t.transfers
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert_eq!(t.seeds, count, "every seed must report");

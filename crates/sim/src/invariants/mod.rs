@@ -18,6 +18,13 @@ pub fn check_all(run: &Outcome) -> Report {
         r.violations.insert(0, format!("a host failed: {e}"));
     }
     r.violations.extend(p7_liveness::check(run));
+    if run.replacements_done < run.replacements_asked {
+        r.violations.push(format!(
+            "P7: {} of {} server replacements did not complete (new member added, old removed) by the end",
+            run.replacements_asked - run.replacements_done,
+            run.replacements_asked
+        ));
+    }
     r
 }
 
