@@ -278,6 +278,7 @@ pub fn restore(
             cluster_id,
             node_id,
             groups: backup.groups.len() as u32,
+            join: false,
         },
     )
     .map_err(|e| e.to_string())?;

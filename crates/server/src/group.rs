@@ -528,7 +528,7 @@ impl Group {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
-                    if barrier.is_ok() {
+                    {
                         let s = self.state.read().expect("state machine lock poisoned");
                         let still = rx.borrow_watched();
                         if still.state == ServerState::Leader && still.current_term == term {
@@ -612,13 +612,16 @@ impl Group {
     pub async fn compact_log(&self) {
         let m = self.raft_metrics();
         let applied = m.last_applied.map(|l| l.index);
-        if m.snapshot.map(|l| l.index) < applied {
+        let before = m.snapshot.map(|l| l.index);
+        if before < applied {
             if let Err(e) = self.raft.trigger().snapshot().await {
                 tracing::warn!(group = self.id, %e, "cannot snapshot to free a wal segment");
                 return;
             }
+            // openraft ignores the trigger while a snapshot is already being built; either way a new
+            // snapshot appears, and whatever it covers is purged (the next look catches the rest).
             let deadline = Instant::now() + COMPACT_TIMEOUT;
-            while self.raft_metrics().snapshot.map(|l| l.index) < applied {
+            while self.raft_metrics().snapshot.map(|l| l.index) == before {
                 if Instant::now() > deadline {
                     tracing::warn!(
                         group = self.id,

@@ -8,6 +8,7 @@
 //! cluster_id=<16 hex digits>
 //! node_id=<n>
 //! groups=<g>
+//! join=1            (only for a data directory created by a server started with `join`)
 //! ```
 //!
 //! The cluster id is fixed at creation: the configuration's `cluster_id` if one is given, else a hash of
@@ -38,13 +39,19 @@ pub struct Identity {
     pub cluster_id: u64,
     pub node_id: u64,
     pub groups: u32,
+    /// Created by a server started with `join`: it never initializes the groups itself, even when
+    /// restarted without `join` before it was added.
+    pub join: bool,
 }
 
 impl Identity {
     fn encode(&self) -> String {
         format!(
-            "format={FORMAT}\ncluster_id={:016x}\nnode_id={}\ngroups={}\n",
-            self.cluster_id, self.node_id, self.groups
+            "format={FORMAT}\ncluster_id={:016x}\nnode_id={}\ngroups={}\n{}",
+            self.cluster_id,
+            self.node_id,
+            self.groups,
+            if self.join { "join=1\n" } else { "" }
         )
     }
 }
@@ -98,6 +105,7 @@ fn configured(config: &ServerConfig) -> anyhow::Result<Identity> {
         cluster_id,
         node_id: config.node_id,
         groups: config.groups,
+        join: config.join,
     })
 }
 
@@ -140,6 +148,7 @@ pub fn parse(text: &str) -> Result<Identity, String> {
         cluster_id,
         node_id,
         groups,
+        join: field(text, "join") == Some("1"),
     })
 }
 
@@ -247,12 +256,19 @@ mod tests {
             cluster_id: 0x0123_4567_89ab_cdef,
             node_id: 3,
             groups: 4,
+            join: false,
         };
         assert_eq!(
             id.encode(),
             "format=1\ncluster_id=0123456789abcdef\nnode_id=3\ngroups=4\n"
         );
         assert_eq!(parse(&id.encode()).unwrap(), id);
+        let joined = Identity { join: true, ..id };
+        assert_eq!(
+            joined.encode(),
+            "format=1\ncluster_id=0123456789abcdef\nnode_id=3\ngroups=4\njoin=1\n"
+        );
+        assert_eq!(parse(&joined.encode()).unwrap(), joined);
     }
 
     #[test]

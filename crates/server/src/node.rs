@@ -193,8 +193,11 @@ impl Node {
             .map_err(|e| anyhow!("group {g}: raft did not start: {e}"))?;
             // Every server initializes with the same membership; openraft makes that safe, and it means
             // the cluster forms whichever servers start first.
-            // A joining server waits for the leader to add it instead.
-            if !config.join && !raft.is_initialized().await.map_err(|e| anyhow!("{e}"))? {
+            // A joining server (now, or when its data dir was created) waits to be added instead.
+            if !config.join
+                && !identity.join
+                && !raft.is_initialized().await.map_err(|e| anyhow!("{e}"))?
+            {
                 if let Err(e) = raft.initialize(members.clone()).await {
                     tracing::debug!(group = g, %e, "initialize skipped");
                 }
@@ -703,21 +706,45 @@ fn role(s: ServerState) -> &'static str {
 /// look).
 const PIN_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 const PIN_COMPACT_MIN_INTERVAL: Duration = Duration::from_secs(30);
+/// A group that pins the oldest segment but would reach its snapshot threshold within this long at its
+/// current rate is not compacted.
+const PIN_PATIENCE: Duration = Duration::from_secs(600);
 
-/// Keeps disk use bounded: a group whose old records keep the oldest closed WAL segment on disk (a group
-/// that rarely writes never reaches its snapshot threshold) is snapshotted and its log purged.
+/// Keeps disk use bounded: a group whose old records keep the oldest closed WAL segment on disk, and that
+/// will not reach its own snapshot threshold soon (a group that rarely writes may never), is snapshotted
+/// and its log purged. A group that writes fast enough to reach the threshold within
+/// [`PIN_PATIENCE`] is left to its normal snapshot (after a restart every group pins the segment the
+/// restart closed).
 async fn compact_pinning_groups(
     wal: Arc<Wal>,
     shared: Arc<NodeShared>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut last: std::collections::HashMap<u32, tokio::time::Instant> = Default::default();
+    // Per group: applied index at the previous look, to estimate its rate.
+    let mut seen: std::collections::HashMap<u32, u64> = Default::default();
+    let every = shared.config.snapshot_every_entries;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(PIN_CHECK_INTERVAL) => {}
             _ = shutdown.changed() => return,
         }
-        for g in wal.pinning_groups() {
+        let pinning = wal.pinning_groups();
+        for (g, group) in shared.groups.iter().enumerate() {
+            let g = g as u32;
+            let m = group.raft_metrics();
+            let applied = m.last_applied.map_or(0, |l| l.index);
+            let previous = seen.insert(g, applied);
+            if !pinning.contains(&g) {
+                continue;
+            }
+            let Some(previous) = previous else { continue };
+            let since_snapshot = applied - m.snapshot.map_or(0, |l| l.index).min(applied);
+            let rate_per_check = applied.saturating_sub(previous);
+            let checks = PIN_PATIENCE.as_secs() / PIN_CHECK_INTERVAL.as_secs();
+            if since_snapshot + rate_per_check * checks >= every {
+                continue; // it will snapshot by itself soon enough
+            }
             let now = tokio::time::Instant::now();
             if last
                 .get(&g)
@@ -726,9 +753,7 @@ async fn compact_pinning_groups(
                 continue;
             }
             last.insert(g, now);
-            if let Some(group) = shared.groups.get(g as usize) {
-                group.compact_log().await;
-            }
+            group.compact_log().await;
         }
     }
 }

@@ -47,10 +47,14 @@ pub async fn admin_host(
             AdminOp::Replace { server, old, new } => {
                 let client_ep = format!("{}:{CLIENT_PORT}", server_name(server));
                 let peer_ep = format!("{}:{PEER_PORT}", server_name(server));
+                let left =
+                    || Duration::from_millis(until_ms.saturating_sub(crate::workload::now_ms()));
                 for g in 0..client.groups() {
                     loop {
-                        match client.add_member(g, new, &client_ep, &peer_ep).await {
-                            Ok(m) => {
+                        let call = client.add_member(g, new, &client_ep, &peer_ep);
+                        match tokio::time::timeout(left(), call).await {
+                            Err(_) => return Ok(()),
+                            Ok(Ok(m)) => {
                                 say(format!(
                                     "add {new}: voters {:?} joint {}",
                                     m.voters, m.joint
@@ -59,7 +63,7 @@ pub async fn admin_host(
                                     break;
                                 }
                             }
-                            Err(e) => say(format!("add {new} failed, retrying: {e}")),
+                            Ok(Err(e)) => say(format!("add {new} failed, retrying: {e}")),
                         }
                         if crate::workload::now_ms() >= until_ms {
                             return Ok(());
@@ -67,8 +71,10 @@ pub async fn admin_host(
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                     loop {
-                        match client.remove_member(g, old, false).await {
-                            Ok(m) => {
+                        let call = client.remove_member(g, old, false);
+                        match tokio::time::timeout(left(), call).await {
+                            Err(_) => return Ok(()),
+                            Ok(Ok(m)) => {
                                 say(format!(
                                     "remove {old}: voters {:?} joint {}",
                                     m.voters, m.joint
@@ -77,7 +83,7 @@ pub async fn admin_host(
                                     break;
                                 }
                             }
-                            Err(e) => say(format!("remove {old} failed, retrying: {e}")),
+                            Ok(Err(e)) => say(format!("remove {old} failed, retrying: {e}")),
                         }
                         if crate::workload::now_ms() >= until_ms {
                             return Ok(());
@@ -85,6 +91,7 @@ pub async fn admin_host(
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
+                say(format!("replaced {old} by {new} in every group"));
             }
         }
     }

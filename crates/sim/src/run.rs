@@ -455,7 +455,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         .count() as u64;
     let replacements_done = admin_lines
         .iter()
-        .filter(|l| l.contains(" admin remove ") && l.ends_with("joint false"))
+        .filter(|l| l.contains(" admin replaced "))
         .count() as u64;
     let leader_transfers = admin_lines
         .iter()
