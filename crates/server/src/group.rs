@@ -139,6 +139,8 @@ impl Waiters {
 }
 
 pub struct Group {
+    /// Bytes of log entries this server appended for the group (monotonic; see `LogStore`).
+    pub log_bytes: Arc<std::sync::atomic::AtomicU64>,
     pub id: u32,
     pub raft: Raft,
     pub state: Arc<RwLock<SmState>>,
@@ -177,6 +179,7 @@ impl Group {
         state: Arc<RwLock<SmState>>,
         leases: Arc<Leases>,
         waiters: Arc<Waiters>,
+        log_bytes: Arc<std::sync::atomic::AtomicU64>,
         config: &ServerConfig,
     ) -> Self {
         let metrics_rx = raft.metrics();
@@ -195,6 +198,7 @@ impl Group {
             metrics_rx,
             renew_guard,
             handing_over: Default::default(),
+            log_bytes,
         }
     }
 

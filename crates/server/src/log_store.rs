@@ -124,10 +124,17 @@ pub struct LogStore {
     group: u32,
     log: Arc<Mutex<GroupLog>>,
     wal: Arc<Wal>,
+    /// Bytes of entry records appended so far (monotonic): the server snapshots a group by log size too.
+    appended_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl LogStore {
-    pub fn new(group: u32, log: GroupLog, wal: Arc<Wal>) -> Self {
+    pub fn new(
+        group: u32,
+        log: GroupLog,
+        wal: Arc<Wal>,
+        appended_bytes: Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
         // What was purged before a restart stays released, or its segments would never be deleted.
         if let Some(purged) = log.purged {
             wal.release(group, purged.index);
@@ -136,6 +143,7 @@ impl LogStore {
             group,
             log: Arc::new(Mutex::new(log)),
             wal,
+            appended_bytes,
         }
     }
 
@@ -249,6 +257,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 log.entries.insert(index, entry);
             }
         }
+        let bytes: usize = records.iter().map(|r| r.payload.len()).sum();
+        self.appended_bytes
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         self.wal.append(
             records,
             Box::new(move |r| callback.io_completed(r.map_err(wal_io))),

@@ -157,7 +157,8 @@ impl Node {
         for g in 0..config.groups {
             let log = GroupLog::replay(recovered.records.iter().filter(|r| r.group == g))
                 .map_err(|e| anyhow!("group {g}: {e}"))?;
-            let log_store = LogStore::new(g, log, wal.clone());
+            let log_bytes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let log_store = LogStore::new(g, log, wal.clone(), log_bytes.clone());
             let snapshots =
                 SnapshotStore::open(config.data_dir.join("snapshots").join(format!("g{g}")))?;
             #[cfg(not(holdfast_sim))]
@@ -203,7 +204,7 @@ impl Node {
                 }
             }
             groups.push(Arc::new(Group::new(
-                g, raft, state, leases, waiters, &config,
+                g, raft, state, leases, waiters, log_bytes, &config,
             )));
         }
         drop(recovered);
@@ -710,7 +711,8 @@ const PIN_COMPACT_MIN_INTERVAL: Duration = Duration::from_secs(30);
 /// current rate is not compacted.
 const PIN_PATIENCE: Duration = Duration::from_secs(600);
 
-/// Keeps disk use bounded: a group whose old records keep the oldest closed WAL segment on disk, and that
+/// Snapshots a group whose log grew by `snapshot_every_bytes` since its last snapshot, and keeps disk use
+/// bounded: a group whose old records keep the oldest closed WAL segment on disk, and that
 /// will not reach its own snapshot threshold soon (a group that rarely writes may never), is snapshotted
 /// and its log purged. A group that writes fast enough to reach the threshold within
 /// [`PIN_PATIENCE`] is left to its normal snapshot (after a restart every group pins the segment the
@@ -724,6 +726,9 @@ async fn compact_pinning_groups(
     // Per group: applied index at the previous look, to estimate its rate.
     let mut seen: std::collections::HashMap<u32, u64> = Default::default();
     let every = shared.config.snapshot_every_entries;
+    let size_limit = shared.config.snapshot_every_bytes;
+    // Per group: (snapshot index, log bytes) when that snapshot was first seen.
+    let mut size_marks: std::collections::HashMap<u32, (u64, u64)> = Default::default();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(PIN_CHECK_INTERVAL) => {}
@@ -733,6 +738,26 @@ async fn compact_pinning_groups(
         for (g, group) in shared.groups.iter().enumerate() {
             let g = g as u32;
             let m = group.raft_metrics();
+            // By size: a group whose log grew by `snapshot_every_bytes` since its last snapshot is
+            // snapshotted now (openraft's own policy counts entries only; large values make few entries
+            // many bytes). The normal purge follows, keeping `snapshot_keep_entries`.
+            let bytes = group.log_bytes.load(Relaxed);
+            let snapshot_index = m.snapshot.map_or(0, |l| l.index);
+            // Counted from this start: the first mark is at 0 bytes.
+            let mark = size_marks.entry(g).or_insert((snapshot_index, 0));
+            if mark.0 != snapshot_index {
+                *mark = (snapshot_index, bytes);
+            } else if size_limit > 0 && bytes - mark.1 >= size_limit {
+                tracing::info!(
+                    group = g,
+                    bytes = bytes - mark.1,
+                    "log over snapshot_every_bytes: snapshotting"
+                );
+                mark.1 = bytes;
+                if let Err(e) = group.raft.trigger().snapshot().await {
+                    tracing::warn!(group = g, %e, "cannot trigger a snapshot");
+                }
+            }
             let applied = m.last_applied.map_or(0, |l| l.index);
             let previous = seen.insert(g, applied);
             if !pinning.contains(&g) {

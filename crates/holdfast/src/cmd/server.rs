@@ -59,6 +59,9 @@ pub struct ServerArgs {
     /// Log entries kept behind a snapshot for lagging followers (default 1000).
     #[arg(long)]
     snapshot_keep_entries: Option<u64>,
+    /// Also snapshot once a group's log grew by this many bytes (default 67108864; 0 = off).
+    #[arg(long)]
+    snapshot_every_bytes: Option<u64>,
     /// Test hook: every WAL fsync after this many fails, as if the disk returned EIO.
     #[arg(long, hide = true)]
     fault_fsync_fail_after: Option<u64>,
@@ -108,6 +111,7 @@ impl ServerArgs {
             election_timeout_max_ms,
             snapshot_every_entries,
             snapshot_keep_entries,
+            snapshot_every_bytes,
             cluster_token,
             default_ttl_ms,
             min_ttl_ms,

@@ -331,3 +331,49 @@ async fn an_idle_group_does_not_pin_the_wal() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// A group is snapshotted by log size too: with the entry threshold out of reach, 1 KiB lock values
+/// make the log pass `--snapshot-every-bytes` (64 KiB) within ~150 acquires, and a snapshot appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_grows_by_bytes_is_snapshotted() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        snapshot_every_entries: 1_000_000,
+        server_args: vec!["--snapshot-every-bytes=65536".into()],
+        ..Options::default()
+    })
+    .await;
+    let session = c
+        .client()
+        .await
+        .open_session(Duration::from_secs(10))
+        .await
+        .unwrap();
+    let value = vec![b'v'; holdfast_lock_table::limits::MAX_VALUE_BYTES];
+    for i in 0..150 {
+        let g = session
+            .acquire_with_value(&format!("bytes/{}", i % 4), Duration::from_secs(5), &value)
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+    let entries = c.group_status(1, 0).await.unwrap().last_log_index;
+    assert!(
+        entries < 1_000,
+        "{entries} entries: far below the entry threshold"
+    );
+    let snapshots = |id: usize| {
+        std::fs::read_dir(c.servers[id].data_dir.join("snapshots/g0"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while (0..3).any(|i| snapshots(i) == 0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no snapshot by size after {entries} entries; logs in {}",
+            c.dir().display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
