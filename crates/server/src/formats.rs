@@ -303,11 +303,11 @@ pub mod legacy {
 
     pub fn vote(bytes: &[u8]) -> Result<Vote, String> {
         let v: VoteV0 = postcard(bytes, "wal vote")?;
-        Ok(if v.committed {
-            Vote::new_committed(v.leader_id.term, v.leader_id.node_id)
-        } else {
-            Vote::new(v.leader_id.term, v.leader_id.node_id)
-        })
+        Ok(vote_from_pb(&pb::Vote {
+            term: v.leader_id.term,
+            node: v.leader_id.node_id,
+            committed: v.committed,
+        }))
     }
 
     pub fn log_id_record(bytes: &[u8]) -> Result<LogId, String> {

@@ -163,58 +163,34 @@ pub fn create(dir: &Path, identity: &Identity) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What `check` would decide, without writing anything: `Ok(None)` for a new data directory, the stored
-/// identity for an existing compatible one, an error for one that would be refused.
-pub fn inspect(config: &ServerConfig) -> anyhow::Result<Option<Identity>> {
-    let path = config.data_dir.join(FILE);
-    let text = match fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-    };
-    let stored = parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let wanted = configured(config)?;
-    if stored.node_id != wanted.node_id || stored.groups != wanted.groups {
-        bail!(
-            "data dir {} was created for node {} with {} groups; this configuration is node {} with {} groups",
-            config.data_dir.display(),
-            stored.node_id,
-            stored.groups,
-            wanted.node_id,
-            wanted.groups
-        );
-    }
-    let format_0 = field(&text, "format").is_none();
-    if !format_0 && config.cluster_id.is_some() && stored.cluster_id != wanted.cluster_id {
-        bail!(
-            "data dir {} belongs to cluster {:016x}, but this configuration gives cluster_id {:016x}",
-            config.data_dir.display(),
-            stored.cluster_id,
-            wanted.cluster_id
-        );
-    }
-    Ok(Some(stored))
+/// What a data directory's identity is once the configuration is applied, and whether the file is
+/// still to be written (a new directory) or rewritten (a format-0 file to upgrade).
+struct Judged {
+    identity: Identity,
+    new: bool,
+    upgrade_from_0: bool,
 }
 
-/// Checks (or, for a new data directory, writes) the identity and returns it. Refuses a data directory
-/// created for another node id, group count or cluster: serving it would move locks between groups or
-/// merge clusters.
-pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
+/// Reads the IDENTITY file (if any) and checks it against the configuration; writes nothing.
+fn judge(config: &ServerConfig) -> anyhow::Result<Judged> {
     let dir = &config.data_dir;
     let path = dir.join(FILE);
     let wanted = configured(config)?;
     let text = match fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            create(dir, &wanted)?;
-            return Ok(wanted);
+            return Ok(Judged {
+                identity: wanted,
+                new: true,
+                upgrade_from_0: false,
+            })
         }
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
-    let stored = parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let mut stored = parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     if stored.node_id != wanted.node_id || stored.groups != wanted.groups {
         bail!(
-            "data dir {} was created for node {} with {} groups; this server was started as node {} with {} groups (node id and groups are fixed at creation)",
+            "data dir {} was created for node {} with {} groups; this configuration is node {} with {} groups (node id and groups are fixed at creation)",
             dir.display(),
             stored.node_id,
             stored.groups,
@@ -223,7 +199,6 @@ pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
         );
     }
     let format_0 = field(&text, "format").is_none();
-    let mut stored = stored;
     if format_0 && config.cluster_id.is_some() {
         // Format 0 recorded no id; the one derived from its member list differs between servers whose
         // configurations spelled a member differently (a host name on one, an address on another). An
@@ -233,17 +208,39 @@ pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
         // Once created, the stored id is the truth (members may move or change since); only an
         // explicitly configured id that differs is a contradiction.
         bail!(
-            "data dir {} belongs to cluster {:016x}, but this server was configured with cluster_id {:016x}",
+            "data dir {} belongs to cluster {:016x}, but this configuration gives cluster_id {:016x}",
             dir.display(),
             stored.cluster_id,
             wanted.cluster_id
         );
     }
-    if format_0 {
-        tracing::info!(cluster_id = %format!("{:016x}", stored.cluster_id), "upgrading {} from format 0 to format {FORMAT}", path.display());
-        create(dir, &stored)?;
+    Ok(Judged {
+        identity: stored,
+        new: false,
+        upgrade_from_0: format_0,
+    })
+}
+
+/// What `check` would decide, without writing anything: `Ok(None)` for a new data directory, the
+/// identity an existing compatible one has (or gets by its upgrade), an error for one that would be
+/// refused.
+pub fn inspect(config: &ServerConfig) -> anyhow::Result<Option<Identity>> {
+    let judged = judge(config)?;
+    Ok((!judged.new).then_some(judged.identity))
+}
+
+/// Checks (or, for a new data directory, writes) the identity and returns it. Refuses a data directory
+/// created for another node id, group count or cluster: serving it would move locks between groups or
+/// merge clusters.
+pub fn check(config: &ServerConfig) -> anyhow::Result<Identity> {
+    let judged = judge(config)?;
+    if judged.upgrade_from_0 {
+        tracing::info!(cluster_id = %format!("{:016x}", judged.identity.cluster_id), "upgrading {} from format 0 to format {FORMAT}", config.data_dir.join(FILE).display());
     }
-    Ok(stored)
+    if judged.new || judged.upgrade_from_0 {
+        create(&config.data_dir, &judged.identity)?;
+    }
+    Ok(judged.identity)
 }
 
 #[cfg(test)]

@@ -764,7 +764,7 @@ async fn compact_pinning_groups(
                 continue;
             }
             let Some(previous) = previous else { continue };
-            let since_snapshot = applied - m.snapshot.map_or(0, |l| l.index).min(applied);
+            let since_snapshot = applied - snapshot_index.min(applied);
             let rate_per_check = applied.saturating_sub(previous);
             let checks = PIN_PATIENCE.as_secs() / PIN_CHECK_INTERVAL.as_secs();
             if since_snapshot + rate_per_check * checks >= every {

@@ -5,10 +5,37 @@
 
 use crate::cluster::{client_endpoints, server_name, AdminOp, Shared, CLIENT_PORT, PEER_PORT};
 use holdfast_client::{Client, ClientOptions};
+use holdfast_proto::v1::MembershipResponse;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub type AdminLog = Arc<Mutex<Vec<String>>>;
+
+/// Repeats a membership call until it answers with a settled (not joint) configuration; false if the
+/// run ends first. Each attempt is bounded by the time left.
+async fn settle<F, Fut>(what: &str, until_ms: u64, say: &impl Fn(String), call: F) -> bool
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<MembershipResponse, holdfast_client::Error>>,
+{
+    loop {
+        let left = Duration::from_millis(until_ms.saturating_sub(crate::workload::now_ms()));
+        match tokio::time::timeout(left, call()).await {
+            Err(_) => return false,
+            Ok(Ok(m)) => {
+                say(format!("{what}: voters {:?} joint {}", m.voters, m.joint));
+                if !m.joint {
+                    return true;
+                }
+            }
+            Ok(Err(e)) => say(format!("{what} failed, retrying: {e}")),
+        }
+        if crate::workload::now_ms() >= until_ms {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
 
 /// Takes operations until `idle_until_ms` (the end of the workload) and then ends once the queue is
 /// empty; an operation under way is retried until `until_ms` (simulated wall clock).
@@ -47,48 +74,14 @@ pub async fn admin_host(
             AdminOp::Replace { server, old, new } => {
                 let client_ep = format!("{}:{CLIENT_PORT}", server_name(server));
                 let peer_ep = format!("{}:{PEER_PORT}", server_name(server));
-                let left =
-                    || Duration::from_millis(until_ms.saturating_sub(crate::workload::now_ms()));
                 for g in 0..client.groups() {
-                    loop {
-                        let call = client.add_member(g, new, &client_ep, &peer_ep);
-                        match tokio::time::timeout(left(), call).await {
-                            Err(_) => return Ok(()),
-                            Ok(Ok(m)) => {
-                                say(format!(
-                                    "add {new}: voters {:?} joint {}",
-                                    m.voters, m.joint
-                                ));
-                                if !m.joint {
-                                    break;
-                                }
-                            }
-                            Ok(Err(e)) => say(format!("add {new} failed, retrying: {e}")),
-                        }
-                        if crate::workload::now_ms() >= until_ms {
-                            return Ok(());
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    let add = || client.add_member(g, new, &client_ep, &peer_ep);
+                    if !settle(&format!("add {new}"), until_ms, &say, add).await {
+                        return Ok(());
                     }
-                    loop {
-                        let call = client.remove_member(g, old, false);
-                        match tokio::time::timeout(left(), call).await {
-                            Err(_) => return Ok(()),
-                            Ok(Ok(m)) => {
-                                say(format!(
-                                    "remove {old}: voters {:?} joint {}",
-                                    m.voters, m.joint
-                                ));
-                                if !m.joint {
-                                    break;
-                                }
-                            }
-                            Ok(Err(e)) => say(format!("remove {old} failed, retrying: {e}")),
-                        }
-                        if crate::workload::now_ms() >= until_ms {
-                            return Ok(());
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    let remove = || client.remove_member(g, old, false);
+                    if !settle(&format!("remove {old}"), until_ms, &say, remove).await {
+                        return Ok(());
                     }
                 }
                 say(format!("replaced {old} by {new} in every group"));

@@ -76,23 +76,7 @@ pub async fn run(args: MemberArgs) -> anyhow::Result<ExitCode> {
     match args.action {
         MemberAction::List { json, conn } => {
             let client = conn.connect().await?;
-            let mut last = None;
-            let mut status = None;
-            for i in 0..client.endpoints().len() {
-                match client.status_of(i).await {
-                    Ok(s) => {
-                        status = Some(s);
-                        break;
-                    }
-                    Err(e) => last = Some(e),
-                }
-            }
-            let Some(s) = status else {
-                anyhow::bail!(
-                    "no server answered: {}",
-                    last.map_or(String::new(), |e| e.to_string())
-                );
-            };
+            let s = super::any_status(&client).await?;
             if json {
                 let members: Vec<_> = s
                     .members

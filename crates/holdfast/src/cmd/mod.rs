@@ -97,6 +97,21 @@ impl Conn {
 }
 
 /// Milliseconds as a short human duration.
+/// The view of the first server that answers `Status` (any server: the view is not linearizable).
+pub async fn any_status(client: &Client) -> anyhow::Result<holdfast_proto::v1::StatusResponse> {
+    let mut last = None;
+    for i in 0..client.endpoints().len() {
+        match client.status_of(i).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    anyhow::bail!(
+        "no server answered: {}",
+        last.map_or(String::new(), |e| e.to_string())
+    )
+}
+
 pub fn human_ms(ms: u64) -> String {
     match ms {
         0..=999 => format!("{ms}ms"),

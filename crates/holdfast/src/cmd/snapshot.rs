@@ -97,14 +97,10 @@ pub async fn run(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
 
 async fn save(file: PathBuf, conn: Conn) -> anyhow::Result<ExitCode> {
     let client = conn.connect().await?;
-    let mut cluster_id = None;
-    for i in 0..client.endpoints().len() {
-        if let Ok(s) = client.status_of(i).await {
-            cluster_id = u64::from_str_radix(&s.cluster_id, 16).ok();
-            break;
-        }
-    }
-    let cluster_id = cluster_id.context("no server reported the cluster id")?;
+    let status = super::any_status(&client).await?;
+    let cluster_id = u64::from_str_radix(&status.cluster_id, 16)
+        .ok()
+        .context("the server reported no cluster id")?;
     let mut groups = Vec::new();
     for g in 0..client.groups() {
         let chunk = client.snapshot_group(g).await?;

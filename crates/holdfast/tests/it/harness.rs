@@ -85,6 +85,25 @@ pub fn free_port() -> u16 {
     panic!("no free port in {base}..{}", base + 100);
 }
 
+/// The command line every test server starts with: who it is, where it listens, where its data is.
+fn server_args(
+    id: u64,
+    members: &[String],
+    data_dir: &std::path::Path,
+    client_port: u16,
+    peer_port: u16,
+) -> Vec<String> {
+    vec![
+        "server".into(),
+        "--exit-on-stdin-close".into(),
+        format!("--node-id={id}"),
+        format!("--members={}", members.join(",")),
+        format!("--data-dir={}", data_dir.display()),
+        format!("--client-listen=127.0.0.1:{client_port}"),
+        format!("--peer-listen=127.0.0.1:{peer_port}"),
+    ]
+}
+
 /// Copies a directory tree (fixtures are small).
 pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
@@ -140,21 +159,15 @@ impl Cluster {
                     String::from_utf8_lossy(&out.stderr)
                 );
             }
-            let mut args: Vec<String> = vec![
-                "server".into(),
-                "--exit-on-stdin-close".into(),
-                format!("--node-id={i}"),
-                format!("--members={}", members.join(",")),
-                format!("--data-dir={}", data_dir.display()),
-                format!("--client-listen=127.0.0.1:{client_port}"),
-                format!("--peer-listen=127.0.0.1:{peer_port}"),
+            let mut args = server_args(i, &members, &data_dir, client_port, peer_port);
+            args.extend([
                 format!("--groups={}", options.groups),
                 format!(
                     "--snapshot-every-entries={}",
                     options.snapshot_every_entries
                 ),
                 format!("--snapshot-keep-entries={}", options.snapshot_keep_entries),
-            ];
+            ]);
             if options.audit {
                 args.push("--audit-log".into());
             }
@@ -214,18 +227,12 @@ impl Cluster {
             .find(|a| a.starts_with("--groups="))
             .cloned()
             .expect("groups flag");
-        let mut args: Vec<String> = vec![
-            "server".into(),
-            "--exit-on-stdin-close".into(),
-            format!("--node-id={id}"),
-            format!("--members={}", members.join(",")),
-            format!("--data-dir={}", data_dir.display()),
-            format!("--client-listen=127.0.0.1:{client_port}"),
-            format!("--peer-listen=127.0.0.1:{peer_port}"),
+        let mut args = server_args(id, &members, &data_dir, client_port, peer_port);
+        args.extend([
             groups,
             "--join".into(),
             format!("--cluster-id={}", self.cluster_id().await),
-        ];
+        ]);
         // The cluster's snapshot policy, unless `extra` sets its own.
         let overridden = |a: &str| {
             let name = a.split('=').next().unwrap_or(a);
