@@ -38,6 +38,8 @@ pub struct NodeShared {
     pub attempt_ids: crate::abandon::AttemptIds,
     /// Abandons this server owes, kept on disk across a crash (see `abandon`).
     pub pending_abandons: crate::abandon::PendingAbandons,
+    /// The log every group writes to (for its metrics; `Node` closes it).
+    pub wal: Arc<Wal>,
 }
 
 impl RaftLookup for NodeShared {
@@ -216,6 +218,7 @@ impl Node {
             metrics,
             attempt_ids: crate::abandon::AttemptIds::new(rng_seed, config.node_id, crate::now_ms()),
             pending_abandons: crate::abandon::PendingAbandons::open(&config.data_dir),
+            wal: wal.clone(),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -560,6 +563,16 @@ impl NodeShared {
             "Records per group commit (one fsync).",
             metrics::Unit::Count,
             &[(String::new(), &self.metrics.fsync_batch_records)],
+        );
+        let (pre_created, created_inline) = self.wal.rotations();
+        metrics::counter(
+            &mut out,
+            "holdfast_wal_rotations_total",
+            "WAL segments started, by whether the next file was pre-created or had to be created inside the commit that filled the last one.",
+            &[
+                ("segment=\"pre_created\"".to_string(), pre_created),
+                ("segment=\"created_inline\"".to_string(), created_inline),
+            ],
         );
         metrics::counter(
             &mut out,

@@ -1,7 +1,9 @@
 //! The on-disk format.
 //!
 //! A segment file `wal-<seq, 16 hex digits>.log` starts with a 16-byte header: magic `b"HFWALSEG"`, a
-//! little-endian `u32` format version, and 4 zero bytes. Then come frames, one per group commit:
+//! little-endian `u32` format version, and a little-endian `u32` state: 0 for a segment in use, or
+//! [`STANDBY`] for a segment created ahead of time that holds nothing yet (see [`crate::Wal`]; any other
+//! value is corruption). Then come frames, one per group commit:
 //!
 //! ```text
 //! frame  = magic u32 ("HFWF") | body_len u32 | crc32(body) u32 | body
@@ -15,6 +17,11 @@
 pub const SEGMENT_MAGIC: &[u8; 8] = b"HFWALSEG";
 pub const SEGMENT_VERSION: u32 = 1;
 pub const SEGMENT_HEADER_BYTES: u64 = 16;
+/// Offset of the header's state word.
+pub const SEGMENT_STATE_OFFSET: u64 = 12;
+/// The state of a pre-created segment that has not been used yet: `b"STBY"`. A whole word rather than a
+/// bit, so that no single flipped bit turns a segment in use into one whose contents recovery ignores.
+pub const STANDBY: u32 = u32::from_le_bytes(*b"STBY");
 pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"HFWF");
 pub const FRAME_HEADER_BYTES: usize = 12;
 pub const RECORD_HEADER_BYTES: usize = 18;
@@ -132,13 +139,24 @@ pub(crate) fn check_frame(buf: &[u8], at: usize) -> FrameCheck<'_> {
     }
 }
 
-pub(crate) fn segment_header(seq: u64) -> Vec<u8> {
-    let _ = seq;
+/// A segment's header; `state` is 0 (in use) or [`STANDBY`].
+pub(crate) fn segment_header(state: u32) -> Vec<u8> {
     let mut h = Vec::with_capacity(SEGMENT_HEADER_BYTES as usize);
     h.extend_from_slice(SEGMENT_MAGIC);
     h.extend_from_slice(&SEGMENT_VERSION.to_le_bytes());
-    h.extend_from_slice(&[0; 4]);
+    h.extend_from_slice(&state.to_le_bytes());
     h
+}
+
+/// The state word of a segment that starts with a valid header, or None.
+pub(crate) fn segment_state(buf: &[u8]) -> Option<u32> {
+    if (buf.len() as u64) < SEGMENT_HEADER_BYTES || &buf[..8] != SEGMENT_MAGIC {
+        return None;
+    }
+    let at = SEGMENT_STATE_OFFSET as usize;
+    Some(u32::from_le_bytes(
+        buf[at..at + 4].try_into().expect("4 bytes"),
+    ))
 }
 
 pub(crate) fn segment_name(seq: u64) -> String {

@@ -18,6 +18,10 @@
 //! - **Bounded size.** Segments roll over at [`WalOptions::segment_bytes`]. Records marked *sticky* (votes,
 //!   purge points) are rewritten at the head of each new segment, so an old segment can be deleted once the
 //!   owner says, through [`Wal::release`], that its entries are no longer needed.
+//! - **Rotation off the commit path.** The next segment is created and synced ahead of time, marked
+//!   standby in its header. Starting it clears that mark in the same write-then-sync as the commit that
+//!   needed it, so a segment still marked standby holds nothing acknowledged and recovery cuts whatever
+//!   follows its header.
 //!
 //! On-disk format: see [`format`].
 

@@ -1,13 +1,13 @@
 //! Recovery: read every segment in order, cut a torn tail, refuse real corruption.
 
 use crate::format::{
-    check_frame, decode_records, parse_segment_name, FrameCheck, Record, FRAME_MAGIC,
-    SEGMENT_HEADER_BYTES, SEGMENT_MAGIC,
+    check_frame, decode_records, parse_segment_name, segment_state, FrameCheck, Record,
+    FRAME_MAGIC, SEGMENT_HEADER_BYTES, SEGMENT_STATE_OFFSET, STANDBY,
 };
 use crate::fs;
 use crate::WalError;
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 /// What [`crate::Wal::open`] found on disk.
@@ -53,14 +53,41 @@ pub(crate) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, WalError>
     Ok(segments)
 }
 
-pub(crate) fn recover(dir: &Path) -> Result<(Recovered, Vec<SegmentInfo>), WalError> {
+/// A segment pre-created for the next rotation, found empty (or emptied) by recovery.
+pub(crate) struct Standby {
+    pub(crate) seq: u64,
+    pub(crate) path: PathBuf,
+}
+
+/// Whether the file is a pre-created segment holding nothing but its header.
+pub(crate) fn is_empty_standby(path: &Path) -> Result<bool, WalError> {
+    let mut file = fs::File::open(path).map_err(io_err(path))?;
+    if file.metadata().map_err(io_err(path))?.len() != SEGMENT_HEADER_BYTES {
+        return Ok(false);
+    }
+    let mut header = [0u8; SEGMENT_HEADER_BYTES as usize];
+    file.read_exact(&mut header).map_err(io_err(path))?;
+    Ok(segment_state(&header) == Some(STANDBY))
+}
+
+pub(crate) fn recover(
+    dir: &Path,
+) -> Result<(Recovered, Vec<SegmentInfo>, Option<Standby>), WalError> {
     let segments = list_segments(dir)?;
     let mut recovered = Recovered::default();
     let mut infos = Vec::new();
+    let mut standby = None;
     let last = segments.len().saturating_sub(1);
+    // The segment that was being written when the server stopped is the last one, or the one before an
+    // empty pre-created segment: only its end may be torn. (A pre-created segment with bytes after its
+    // header was being started when the server stopped, so the segment before it was complete.)
+    let tail = match segments.last() {
+        Some((_, path)) if last > 0 && is_empty_standby(path)? => last - 1,
+        _ => last,
+    };
     for (i, (seq, path)) in segments.iter().enumerate() {
         let buf = fs::read(path).map_err(io_err(path))?;
-        let is_last = i == last;
+        let is_last = i == last || i == tail;
         let start = recovered.records.len();
         let scan = scan_segment(&buf, is_last).map_err(|(offset, reason)| WalError::Corrupt {
             path: path.clone(),
@@ -78,6 +105,13 @@ pub(crate) fn recover(dir: &Path) -> Result<(Recovered, Vec<SegmentInfo>), WalEr
                 saved_to,
             });
         }
+        if scan.standby {
+            standby = Some(Standby {
+                seq: *seq,
+                path: path.clone(),
+            });
+            continue;
+        }
         let mut max_index = BTreeMap::new();
         for r in recovered.records[start..].iter().filter(|r| !r.sticky) {
             let m = max_index.entry(r.group).or_insert(0);
@@ -89,7 +123,7 @@ pub(crate) fn recover(dir: &Path) -> Result<(Recovered, Vec<SegmentInfo>), WalEr
             max_index,
         });
     }
-    Ok((recovered, infos))
+    Ok((recovered, infos, standby))
 }
 
 /// Keeps a copy of the torn bytes for post-mortems, then truncates the segment. A segment whose header was
@@ -125,19 +159,45 @@ pub struct Scan {
     pub records: Vec<Record>,
     /// Where a torn tail starts, if the last segment ends in one.
     pub torn_at: Option<usize>,
+    /// The segment was pre-created and never put in use: it holds no records, and whatever follows its
+    /// header is cut as torn.
+    pub standby: bool,
 }
 
 /// Decodes one segment's bytes without any I/O (recovery's decoder, and a fuzz target). A bad frame is a
 /// torn tail only in the last segment and only if no valid frame follows it; otherwise the segment is
-/// corrupt: `Err((offset, reason))`.
+/// corrupt: `Err((offset, reason))`. A pre-created segment may only be the last.
 pub fn scan_segment(buf: &[u8], is_last: bool) -> Result<Scan, (usize, String)> {
     let mut scan = Scan::default();
-    let header_ok = buf.len() as u64 >= SEGMENT_HEADER_BYTES && &buf[..8] == SEGMENT_MAGIC;
     let mut at = SEGMENT_HEADER_BYTES as usize;
     let mut bad: Option<(usize, String)> = None;
-    if !header_ok {
-        bad = Some((0, "bad segment header".to_string()));
-    } else {
+    match segment_state(buf) {
+        None => bad = Some((0, "bad segment header".to_string())),
+        Some(0) => {}
+        Some(STANDBY) if !is_last => {
+            return Err((
+                SEGMENT_STATE_OFFSET as usize,
+                "a pre-created (standby) segment is followed by later segments".into(),
+            ))
+        }
+        Some(STANDBY) => {
+            // Putting a pre-created segment in use clears its state in the same write-then-sync as the
+            // first frames after its header. A segment still marked standby therefore never completed
+            // that sync, and nothing after its header was acknowledged.
+            scan.standby = true;
+            if buf.len() > at {
+                scan.torn_at = Some(at);
+            }
+            return Ok(scan);
+        }
+        Some(other) => {
+            return Err((
+                SEGMENT_STATE_OFFSET as usize,
+                format!("unknown segment state 0x{other:08x}"),
+            ))
+        }
+    }
+    if bad.is_none() {
         while at < buf.len() {
             match check_frame(buf, at) {
                 FrameCheck::Valid { body, next } => {

@@ -2,13 +2,15 @@
 
 use crate::format::{
     encode_frame, encode_record, segment_header, segment_name, Record, MAX_RECORD_BYTES,
+    SEGMENT_STATE_OFFSET, STANDBY,
 };
 use crate::fs::{File, OpenOptions};
-use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo};
+use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo, Standby};
 use crate::WalError;
 use std::collections::{BTreeMap, VecDeque};
-use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -68,6 +70,7 @@ pub struct Wal {
     tx: Mutex<Option<mpsc::Sender<Op>>>,
     /// Groups whose unreleased records keep the oldest closed segment on disk (see [`Wal::pinning_groups`]).
     pinning: Arc<Mutex<Vec<u32>>>,
+    rotations: Arc<Rotations>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// In the simulation the writer is a task on the host's runtime (a thread would run outside
     /// simulated time); this wakes it.
@@ -79,25 +82,41 @@ impl Wal {
     /// Recovers the log in `dir` (created if missing) and starts the writer on a fresh segment.
     pub fn open(dir: &Path, options: WalOptions) -> Result<(Wal, Recovered), WalError> {
         crate::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let (recovered, segments) = recover(dir)?;
+        let (recovered, segments, standby) = recover(dir)?;
         let mut sticky = BTreeMap::new();
         for r in recovered.records.iter().filter(|r| r.sticky) {
             sticky.insert((r.group, r.kind), r.clone());
         }
-        let next_seq = segments.last().map_or(1, |s| s.seq + 1);
+        let next_seq = standby
+            .as_ref()
+            .map(|s| s.seq)
+            .or(segments.last().map(|s| s.seq))
+            .map_or(1, |seq| seq + 1);
+        let standby = match standby {
+            Some(Standby { seq, path }) => Some(Active::open_standby(seq, path)?),
+            None => None,
+        };
         let mut writer = Writer {
             dir: dir.to_path_buf(),
             options,
             segments: segments.into(),
             active: None,
+            standby,
             next_seq,
             sticky,
             released: BTreeMap::new(),
             poisoned: None,
             pinning: Arc::default(),
+            rotations: Arc::default(),
         };
         let pinning = writer.pinning.clone();
+        let rotations = writer.rotations.clone();
         writer.rotate()?;
+        // The first segment of a run is made durable here, so that a crash before the first commit
+        // still finds it in use (and the segment before it complete).
+        let active = writer.active.as_ref().expect("an active segment");
+        active.file.sync_data().map_err(io_err(&active.path))?;
+        writer.pre_create()?;
         let (tx, rx) = mpsc::channel();
         #[cfg(not(holdfast_sim))]
         let thread = Some(
@@ -116,6 +135,7 @@ impl Wal {
             Wal {
                 tx: Mutex::new(Some(tx)),
                 pinning,
+                rotations,
                 thread: Mutex::new(thread),
                 #[cfg(holdfast_sim)]
                 wake,
@@ -173,6 +193,15 @@ impl Wal {
         self.pinning.lock().expect("wal pinning lock").clone()
     }
 
+    /// How many segments were started from a pre-created file, and how many had to be created inside the
+    /// commit that filled the previous one (only when pre-creating failed or had no chance to run).
+    pub fn rotations(&self) -> (u64, u64) {
+        (
+            self.rotations.pre_created.load(Ordering::Relaxed),
+            self.rotations.created_inline.load(Ordering::Relaxed),
+        )
+    }
+
     /// Stops the writer after it has finished everything queued.
     pub fn close(&self) {
         self.tx.lock().expect("wal sender lock").take();
@@ -183,12 +212,15 @@ impl Wal {
         }
     }
 
-    /// Paths of the live segment files, oldest first (for tests and `holdfast status`).
+    /// Paths of the segment files in use, oldest first, without the pre-created one (for tests and tools).
     pub fn segment_paths(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
-        Ok(crate::recover::list_segments(dir)?
-            .into_iter()
-            .map(|(_, p)| p)
-            .collect())
+        let mut paths = Vec::new();
+        for (_, path) in crate::recover::list_segments(dir)? {
+            if !crate::recover::is_empty_standby(&path)? {
+                paths.push(path);
+            }
+        }
+        Ok(paths)
     }
 }
 
@@ -198,12 +230,44 @@ impl Drop for Wal {
     }
 }
 
+#[derive(Default)]
+struct Rotations {
+    pre_created: AtomicU64,
+    created_inline: AtomicU64,
+}
+
+/// A segment file open for writing: the active one, or the pre-created standby.
 struct Active {
     file: File,
     path: PathBuf,
+    /// Bytes written (synced, for the active segment). Frames are written at this offset: the file is
+    /// not opened in append mode, because Linux's `pwrite` ignores the offset in append mode and the
+    /// standby's state word must be rewritten in place.
     len: u64,
     seq: u64,
     max_index: BTreeMap<u32, u64>,
+}
+
+impl Active {
+    fn open_standby(seq: u64, path: PathBuf) -> Result<Active, WalError> {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        Ok(Active {
+            file,
+            path,
+            len: crate::format::SEGMENT_HEADER_BYTES,
+            seq,
+            max_index: BTreeMap::new(),
+        })
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<(), WalError> {
+        self.file
+            .write_all_at(bytes, self.len)
+            .map_err(io_err(&self.path))
+    }
 }
 
 /// A group commit between its write and its sync.
@@ -224,18 +288,30 @@ struct Writer {
     /// Closed segments, oldest first.
     segments: VecDeque<SegmentInfo>,
     active: Option<Active>,
+    /// The next segment, created and made durable ahead of time so that the commit which fills the
+    /// active segment does not also create a file, fsync it and fsync the directory.
+    standby: Option<Active>,
     next_seq: u64,
     /// The latest sticky record per (group, kind), rewritten at the head of each new segment.
     sticky: BTreeMap<(u32, u8), Record>,
     released: BTreeMap<u32, u64>,
     poisoned: Option<String>,
     pinning: Arc<Mutex<Vec<u32>>>,
+    rotations: Arc<Rotations>,
 }
 
 impl Writer {
     #[cfg(not(holdfast_sim))]
     fn run(mut self, rx: mpsc::Receiver<Op>) {
-        while let Ok(first) = rx.recv() {
+        let mut next = None;
+        loop {
+            let first = match next.take() {
+                Some(op) => op,
+                None => match rx.recv() {
+                    Ok(op) => op,
+                    Err(_) => return,
+                },
+            };
             let mut ops = vec![first];
             let mut bytes = 0usize;
             while bytes < self.options.max_batch_bytes {
@@ -250,6 +326,8 @@ impl Writer {
                 }
             }
             self.commit(ops);
+            next = rx.try_recv().ok();
+            self.maybe_pre_create(next.is_none());
         }
     }
 
@@ -267,6 +345,8 @@ impl Writer {
                     let batch = self.write(ops);
                     tokio::time::sleep(self.options.sim_sync_delay).await;
                     self.sync(batch);
+                    // Pre-creating takes no simulated time, so "idle" is whether this batch was small.
+                    self.maybe_pre_create(true);
                 }
                 Err(mpsc::TryRecvError::Empty) => wake.notified().await,
                 Err(mpsc::TryRecvError::Disconnected) => return,
@@ -342,7 +422,10 @@ impl Writer {
             let r = self.released.entry(group).or_insert(0);
             *r = index.max(*r);
         }
-        if let Err(e) = self.delete_released() {
+        // Nothing is deleted once the log has failed: the sticky records of a segment that a failed batch
+        // started may not be durable, and the older segments still hold them.
+        if self.poisoned.is_some() {
+        } else if let Err(e) = self.delete_released() {
             tracing::warn!(error = %e, "could not delete a released wal segment; will retry on the next release");
         }
         match result {
@@ -369,13 +452,15 @@ impl Writer {
             .as_ref()
             .is_some_and(|a| a.len + frame.len() as u64 > self.options.segment_bytes);
         if full {
+            let counter = match self.standby {
+                Some(_) => &self.rotations.pre_created,
+                None => &self.rotations.created_inline,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             self.rotate()?;
         }
         let active = self.active.as_mut().expect("an active segment");
-        active
-            .file
-            .write_all(&frame)
-            .map_err(io_err(&active.path))?;
+        active.write(&frame)?;
         Ok(frame.len() as u64)
     }
 
@@ -398,26 +483,38 @@ impl Writer {
         Ok(())
     }
 
-    /// Closes the active segment and starts the next, beginning with the latest sticky records.
+    /// Closes the active segment and starts the next, beginning with the latest sticky records. The next
+    /// is the pre-created standby when there is one: its state word is cleared and the sticky records
+    /// written, and the commit's own sync makes both durable with its frame. Only without a standby is a
+    /// file created, synced and its directory synced here.
     fn rotate(&mut self) -> Result<(), WalError> {
-        let seq = self.next_seq;
-        let path = self.dir.join(segment_name(seq));
-        let mut bytes = segment_header(seq);
+        let mut sticky_frame = Vec::new();
         if !self.sticky.is_empty() {
             let mut body = Vec::new();
             for r in self.sticky.values() {
                 encode_record(&mut body, r);
             }
-            encode_frame(&mut bytes, &body);
+            encode_frame(&mut sticky_frame, &body);
         }
-        let mut file = OpenOptions::new()
-            .create_new(true)
-            .append(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
-        file.write_all(&bytes).map_err(io_err(&path))?;
-        file.sync_all().map_err(io_err(&path))?;
-        sync_dir(&self.dir)?;
+        let next = match self.standby.take() {
+            Some(mut standby) => {
+                standby
+                    .file
+                    .write_all_at(&0u32.to_le_bytes(), SEGMENT_STATE_OFFSET)
+                    .map_err(io_err(&standby.path))?;
+                standby.write(&sticky_frame)?;
+                standby.len += sticky_frame.len() as u64;
+                standby
+            }
+            None => {
+                let mut next = self.create_segment(0)?;
+                next.write(&sticky_frame)?;
+                next.len += sticky_frame.len() as u64;
+                next.file.sync_all().map_err(io_err(&next.path))?;
+                sync_dir(&self.dir)?;
+                next
+            }
+        };
         if let Some(old) = self.active.take() {
             self.segments.push_back(SegmentInfo {
                 seq: old.seq,
@@ -426,14 +523,59 @@ impl Writer {
             });
         }
         self.update_pinning();
-        self.active = Some(Active {
+        self.active = Some(next);
+        Ok(())
+    }
+
+    /// Creates segment `next_seq` with just its header (not yet synced).
+    fn create_segment(&mut self, state: u32) -> Result<Active, WalError> {
+        let seq = self.next_seq;
+        let path = self.dir.join(segment_name(seq));
+        let file = OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        let mut segment = Active {
             file,
             path,
-            len: bytes.len() as u64,
+            len: 0,
             seq,
             max_index: BTreeMap::new(),
-        });
+        };
+        let header = segment_header(state);
+        segment.write(&header)?;
+        segment.len = header.len() as u64;
         self.next_seq = seq + 1;
+        Ok(segment)
+    }
+
+    /// Pre-creates the next segment when there is none: right away when the writer has nothing queued,
+    /// otherwise once the active segment is half full (so a busy log pays the two syncs once per segment,
+    /// on a commit that does not also rotate).
+    fn maybe_pre_create(&mut self, idle: bool) {
+        if self.standby.is_some() || self.poisoned.is_some() {
+            return;
+        }
+        let half_full = self
+            .active
+            .as_ref()
+            .is_some_and(|a| a.len >= self.options.segment_bytes / 2);
+        if !(idle || half_full) {
+            return;
+        }
+        if let Err(e) = self.pre_create() {
+            tracing::error!(error = %e, "could not pre-create the next wal segment; the log is stopped");
+            self.poisoned.get_or_insert(e.to_string());
+        }
+    }
+
+    /// Creates the next segment marked standby, and makes it and its directory entry durable.
+    fn pre_create(&mut self) -> Result<(), WalError> {
+        let standby = self.create_segment(STANDBY)?;
+        standby.file.sync_all().map_err(io_err(&standby.path))?;
+        sync_dir(&self.dir)?;
+        self.standby = Some(standby);
         Ok(())
     }
 

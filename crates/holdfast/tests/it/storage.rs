@@ -247,14 +247,9 @@ async fn a_torn_tail_is_cut_and_a_corrupt_log_refuses_to_start() {
     assert_held(&client, &session, &held).await;
 }
 
+/// The segments in use, oldest first (not the pre-created standby after them).
 fn segments(data_dir: &Path) -> Vec<PathBuf> {
-    let mut segments: Vec<PathBuf> = std::fs::read_dir(data_dir.join("wal"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "log"))
-        .collect();
-    segments.sort();
-    segments
+    holdfast_wal::Wal::segment_paths(&data_dir.join("wal")).unwrap()
 }
 
 fn newest_segment(data_dir: &Path) -> PathBuf {
@@ -265,17 +260,14 @@ fn oldest_segment(data_dir: &Path) -> PathBuf {
     segments(data_dir).remove(0)
 }
 
+/// How many segments are in use, and their bytes.
 fn wal_segments(data_dir: &std::path::Path) -> (usize, u64) {
-    let mut count = 0;
-    let mut bytes = 0;
-    for e in std::fs::read_dir(data_dir.join("wal")).unwrap() {
-        let e = e.unwrap();
-        if e.file_name().to_string_lossy().ends_with(".log") {
-            count += 1;
-            bytes += e.metadata().unwrap().len();
-        }
-    }
-    (count, bytes)
+    let paths = segments(data_dir);
+    let bytes = paths
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    (paths.len(), bytes)
 }
 
 /// One busy group and one idle one, with 64 KiB WAL segments: the idle group's few old entries would keep

@@ -338,3 +338,163 @@ fn a_group_that_never_releases_is_named_as_pinning_the_oldest_segment() {
     let after = Wal::segment_paths(dir.path()).unwrap().len();
     assert!(after <= 2, "released segments stay: {segments} -> {after}");
 }
+
+/// The segment after the active one is created ahead of time, so the commit that fills a segment
+/// only clears the next one's state word instead of creating a file and syncing it and its directory.
+#[test]
+fn rotation_starts_the_pre_created_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4096,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    for i in 1..=200u64 {
+        wal.append_blocking(vec![rec(0, i, &[7u8; 100])]).unwrap();
+    }
+    let (pre_created, inline) = wal.rotations();
+    assert!(pre_created > 3, "expected rotations, got {pre_created}");
+    assert_eq!(
+        inline, 0,
+        "a rotation had to create its segment ({pre_created} did not)"
+    );
+    drop(wal);
+    let in_use = Wal::segment_paths(dir.path()).unwrap();
+    let standby = standby_of(dir.path(), &in_use);
+    assert_eq!(std::fs::metadata(&standby).unwrap().len(), 16);
+}
+
+/// The one segment file that `segment_paths` leaves out: the pre-created standby.
+fn standby_of(dir: &Path, in_use: &[std::path::PathBuf]) -> std::path::PathBuf {
+    let mut all: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    all.sort();
+    assert_eq!(all.len(), in_use.len() + 1, "{all:?}");
+    let standby = all.pop().unwrap();
+    assert_eq!(&all[..], in_use, "the standby is the last file");
+    let bytes = std::fs::read(&standby).unwrap();
+    assert_eq!(&bytes[12..16], b"STBY", "state word of {standby:?}");
+    standby
+}
+
+/// Three batches written and the log closed: one segment in use and an empty standby after it.
+fn closed_log_with_standby(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (wal, _) = Wal::open(dir, WalOptions::default()).unwrap();
+    for i in 1..=3u64 {
+        wal.append_blocking(vec![rec(0, i, b"batch")]).unwrap();
+    }
+    drop(wal);
+    let in_use = only_segment(dir);
+    let standby = standby_of(dir, std::slice::from_ref(&in_use));
+    (in_use, standby)
+}
+
+#[test]
+fn a_restart_puts_the_standby_in_use_and_pre_creates_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, standby) = closed_log_with_standby(dir.path());
+    let (wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert_eq!(recovered.records.len(), 3);
+    assert!(recovered.torn.is_none());
+    wal.append_blocking(vec![rec(0, 4, b"after")]).unwrap();
+    drop(wal);
+    let in_use = Wal::segment_paths(dir.path()).unwrap();
+    assert_eq!(
+        in_use,
+        vec![first, standby.clone()],
+        "the standby is in use"
+    );
+    assert_eq!(&std::fs::read(&standby).unwrap()[12..16], &[0; 4]);
+    standby_of(dir.path(), &in_use);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let indexes: Vec<u64> = recovered.records.iter().map(|r| r.index).collect();
+    assert_eq!(indexes, vec![1, 2, 3, 4]);
+}
+
+/// A crash mid-commit in the active segment: the empty standby after it does not make its torn tail
+/// look like damage to an older segment.
+#[test]
+fn a_torn_tail_before_an_empty_standby_is_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _) = closed_log_with_standby(dir.path());
+    let len = std::fs::metadata(&first).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&first)
+        .unwrap()
+        .set_len(len - 3)
+        .unwrap();
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert_eq!(recovered.records.len(), 2);
+    assert_eq!(recovered.torn.expect("torn").segment, first);
+}
+
+/// A crash while a standby was being put in use leaves it marked standby with bytes after its header:
+/// they were never synced (the sync that makes them durable also makes the cleared state durable), so
+/// they are cut. The segment before it was complete, so damage to its end is corruption.
+#[test]
+fn a_standby_started_but_never_synced_is_cut_and_the_segment_before_stays_strict() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, standby) = closed_log_with_standby(dir.path());
+    let frame = {
+        let bytes = std::fs::read(&first).unwrap();
+        bytes[16..].to_vec()
+    };
+    let mut started = std::fs::read(&standby).unwrap();
+    started.extend_from_slice(&frame);
+    std::fs::write(&standby, &started).unwrap();
+    let damaged = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), damaged.path());
+
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert_eq!(recovered.records.len(), 3, "nothing from the standby");
+    let torn = recovered.torn.expect("the standby's bytes are cut");
+    assert_eq!((torn.segment, torn.offset), (standby, 16));
+
+    let first = damaged.path().join(first.file_name().unwrap());
+    let mut bytes = std::fs::read(&first).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0xff;
+    std::fs::write(&first, &bytes).unwrap();
+    let err = Wal::open(damaged.path(), WalOptions::default())
+        .err()
+        .expect("must refuse");
+    let msg = err.to_string();
+    assert!(matches!(err, WalError::Corrupt { .. }), "{msg}");
+    assert!(
+        msg.contains(first.file_name().unwrap().to_str().unwrap()),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_standby_that_is_not_the_last_segment_or_an_unknown_state_is_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, standby) = closed_log_with_standby(dir.path());
+    let later = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), later.path());
+    let mut seq = standby.file_name().unwrap().to_str().unwrap().to_string();
+    seq.replace_range(4..20, &format!("{:016x}", 99));
+    std::fs::copy(&first, later.path().join(&seq)).unwrap();
+    let msg = Wal::open(later.path(), WalOptions::default())
+        .err()
+        .expect("must refuse")
+        .to_string();
+    assert!(msg.contains("followed by later segments"), "{msg}");
+    assert!(
+        msg.contains(standby.file_name().unwrap().to_str().unwrap()),
+        "{msg}"
+    );
+
+    let mut bytes = std::fs::read(&first).unwrap();
+    bytes[12] = 1;
+    std::fs::write(&first, &bytes).unwrap();
+    let msg = Wal::open(dir.path(), WalOptions::default())
+        .err()
+        .expect("must refuse")
+        .to_string();
+    assert!(msg.contains("unknown segment state 0x00000001"), "{msg}");
+}
