@@ -20,8 +20,8 @@
 //!   owner says, through [`Wal::release`], that its entries are no longer needed.
 //! - **Rotation off the commit path.** The next segment is created and synced ahead of time, marked
 //!   standby in its header. Starting it clears that mark in the same write-then-sync as the commit that
-//!   needed it, so a segment still marked standby holds nothing acknowledged and recovery cuts whatever
-//!   follows its header.
+//!   needed it (or, at open, in a sync of its own), so a segment still marked standby holds nothing
+//!   acknowledged and recovery cuts whatever follows its header.
 //!
 //! On-disk format: see [`format`].
 

@@ -87,13 +87,20 @@ pub(crate) fn recover(
     };
     for (i, (seq, path)) in segments.iter().enumerate() {
         let buf = fs::read(path).map_err(io_err(path))?;
-        let is_last = i == last || i == tail;
         let start = recovered.records.len();
-        let scan = scan_segment(&buf, is_last).map_err(|(offset, reason)| WalError::Corrupt {
+        let corrupt = |offset: usize, reason: String| WalError::Corrupt {
             path: path.clone(),
             offset: offset as u64,
             reason,
-        })?;
+        };
+        let scan = scan_segment(&buf, i == last || i == tail).map_err(|(o, r)| corrupt(o, r))?;
+        // The tail before an empty standby may be torn, but only the last file may be a standby.
+        if scan.standby && i != last {
+            return Err(corrupt(
+                SEGMENT_STATE_OFFSET as usize,
+                "a pre-created (standby) segment is followed by later segments".into(),
+            ));
+        }
         recovered.records.extend(scan.records);
         if let Some(offset) = scan.torn_at {
             let saved_to = path.with_extension(format!("log.torn-{offset}"));
@@ -104,6 +111,10 @@ pub(crate) fn recover(
                 bytes: (buf.len() - offset) as u64,
                 saved_to,
             });
+            if offset == 0 {
+                // A torn header: the file is gone, and it held nothing.
+                continue;
+            }
         }
         if scan.standby {
             standby = Some(Standby {

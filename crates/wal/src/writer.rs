@@ -112,6 +112,7 @@ impl Wal {
         let pinning = writer.pinning.clone();
         let rotations = writer.rotations.clone();
         writer.rotate()?;
+        // (A reused standby is known to be durable: its pre-creation synced it and its directory.)
         // The first segment of a run is made durable here, so that a crash before the first commit
         // still finds it in use (and the segment before it complete).
         let active = writer.active.as_ref().expect("an active segment");
@@ -194,7 +195,8 @@ impl Wal {
     }
 
     /// How many segments were started from a pre-created file, and how many had to be created inside the
-    /// commit that filled the previous one (only when pre-creating failed or had no chance to run).
+    /// commit that filled the previous one (when pre-creating had no chance to run: a commit that filled
+    /// the segment from less than half full).
     pub fn rotations(&self) -> (u64, u64) {
         (
             self.rotations.pre_created.load(Ordering::Relaxed),
@@ -240,7 +242,8 @@ struct Rotations {
 struct Active {
     file: File,
     path: PathBuf,
-    /// Bytes written (synced, for the active segment). Frames are written at this offset: the file is
+    /// Bytes written: synced, except between a rotation and its batch's sync, when the cleared state and
+    /// the sticky frame are written but not yet synced. Frames are written at this offset: the file is
     /// not opened in append mode, because Linux's `pwrite` ignores the offset in append mode and the
     /// standby's state word must be rewritten in place.
     len: u64,
@@ -345,7 +348,7 @@ impl Writer {
                     let batch = self.write(ops);
                     tokio::time::sleep(self.options.sim_sync_delay).await;
                     self.sync(batch);
-                    // Pre-creating takes no simulated time, so "idle" is whether this batch was small.
+                    // Pre-creating takes no simulated time, so the simulation always does it at once.
                     self.maybe_pre_create(true);
                 }
                 Err(mpsc::TryRecvError::Empty) => wake.notified().await,
@@ -452,12 +455,13 @@ impl Writer {
             .as_ref()
             .is_some_and(|a| a.len + frame.len() as u64 > self.options.segment_bytes);
         if full {
-            let counter = match self.standby {
-                Some(_) => &self.rotations.pre_created,
-                None => &self.rotations.created_inline,
+            let pre_created = self.standby.is_some();
+            self.rotate()?;
+            let counter = match pre_created {
+                true => &self.rotations.pre_created,
+                false => &self.rotations.created_inline,
             };
             counter.fetch_add(1, Ordering::Relaxed);
-            self.rotate()?;
         }
         let active = self.active.as_mut().expect("an active segment");
         active.write(&frame)?;

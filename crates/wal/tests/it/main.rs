@@ -498,3 +498,65 @@ fn a_standby_that_is_not_the_last_segment_or_an_unknown_state_is_corruption() {
         .to_string();
     assert!(msg.contains("unknown segment state 0x00000001"), "{msg}");
 }
+
+/// Two standbys (a state the writer never makes): the first is not the last file, so it is refused
+/// rather than having its bytes cut, even though the segment before an empty standby may be torn.
+#[test]
+fn two_standbys_are_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, standby) = closed_log_with_standby(dir.path());
+    let mut name = standby.file_name().unwrap().to_str().unwrap().to_string();
+    name.replace_range(4..20, &format!("{:016x}", 99));
+    std::fs::copy(&standby, dir.path().join(&name)).unwrap();
+    let msg = Wal::open(dir.path(), WalOptions::default())
+        .err()
+        .expect("must refuse")
+        .to_string();
+    assert!(msg.contains("followed by later segments"), "{msg}");
+    assert!(
+        msg.contains(standby.file_name().unwrap().to_str().unwrap()),
+        "{msg}"
+    );
+}
+
+/// A crash right after a segment file was created leaves it empty: it is removed, and the log keeps
+/// deleting released segments afterwards (it used to keep the removed file in its list and fail every
+/// deletion on it).
+#[test]
+fn an_empty_segment_file_is_removed_and_deletion_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4096,
+        ..WalOptions::default()
+    };
+    {
+        let (wal, _) = Wal::open(dir.path(), options.clone()).unwrap();
+        for i in 1..=100u64 {
+            wal.append_blocking(vec![rec(0, i, &[7u8; 100])]).unwrap();
+        }
+    }
+    // Replace the standby by an empty file, as a crash inside pre-creation can leave it.
+    let in_use = Wal::segment_paths(dir.path()).unwrap();
+    let standby = standby_of(dir.path(), &in_use);
+    std::fs::write(&standby, b"").unwrap();
+    let (wal, recovered) = Wal::open(dir.path(), options).unwrap();
+    assert_eq!(
+        recovered
+            .torn
+            .expect("the empty file is a torn header")
+            .offset,
+        0
+    );
+    for i in 101..=200u64 {
+        wal.append_blocking(vec![rec(0, i, &[7u8; 100])]).unwrap();
+    }
+    let before = Wal::segment_paths(dir.path()).unwrap().len();
+    assert!(before > 6, "{before}");
+    wal.release(0, 200);
+    wal.append_blocking(vec![rec(0, 201, b"x")]).unwrap();
+    let after = Wal::segment_paths(dir.path()).unwrap().len();
+    assert_eq!(
+        after, 1,
+        "segments written after the removed one stay ({before} -> {after})"
+    );
+}
