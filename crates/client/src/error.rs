@@ -32,6 +32,9 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{0}")]
     RequestIdTooOld(String),
+    /// The request did not carry the session's secret. Nothing changed.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// The acquire was cancelled ([`crate::Session::cancel_acquire`]) before this retry of it: nothing is
     /// held or queued for it any more (a grant it had may have been visible until then).
     #[error("{0}")]
@@ -61,6 +64,7 @@ impl Error {
                 | Error::InvalidArgument(_)
                 | Error::StaleToken { .. }
                 | Error::NotHolder(_)
+                | Error::PermissionDenied(_)
         )
     }
 }
@@ -116,6 +120,8 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
         }
         Reason::AlreadyHeld => Disposition::Fail(Error::AlreadyHeld(msg)),
         Reason::RequestIdTooOld => Disposition::Fail(Error::RequestIdTooOld(msg)),
+        Reason::RequestIdTooNew => Disposition::Fail(Error::InvalidArgument(msg)),
+        Reason::PermissionDenied => Disposition::Fail(Error::PermissionDenied(msg)),
         Reason::AcquireAbandoned => Disposition::Fail(Error::Abandoned(msg)),
     }
 }

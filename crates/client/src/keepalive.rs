@@ -113,6 +113,8 @@ async fn run(client: Weak<Inner>) {
         for group in 0..client.groups() {
             for (chunk_no, chunk) in due.chunks(MAX_BATCH).enumerate() {
                 let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
+                let secrets: Vec<Vec<u8>> =
+                    chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
                 // A round may take no longer than the earliest lease in it has left.
                 let limit = chunk
                     .iter()
@@ -120,16 +122,18 @@ async fn run(client: Weak<Inner>) {
                     .min()
                     .unwrap_or(now)
                     .saturating_duration_since(Instant::now());
-                let outcome =
-                    match tokio::time::timeout(limit, round(&client, &mut streams, group, ids))
-                        .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => {
-                            streams.remove(&group);
-                            Err("the leases ran out during the round".to_string())
-                        }
-                    };
+                let outcome = match tokio::time::timeout(
+                    limit,
+                    round(&client, &mut streams, group, ids, secrets),
+                )
+                .await
+                {
+                    Ok(r) => r,
+                    Err(_) => {
+                        streams.remove(&group);
+                        Err("the leases ran out during the round".to_string())
+                    }
+                };
                 match outcome {
                     Ok(results) => {
                         for (i, r) in results.into_iter().enumerate() {
@@ -169,11 +173,19 @@ async fn round(
     streams: &mut HashMap<u32, Stream>,
     group: u32,
     ids: Vec<u64>,
+    secrets: Vec<Vec<u8>>,
 ) -> Result<Vec<Option<Duration>>, String> {
     let n = ids.len();
+    // Sessions opened by a server that gave no secrets send none.
+    let secrets = if secrets.iter().all(|s| s.is_empty()) {
+        Vec::new()
+    } else {
+        secrets
+    };
     let request = pb::KeepAliveRequest {
         group,
         session_ids: ids,
+        session_secrets: secrets,
     };
     let timeout = client.options().attempt_timeout;
     for _attempt in 0..client.server_count() + 1 {

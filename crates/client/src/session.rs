@@ -42,6 +42,9 @@ pub(crate) struct SessionInner {
     ttl: Duration,
     /// The session id in each group.
     ids: Vec<u64>,
+    /// The session's secret in each group (empty for a server that gave none): sent with every request
+    /// that acts on the session, and never shown.
+    secrets: Vec<Vec<u8>>,
     next_request: AtomicU64,
     lease: watch::Sender<Lease>,
     keepalive: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -120,6 +123,7 @@ impl Client {
         let started = Instant::now();
         let started_wall_ms = wall_ms();
         let mut ids = Vec::new();
+        let mut secrets = Vec::new();
         let mut granted = Duration::MAX;
         for group in 0..self.groups() {
             let (hi, lo) = nonce(self);
@@ -136,6 +140,7 @@ impl Client {
                 })
                 .await?;
             ids.push(r.session_id);
+            secrets.push(r.session_secret);
             granted = granted.min(Duration::from_millis(r.ttl_ms));
         }
         let (lease, _) = watch::channel(Lease {
@@ -148,6 +153,7 @@ impl Client {
             client: self.clone(),
             ttl: granted,
             ids,
+            secrets,
             next_request: AtomicU64::new(1),
             lease,
             keepalive: Mutex::new(None),
@@ -216,6 +222,10 @@ impl SessionInner {
         l.lost.is_none() && now >= l.next_due
     }
 
+    pub(crate) fn secret_in(&self, group: u32) -> &[u8] {
+        &self.secrets[group as usize]
+    }
+
     pub(crate) fn id_in(&self, group: u32) -> u64 {
         self.ids[group as usize]
     }
@@ -248,6 +258,7 @@ impl SessionInner {
     async fn renew(&self, valid_until: Instant) -> Result<Duration, Error> {
         let mut granted = Duration::MAX;
         for (group, &id) in self.ids.iter().enumerate() {
+            let secret = &self.secrets[group];
             let group = group as u32;
             let sent = Instant::now();
             let r = self
@@ -256,6 +267,7 @@ impl SessionInner {
                     c.keep_alive(pb::KeepAliveRequest {
                         group,
                         session_ids: vec![id],
+                        session_secrets: vec![secret.clone()],
                     })
                     .await
                 })
@@ -271,6 +283,13 @@ impl SessionInner {
 }
 
 impl Session {
+    /// The session's secret in each group (index = group; empty where the server gave none). Whoever has
+    /// it can act on the session (renew, close, acquire and release its locks), so keep it to this
+    /// process, or hand it only to a process that acts for this one.
+    pub fn secrets(&self) -> &[Vec<u8>] {
+        &self.inner.secrets
+    }
+
     /// The session id in each group (index = group).
     pub fn ids(&self) -> &[u64] {
         &self.inner.ids
@@ -416,6 +435,7 @@ impl Session {
         value: &[u8],
     ) -> Result<u64, Error> {
         let session_id = self.inner.ids[group as usize];
+        let secret = self.inner.secret_in(group);
         let wait_ms = wait.as_millis() as u64;
         let started = Instant::now();
         let r = self
@@ -436,6 +456,7 @@ impl Session {
                     // and cancels the acquire itself when its caller gives up (PendingAcquire), so the
                     // server must not abandon it when an attempt times out or its connection breaks.
                     client_cancels: self.inner.client.options().client_cancels,
+                    session_secret: secret.to_vec(),
                 };
                 async move { c.acquire(req).await }
             })
@@ -457,6 +478,7 @@ impl Session {
                     request_id,
                     name: name.to_string(),
                     attempt: 0,
+                    session_secret: self.inner.secret_in(group).to_vec(),
                 };
                 async move { c.cancel_acquire(req).await }
             })
@@ -508,6 +530,7 @@ impl Session {
                     request_id,
                     name: n.clone(),
                     token,
+                    session_secret: self.inner.secret_in(group).to_vec(),
                 };
                 async move { c.release(req).await }
             })
@@ -522,12 +545,20 @@ impl Session {
         }
         for (group, &session_id) in self.inner.ids.iter().enumerate() {
             let group = group as u32;
+            let session_secret = self.inner.secret_in(group).to_vec();
             let r = self
                 .inner
                 .client
-                .call(group, Duration::ZERO, |mut c| async move {
-                    c.close_session(pb::CloseSessionRequest { group, session_id })
+                .call(group, Duration::ZERO, |mut c| {
+                    let session_secret = session_secret.clone();
+                    async move {
+                        c.close_session(pb::CloseSessionRequest {
+                            group,
+                            session_id,
+                            session_secret,
+                        })
                         .await
+                    }
                 })
                 .await;
             match r {

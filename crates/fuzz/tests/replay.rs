@@ -193,6 +193,7 @@ fn write_corpus() {
         wait_timeout_ms: 100,
         value: b"x".to_vec(),
         client_cancels: false,
+        session_secret: Vec::new(),
     };
     write(
         "client_request",
@@ -205,6 +206,7 @@ fn write_corpus() {
         request_id: 10,
         name: "jobs/a".into(),
         token: 7,
+        session_secret: Vec::new(),
     };
     write(
         "client_request",
@@ -214,6 +216,7 @@ fn write_corpus() {
     let ka = holdfast_proto::v1::KeepAliveRequest {
         group: 0,
         session_ids: vec![1, 2, 3],
+        session_secrets: Vec::new(),
     };
     write(
         "client_request",

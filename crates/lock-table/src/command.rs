@@ -88,9 +88,45 @@ pub enum Command {
         attempt: u64,
         now_ms: u64,
     },
+    /// [`Command::OpenSession`] for a session that only holders of `secret` may act on (see
+    /// [`Command::Authorized`]). The leader draws `secret` from the OS RNG (never 0); a retried open with
+    /// the same nonce returns the session with the secret it was opened with.
+    OpenSessionWithSecret {
+        nonce: u128,
+        ttl_ms: u64,
+        secret: u128,
+        now_ms: u64,
+    },
+    /// `command`, acting on a session, sent by someone who showed `secret`. If the session exists and its
+    /// secret differs, the outcome is [`Refusal::PermissionDenied`] and nothing changes, not even the
+    /// session's deduplication window. A request id more than [`crate::limits::MAX_REQUEST_ID_AHEAD`]
+    /// above the session's highest is [`Refusal::RequestIdTooNew`], also remembered nowhere. Sessions
+    /// opened before secrets existed have secret 0. `command` is one of `CloseSession`, `Acquire`,
+    /// `Release`, `CancelWait` and `AbandonAcquire`; anything else is refused.
+    Authorized { secret: u128, command: Box<Command> },
 }
 
 impl Command {
+    /// What the command does, without its secrets, for audit lines and logs: an `Authorized` command is
+    /// the command it carries, and `OpenSessionWithSecret` is an `OpenSession`. (A refusal for a wrong
+    /// secret then reads as that command refused with [`Refusal::PermissionDenied`].)
+    pub fn without_secrets(&self) -> Command {
+        match self {
+            Command::OpenSessionWithSecret {
+                nonce,
+                ttl_ms,
+                now_ms,
+                ..
+            } => Command::OpenSession {
+                nonce: *nonce,
+                ttl_ms: *ttl_ms,
+                now_ms: *now_ms,
+            },
+            Command::Authorized { command, .. } => command.without_secrets(),
+            other => other.clone(),
+        }
+    }
+
     pub fn now_ms(&self) -> u64 {
         match self {
             Command::OpenSession { now_ms, .. }
@@ -100,7 +136,9 @@ impl Command {
             | Command::Acquire { now_ms, .. }
             | Command::Release { now_ms, .. }
             | Command::CancelWait { now_ms, .. }
-            | Command::AbandonAcquire { now_ms, .. } => *now_ms,
+            | Command::AbandonAcquire { now_ms, .. }
+            | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
+            Command::Authorized { command, .. } => command.now_ms(),
         }
     }
 }
@@ -165,6 +203,12 @@ pub enum Refusal {
     /// The request id is older than the session's deduplication window: its first outcome is forgotten,
     /// so it is refused rather than executed a second time.
     RequestIdTooOld,
+    /// The request did not carry the session's secret ([`Command::Authorized`]).
+    PermissionDenied,
+    /// The request id is more than [`crate::limits::MAX_REQUEST_ID_AHEAD`] above the session's highest.
+    RequestIdTooNew {
+        highest: u64,
+    },
 }
 
 /// A limit from [`crate::limits`], named in a refusal.
@@ -222,8 +266,13 @@ pub enum Event {
         session: SessionId,
         request: RequestId,
     },
-    /// A session was opened.
-    SessionOpened { session: SessionId, ttl_ms: u64 },
+    /// A session was opened. `secret` is 0 for a session without one (see [`Command::Authorized`]); the
+    /// leader's keepalive checks it.
+    SessionOpened {
+        session: SessionId,
+        ttl_ms: u64,
+        secret: u128,
+    },
     /// A session was closed or expired.
     SessionEnded { session: SessionId },
 }

@@ -37,6 +37,12 @@ pub const MAX_LOCKS: usize = 4_000_000;
 /// 100,000 sessions' windows under 40 MB.
 pub const DEDUP_WINDOW: usize = 16;
 
+/// How far above the highest request id a session has used a new one may be. A request further ahead is
+/// refused (`RequestIdTooNew`) and remembered nowhere, so that no request (not even the owner's, with an
+/// id near `u64::MAX`) can push the window up so far that the ids a client uses next are "too old". A
+/// client numbers its requests 1, 2, 3, ...: it would need this many requests in flight at once to hit it.
+pub const MAX_REQUEST_ID_AHEAD: u64 = 1 << 20;
+
 /// Open-session nonces are remembered for this many sessions, so a retried `OpenSession` returns the
 /// same session instead of opening a second one.
 pub const OPEN_NONCE_WINDOW: usize = 4_096;

@@ -4,14 +4,14 @@
 //! little-endian CRC-32 of everything before it. Ordered maps make the encoding canonical, so equal tables
 //! have equal bytes and the digest (FNV-1a 64 of the bytes) can be compared across replicas (property P2).
 //!
-//! Versions: 3 (written now) adds each wait's and grant's acquire attempt; 2 is still read (its waits
-//! and grants get attempt 0, which no server's abandon matches), so a data directory written before
-//! attempts existed still starts.
+//! Versions: 4 (written now) adds each session's secret; 3 added each wait's and grant's acquire attempt.
+//! 3 and 2 are still read: their sessions get secret 0 (none), and version 2's waits and grants attempt
+//! 0, which no server's abandon matches, so a data directory written by an older release still starts.
 
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 3;
+const VERSION: u16 = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -20,7 +20,7 @@ pub enum SnapshotError {
     #[error("lock table snapshot has bad magic")]
     BadMagic,
     #[error(
-        "lock table snapshot has format version {0}, this build reads versions 2 and {VERSION}"
+        "lock table snapshot has format version {0}, this build reads versions 2 to {VERSION}"
     )]
     UnknownVersion(u16),
     #[error(
@@ -62,6 +62,9 @@ impl LockTable {
         let decode = |e: postcard::Error| SnapshotError::Decode(e.to_string());
         let mut table: LockTable = match version {
             VERSION => postcard::from_bytes(&body[6..]).map_err(decode)?,
+            3 => postcard::from_bytes::<v3::LockTable>(&body[6..])
+                .map_err(decode)?
+                .into(),
             2 => postcard::from_bytes::<v2::LockTable>(&body[6..])
                 .map_err(decode)?
                 .into(),
@@ -85,9 +88,66 @@ impl LockTable {
     }
 }
 
-/// Format version 2: waits and grants without their acquire attempt.
+/// Format version 3: sessions without a secret.
+mod v3 {
+    use crate::command::Outcome;
+    use crate::table;
+    use crate::types::{LockName, RequestId, SessionId};
+    use serde::Deserialize;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Deserialize)]
+    pub(super) struct Session {
+        ttl_ms: u64,
+        opened_at_ms: u64,
+        dedup: VecDeque<(RequestId, Outcome)>,
+        dedup_evicted_max: u64,
+    }
+
+    impl From<Session> for table::Session {
+        fn from(s: Session) -> Self {
+            table::Session {
+                ttl_ms: s.ttl_ms,
+                opened_at_ms: s.opened_at_ms,
+                dedup: s.dedup,
+                dedup_evicted_max: s.dedup_evicted_max,
+                secret: 0,
+                ..table::Session::default()
+            }
+        }
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct LockTable {
+        sessions: BTreeMap<SessionId, Session>,
+        locks: BTreeMap<LockName, table::Lock>,
+        open_nonces: BTreeMap<u128, (SessionId, u64)>,
+        open_nonce_order: VecDeque<u128>,
+        waiter_count: u64,
+    }
+
+    impl From<LockTable> for table::LockTable {
+        fn from(t: LockTable) -> Self {
+            table::LockTable {
+                sessions: t
+                    .sessions
+                    .into_iter()
+                    .map(|(id, s)| (id, s.into()))
+                    .collect(),
+                locks: t.locks,
+                open_nonces: t.open_nonces,
+                open_nonce_order: t.open_nonce_order,
+                waiter_count: t.waiter_count,
+                events: Vec::new(),
+            }
+        }
+    }
+}
+
+/// Format version 2: waits and grants without their acquire attempt, sessions without a secret.
 mod v2 {
-    use crate::table::{self, Session};
+    use super::v3::Session;
+    use crate::table;
     use crate::types::{FencingToken, LockName, RequestId, SessionId};
     use serde::Deserialize;
     use std::collections::{BTreeMap, VecDeque};
@@ -154,7 +214,11 @@ mod v2 {
                 })
                 .collect();
             table::LockTable {
-                sessions: t.sessions,
+                sessions: t
+                    .sessions
+                    .into_iter()
+                    .map(|(id, s)| (id, s.into()))
+                    .collect(),
                 locks,
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,

@@ -5,8 +5,8 @@
 
 use crate::command::{AcquireMode, Command, Event, Limit, Outcome, Refusal};
 use crate::limits::{
-    DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK,
-    MIN_TTL_MS, OPEN_NONCE_WINDOW,
+    DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS,
+    MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
 };
 use crate::types::{FencingToken, LockName, RequestId, SessionId};
 use serde::{Deserialize, Serialize};
@@ -28,6 +28,9 @@ pub(crate) struct Session {
     pub(crate) dedup: VecDeque<(RequestId, Outcome)>,
     /// The largest request id that fell out of `dedup`; ids at or below it not in `dedup` are refused.
     pub(crate) dedup_evicted_max: u64,
+    /// What a request must show to act on this session ([`Command::Authorized`]); 0 for a session opened
+    /// without one (by `Command::OpenSession`, before secrets existed).
+    pub(crate) secret: u128,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,7 +126,14 @@ impl LockTable {
                 nonce,
                 ttl_ms,
                 now_ms,
-            } => self.open_session(index, *nonce, *ttl_ms, *now_ms),
+            } => self.open_session(index, *nonce, *ttl_ms, 0, *now_ms),
+            Command::OpenSessionWithSecret {
+                nonce,
+                ttl_ms,
+                secret,
+                now_ms,
+            } => self.open_session(index, *nonce, *ttl_ms, *secret, *now_ms),
+            Command::Authorized { secret, command } => self.authorized(index, *secret, command),
             Command::CloseSession { session, now_ms }
             | Command::ExpireSession { session, now_ms } => {
                 self.end_session(index, *session, *now_ms)
@@ -175,7 +185,53 @@ impl LockTable {
         std::mem::take(&mut self.events)
     }
 
-    fn open_session(&mut self, index: u64, nonce: u128, ttl_ms: u64, now_ms: u64) -> Outcome {
+    /// [`Command::Authorized`]: the secret and request-id checks, then the command.
+    fn authorized(&mut self, index: u64, secret: u128, command: &Command) -> Outcome {
+        let (session, request) = match command {
+            Command::CloseSession { session, .. } => (*session, None),
+            Command::Acquire {
+                session, request, ..
+            }
+            | Command::Release {
+                session, request, ..
+            }
+            | Command::CancelWait {
+                session, request, ..
+            }
+            | Command::AbandonAcquire {
+                session, request, ..
+            } => (*session, Some(*request)),
+            _ => return Outcome::Refused(Refusal::PermissionDenied),
+        };
+        if let Some(s) = self.sessions.get(&session) {
+            if s.secret != secret {
+                return Outcome::Refused(Refusal::PermissionDenied);
+            }
+            let highest = s
+                .dedup
+                .iter()
+                .map(|(r, _)| r.0)
+                .fold(s.dedup_evicted_max, u64::max);
+            if request.is_some_and(|r| r.0 > highest.saturating_add(MAX_REQUEST_ID_AHEAD)) {
+                return Outcome::Refused(Refusal::RequestIdTooNew { highest });
+            }
+        }
+        self.apply(index, command)
+    }
+
+    /// The secret a request must show to act on `session` (0: none), if the session exists.
+    pub fn session_secret(&self, session: SessionId) -> Option<u128> {
+        self.sessions.get(&session).map(|s| s.secret)
+    }
+
+    fn open_session(
+        &mut self,
+        index: u64,
+        nonce: u128,
+        ttl_ms: u64,
+        secret: u128,
+        now_ms: u64,
+    ) -> Outcome {
         if let Some(&(session, ttl_ms)) = self.open_nonces.get(&nonce) {
             return Outcome::SessionOpened { session, ttl_ms };
         }
@@ -191,6 +247,7 @@ impl LockTable {
             Session {
                 ttl_ms,
                 opened_at_ms: now_ms,
+                secret,
                 ..Session::default()
             },
         );
@@ -201,7 +258,11 @@ impl LockTable {
                 self.open_nonces.remove(&old);
             }
         }
-        self.events.push(Event::SessionOpened { session, ttl_ms });
+        self.events.push(Event::SessionOpened {
+            session,
+            ttl_ms,
+            secret,
+        });
         Outcome::SessionOpened { session, ttl_ms }
     }
 
@@ -571,8 +632,11 @@ impl LockTable {
     }
 
     /// Every live session and its TTL, for a new leader to start its timers.
-    pub fn session_ttls(&self) -> impl Iterator<Item = (SessionId, u64)> + '_ {
-        self.sessions.iter().map(|(id, s)| (*id, s.ttl_ms))
+    /// Every session with its TTL and secret, for a new leader's lease timers.
+    pub fn session_leases(&self) -> impl Iterator<Item = (SessionId, u64, u128)> + '_ {
+        self.sessions
+            .iter()
+            .map(|(id, s)| (*id, s.ttl_ms, s.secret))
     }
 
     pub fn describe(&self, name: &LockName) -> Option<LockView> {

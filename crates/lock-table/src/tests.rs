@@ -849,6 +849,9 @@ proptest! {
                         }
                     }
                 }
+                Command::OpenSessionWithSecret { .. } | Command::Authorized { .. } => {
+                    unreachable!("the model sends neither (their own tests are below)")
+                }
             }
             last = Some((command, got));
             // Mutual exclusion and token monotonicity, checked against the table's own view.
@@ -869,4 +872,180 @@ proptest! {
             prop_assert_eq!(restored.digest(), table.digest());
         }
     }
+}
+
+fn open_secret(nonce: u128, secret: u128) -> Command {
+    Command::OpenSessionWithSecret {
+        nonce,
+        ttl_ms: DEFAULT_TTL_MS,
+        secret,
+        now_ms: 0,
+    }
+}
+fn auth(secret: u128, command: Command) -> Command {
+    Command::Authorized {
+        secret,
+        command: Box::new(command),
+    }
+}
+
+/// Every session-scoped command with a wrong secret (or none) is refused and changes nothing: not the
+/// locks, not the waits, not the session's deduplication window (so a third party cannot use request
+/// ids to lock the owner out either).
+#[test]
+fn a_wrong_secret_is_refused_and_changes_nothing() {
+    let mut t = LockTable::new();
+    assert_eq!(t.apply(1, &open_secret(1, 0xA)), opened(1));
+    assert_eq!(t.apply(2, &open_secret(2, 0xB)), opened(2));
+    assert_eq!(t.session_secret(SessionId(1)), Some(0xA));
+    assert_eq!(t.apply(3, &auth(0xA, acq(1, 1, "x", Try))), granted(3));
+    assert!(matches!(
+        t.apply(4, &auth(0xB, acq(2, 1, "x", Wait))),
+        Queued { .. }
+    ));
+    let before = t.digest();
+    let attacks = [
+        close(1),
+        acq(1, 2, "y", Try),
+        acq_attempt(1, u64::MAX, "y", Try, 1),
+        rel(1, 3, "x", 3),
+        cancel(2, 1, "x"),
+        abandon(2, 1, "x"),
+        server_abandon(2, 1, "x", 1001),
+    ];
+    for (i, command) in attacks.iter().enumerate() {
+        for secret in [0, 0xC, 0xB ^ 0xA] {
+            assert_eq!(
+                t.apply(10 + i as u64, &auth(secret, command.clone())),
+                refused(Refusal::PermissionDenied),
+                "{command:?} with secret {secret:#x}"
+            );
+        }
+    }
+    // Commands that do not act on a session are never authorized ones.
+    assert_eq!(
+        t.apply(20, &auth(0xA, expire(1))),
+        refused(Refusal::PermissionDenied)
+    );
+    assert_eq!(t.digest(), before, "nothing changed");
+    // The owners still can.
+    assert_eq!(t.apply(21, &auth(0xA, rel(1, 2, "x", 3))), Released);
+    assert_eq!(t.describe(&name("x")).unwrap().holder.session, SessionId(2));
+    assert_eq!(
+        t.apply(22, &auth(0xB, close(2))),
+        SessionClosed { released: 1 }
+    );
+    t.check_invariants();
+}
+
+/// The lock-out sequence: request ids near `u64::MAX` used to push a session's window so high that every
+/// later request was REQUEST_ID_TOO_OLD. An id more than MAX_REQUEST_ID_AHEAD above the highest is now
+/// refused and remembered nowhere, and the next ids work.
+#[test]
+fn request_ids_far_ahead_are_refused_without_locking_the_session_out() {
+    let mut t = LockTable::new();
+    assert_eq!(t.apply(1, &open_secret(1, 7)), opened(1));
+    let mut index = 2;
+    for r in [u64::MAX, u64::MAX - 1, MAX_REQUEST_ID_AHEAD + 1] {
+        for _ in 0..(DEDUP_WINDOW + 2) {
+            assert_eq!(
+                t.apply(index, &auth(7, acq_attempt(1, r, "far", Try, 1))),
+                refused(Refusal::RequestIdTooNew { highest: 0 })
+            );
+            index += 1;
+        }
+    }
+    assert_eq!(
+        t.apply(index, &auth(7, acq(1, 1, "a", Try))),
+        granted(index)
+    );
+    index += 1;
+    // Within the gap is fine, and from there the next gap opens.
+    let far = 1 + MAX_REQUEST_ID_AHEAD;
+    assert_eq!(
+        t.apply(index, &auth(7, acq_attempt(1, far, "b", Try, 1))),
+        granted(index)
+    );
+    index += 1;
+    assert_eq!(
+        t.apply(
+            index,
+            &auth(
+                7,
+                acq_attempt(1, far + 2 * MAX_REQUEST_ID_AHEAD, "c", Try, 1)
+            )
+        ),
+        refused(Refusal::RequestIdTooNew { highest: far })
+    );
+    index += 1;
+    for r in far + 1..far + 1 + 2 * DEDUP_WINDOW as u64 {
+        assert!(matches!(
+            t.apply(index, &auth(7, rel(1, r, "zzz", 1))),
+            Refused(Refusal::NotHolder)
+        ));
+        index += 1;
+    }
+    t.check_invariants();
+}
+
+/// A retried open returns the session with the secret of its first open, not the retry's.
+#[test]
+fn a_retried_open_keeps_the_first_secret() {
+    let mut t = LockTable::new();
+    assert_eq!(t.apply(1, &open_secret(9, 0x1111)), opened(1));
+    assert_eq!(t.apply(2, &open_secret(9, 0x2222)), opened(1));
+    assert_eq!(t.session_secret(SessionId(1)), Some(0x1111));
+    assert_eq!(
+        t.apply(3, &auth(0x2222, close(1))),
+        refused(Refusal::PermissionDenied)
+    );
+    assert_eq!(
+        t.apply(4, &auth(0x1111, close(1))),
+        SessionClosed { released: 0 }
+    );
+}
+
+/// Sessions opened without a secret (by Holdfast 0.1, or `Command::OpenSession`) have secret 0, and a
+/// version 3 snapshot (`testdata/snapshot-v3.bin`, made by the build before secrets: session 1 holds `a`
+/// with 2 waiting, 2 holds `dir/b`) decodes with every session at secret 0.
+#[test]
+fn a_version_3_snapshot_decodes_with_sessions_without_secrets() {
+    let mut t = LockTable::decode_snapshot(include_bytes!("../testdata/snapshot-v3.bin")).unwrap();
+    t.check_invariants();
+    assert_eq!(t.session_secret(SessionId(1)), Some(0));
+    assert_eq!(t.session_secret(SessionId(2)), Some(0));
+    let a = t.describe(&name("a")).unwrap();
+    assert_eq!(
+        (a.holder.session, a.holder.token),
+        (SessionId(1), FencingToken(3))
+    );
+    assert_eq!(a.waiters.len(), 1);
+    // The dedup window came along: a retry of session 2's wait is still queued.
+    assert!(matches!(
+        t.apply(6, &acq(2, 1, "a", Wait)),
+        Queued { position: 1 }
+    ));
+    // The retry took the wait over, so an abandon by another call changes nothing.
+    assert_eq!(
+        t.apply(7, &server_abandon(2, 1, "a", 6001)),
+        refused(Refusal::NotWaiting)
+    );
+    assert_eq!(t.apply(8, &auth(0, rel(1, 2, "a", 3))), Released);
+    assert_eq!(
+        t.apply(9, &auth(5, close(2))),
+        refused(Refusal::PermissionDenied)
+    );
+    assert_eq!(
+        t.apply(10, &auth(0, close(2))),
+        SessionClosed { released: 2 }
+    );
+    let again = LockTable::decode_snapshot(&t.encode_snapshot()).unwrap();
+    assert_eq!(again.digest(), t.digest());
+}
+
+#[test]
+fn audit_lines_show_what_a_command_does_without_its_secret() {
+    assert_eq!(open_secret(5, 77).without_secrets(), open(5));
+    assert_eq!(auth(77, close(3)).without_secrets(), close(3));
+    assert_eq!(rel(1, 2, "x", 3).without_secrets(), rel(1, 2, "x", 3));
 }

@@ -94,6 +94,8 @@ pub struct Call {
     key: Key,
     name: LockName,
     attempt: u64,
+    /// The secret the call showed, which its abandon shows too.
+    secret: u128,
     on_drop: OnDrop,
     answered: bool,
 }
@@ -106,6 +108,7 @@ impl Call {
         (session, request): Key,
         name: &LockName,
         attempt: u64,
+        secret: u128,
         on_drop: OnDrop,
     ) -> Call {
         Call {
@@ -114,6 +117,7 @@ impl Call {
             key: (session, request),
             name: name.clone(),
             attempt,
+            secret,
             on_drop,
             answered: false,
         }
@@ -134,25 +138,38 @@ impl Drop for Call {
             return;
         };
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let (node, key, name, attempt) =
-                (self.node.clone(), self.key, self.name.clone(), self.attempt);
-            rt.spawn(async move { abandon(&node, &group, key, name, attempt).await });
+            let (node, key, name, attempt, secret) = (
+                self.node.clone(),
+                self.key,
+                self.name.clone(),
+                self.attempt,
+                self.secret,
+            );
+            rt.spawn(async move { abandon(&node, &group, key, name, attempt, secret).await });
         }
     }
 }
 
 /// Abandons one attempt from this server, retrying until it is applied, the session is gone, or this
 /// server stops (then the intent on disk makes the next start take it up again).
-async fn abandon(node: &NodeShared, group: &Group, key: Key, name: LockName, attempt: u64) {
+async fn abandon(
+    node: &NodeShared,
+    group: &Group,
+    key: Key,
+    name: LockName,
+    attempt: u64,
+    secret: u128,
+) {
     let intent = Intent {
         group: group.id,
         session: key.0 .0,
         request: key.1 .0,
         name: name.as_str().to_string(),
         attempt,
+        secret,
     };
     node.pending_abandons.add(&intent).await;
-    if run_abandon(node, group, key, name, attempt).await {
+    if run_abandon(node, group, key, name, attempt, secret).await {
         node.pending_abandons.remove(&intent).await;
     }
 }
@@ -175,7 +192,7 @@ pub fn resume(node: &Arc<NodeShared>) {
         let node = node.clone();
         tokio::spawn(async move {
             let key = (SessionId(intent.session), RequestId(intent.request));
-            if run_abandon(&node, &group, key, name, intent.attempt).await {
+            if run_abandon(&node, &group, key, name, intent.attempt, intent.secret).await {
                 node.pending_abandons.remove(&intent).await;
             }
         });
@@ -190,15 +207,17 @@ async fn run_abandon(
     key: Key,
     name: LockName,
     attempt: u64,
+    secret: u128,
 ) -> bool {
     let (session, request) = key;
     let mut backoff = RETRY_FIRST;
     let mut tries = 0u32;
     loop {
-        let last_error = match propose(group, session, request, &name, Some(attempt)).await {
+        let last_error = match propose(group, session, request, &name, Some(attempt), secret).await
+        {
             Ok(_) => return true,
             Err(ProposeError::NotLeader(Some(leader))) if leader != node.config.node_id => {
-                match forward(node, leader, group.id, key, &name, attempt).await {
+                match forward(node, leader, group.id, key, &name, attempt, secret).await {
                     Ok(()) => return true,
                     Err(e) => e,
                 }
@@ -219,9 +238,21 @@ async fn run_abandon(
     }
 }
 
-/// An abandon this server owes, as kept on disk.
+/// An abandon this server owes, as kept on disk (with the session secret its call showed: the data
+/// directory holds every session's secret in its log and snapshots anyway).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct Intent {
+    group: u32,
+    session: u64,
+    request: u64,
+    name: String,
+    attempt: u64,
+    secret: u128,
+}
+
+/// An intent as format 1 (before session secrets) kept it.
+#[derive(serde::Deserialize)]
+struct IntentV1 {
     group: u32,
     session: u64,
     request: u64,
@@ -241,7 +272,7 @@ pub struct PendingAbandons {
     loaded: Vec<Intent>,
 }
 
-const PENDING_FORMAT: u8 = 1;
+const PENDING_FORMAT: u8 = 2;
 
 impl PendingAbandons {
     /// Reads what a previous run left. An unreadable file is reported and ignored: losing it only
@@ -273,6 +304,18 @@ impl PendingAbandons {
         }
         match body.split_first() {
             Some((&PENDING_FORMAT, list)) => postcard::from_bytes(list).map_err(|e| e.to_string()),
+            Some((1, list)) => Ok(postcard::from_bytes::<Vec<IntentV1>>(list)
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(|i| Intent {
+                    group: i.group,
+                    session: i.session,
+                    request: i.request,
+                    name: i.name,
+                    attempt: i.attempt,
+                    secret: 0,
+                })
+                .collect()),
             Some((v, _)) => Err(format!("unknown format version {v}")),
             None => Err("empty".into()),
         }
@@ -325,14 +368,18 @@ pub async fn propose(
     request: RequestId,
     name: &LockName,
     attempt: Option<u64>,
+    secret: u128,
 ) -> Result<Outcome, ProposeError> {
     let outcome = group
-        .propose(Command::AbandonAcquire {
-            session,
-            request,
-            name: name.clone(),
-            attempt,
-            now_ms: crate::now_ms(),
+        .propose(Command::Authorized {
+            secret,
+            command: Box::new(Command::AbandonAcquire {
+                session,
+                request,
+                name: name.clone(),
+                attempt,
+                now_ms: crate::now_ms(),
+            }),
         })
         .await?;
     if outcome == Outcome::Abandoned {
@@ -366,6 +413,7 @@ async fn forward(
     (session, request): Key,
     name: &LockName,
     attempt: u64,
+    secret: u128,
 ) -> Result<(), String> {
     let client_endpoint = node
         .client_endpoint(leader)
@@ -382,11 +430,15 @@ async fn forward(
         request_id: request.0,
         name: name.as_str().to_string(),
         attempt,
+        session_secret: crate::errors::secret_bytes(secret),
     };
     match tokio::time::timeout(FORWARD_TIMEOUT, client.cancel_acquire(request)).await {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(status)) => match holdfast_proto::reason(&status) {
-            Some(pb::Reason::NotHolder | pb::Reason::SessionUnknown) => Ok(()),
+            // A wrong secret stays wrong: the acquire it was for was refused the same way.
+            Some(
+                pb::Reason::NotHolder | pb::Reason::SessionUnknown | pb::Reason::PermissionDenied,
+            ) => Ok(()),
             _ => Err(format!("node {leader}: {}", status.message())),
         },
         Err(_) => Err(format!(
@@ -406,6 +458,7 @@ mod tests {
             request,
             name: "a/b".into(),
             attempt: 99,
+            secret: 0x5ec,
         }
     }
 
@@ -424,5 +477,21 @@ mod tests {
         *bytes.last_mut().unwrap() ^= 1;
         std::fs::write(&path, &bytes).unwrap();
         assert!(PendingAbandons::open(dir.path()).loaded().is_empty());
+    }
+
+    /// A file written before session secrets (format 1) is still taken up, with secret 0.
+    #[test]
+    fn a_format_1_file_is_read_with_secret_0() {
+        let v1: Vec<(u32, u64, u64, String, u64)> = vec![(0, 7, 3, "a/b".into(), 99)];
+        let mut bytes = vec![1u8];
+        bytes.extend(postcard::to_allocvec(&v1).unwrap());
+        bytes.extend(crc32fast::hash(&bytes).to_le_bytes());
+        assert_eq!(
+            PendingAbandons::decode(&bytes).unwrap(),
+            vec![Intent {
+                secret: 0,
+                ..intent(3)
+            }]
+        );
     }
 }

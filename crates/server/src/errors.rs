@@ -153,6 +153,46 @@ pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
             ),
             ErrorDetail::default(),
         ),
+        Refusal::PermissionDenied => permission_denied(session),
+        Refusal::RequestIdTooNew { highest } => status(
+            Code::InvalidArgument,
+            Reason::RequestIdTooNew,
+            format!(
+                "request id is more than {} above session {session}'s highest ({highest}) (max_request_id_ahead); number requests 1, 2, 3, ...",
+                holdfast_lock_table::limits::MAX_REQUEST_ID_AHEAD
+            ),
+            ErrorDetail::default(),
+        ),
+    }
+}
+
+/// A request without the session's secret. The message names the session, never a secret.
+pub fn permission_denied(session: u64) -> Status {
+    status(
+        Code::PermissionDenied,
+        Reason::PermissionDenied,
+        format!("session {session}: the request does not carry the session's secret (session_secret), so it may not act on it"),
+        ErrorDetail::default(),
+    )
+}
+
+/// The secret a request shows: empty is none (0), otherwise exactly 16 bytes, big-endian.
+pub fn session_secret(bytes: &[u8]) -> Result<u128, Status> {
+    match bytes.len() {
+        0 => Ok(0),
+        16 => Ok(u128::from_be_bytes(bytes.try_into().expect("16 bytes"))),
+        n => Err(invalid(format!(
+            "session_secret is {n} bytes; it must be the 16 bytes OpenSession returned"
+        ))),
+    }
+}
+
+/// A secret as requests carry it: none (0) is empty.
+pub fn secret_bytes(secret: u128) -> Vec<u8> {
+    if secret == 0 {
+        Vec::new()
+    } else {
+        secret.to_be_bytes().to_vec()
     }
 }
 

@@ -308,6 +308,26 @@ impl Group {
 
     /// Proposes `command` and waits until it is committed and applied here.
     pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
+        match self.propose_for_response(command).await? {
+            Response::Outcome(o) | Response::Opened { outcome: o, .. } => Ok(o),
+            Response::None => Err(ProposeError::Unknown(
+                "entry applied without an outcome".into(),
+            )),
+        }
+    }
+
+    /// Opens a session with a secret: the outcome and the session's secret.
+    pub async fn propose_open(&self, command: Command) -> Result<(Outcome, u128), ProposeError> {
+        match self.propose_for_response(command).await? {
+            Response::Opened { outcome, secret } => Ok((outcome, secret)),
+            Response::Outcome(o) => Ok((o, 0)),
+            Response::None => Err(ProposeError::Unknown(
+                "entry applied without an outcome".into(),
+            )),
+        }
+    }
+
+    async fn propose_for_response(&self, command: Command) -> Result<Response, ProposeError> {
         let give_up = Instant::now() + NEW_LEADER_RETRY;
         loop {
             let started = Instant::now();
@@ -324,12 +344,7 @@ impl Group {
             match written {
                 Ok(resp) => {
                     self.metrics.commit.observe(started.elapsed());
-                    return match resp.data {
-                        Response::Outcome(o) => Ok(o),
-                        Response::None => Err(ProposeError::Unknown(
-                            "entry applied without an outcome".into(),
-                        )),
-                    };
+                    return Ok(resp.data);
                 }
                 Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
                     // Retrying is safe: a refused entry was not appended.
@@ -536,8 +551,11 @@ impl Group {
                         let s = self.state.read().expect("state machine lock poisoned");
                         let still = rx.borrow_watched();
                         if still.state == ServerState::Leader && still.current_term == term {
-                            self.leases
-                                .start_leading(term, s.table.session_ttls(), Instant::now());
+                            self.leases.start_leading(
+                                term,
+                                s.table.session_leases(),
+                                Instant::now(),
+                            );
                             tracing::info!(
                                 group = self.id,
                                 term,

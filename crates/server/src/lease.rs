@@ -21,6 +21,8 @@ use tokio::time::Instant;
 
 struct Timer {
     ttl: Duration,
+    /// What a keepalive must show for this session (0: the session has none).
+    secret: u128,
     deadline: Instant,
     /// An ExpireSession was proposed: never renewed again, even if that proposal's outcome is unknown
     /// (it may still commit), so no keepalive is ever acknowledged for a session that may be expiring.
@@ -37,6 +39,15 @@ struct State {
     /// Deadlines, possibly stale (a keepalive pushes a new one without removing the old): each popped
     /// entry is checked against `timers`. Compacted when it grows past 4× the live sessions.
     heap: BinaryHeap<Reverse<(Instant, SessionId)>>,
+}
+
+/// Why a keepalive renewed nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeepAliveRefused {
+    /// This server is not timing sessions (it does not lead).
+    NotLeading,
+    /// The secret sent for this session is not its secret.
+    WrongSecret(SessionId),
 }
 
 /// The answer to one session's keepalive.
@@ -86,20 +97,21 @@ impl Leases {
     pub fn start_leading(
         &self,
         term: u64,
-        sessions: impl Iterator<Item = (SessionId, u64)>,
+        sessions: impl Iterator<Item = (SessionId, u64, u128)>,
         now: Instant,
     ) {
         let mut s = self.lock();
         s.leading = Some(term);
         s.timers.clear();
         s.heap.clear();
-        for (id, ttl_ms) in sessions {
+        for (id, ttl_ms, secret) in sessions {
             let ttl = Duration::from_millis(ttl_ms);
             let deadline = now + self.span(ttl);
             s.timers.insert(
                 id,
                 Timer {
                     ttl,
+                    secret,
                     deadline,
                     expiring: false,
                     retry: false,
@@ -121,11 +133,28 @@ impl Leases {
         self.lock().leading
     }
 
-    /// Restarts the TTL of each session in `ids`. `None` if this server is not timing sessions.
-    pub fn keepalive(&self, ids: &[u64], now: Instant, out: &mut Vec<KeepAlive>) -> Option<()> {
+    /// Restarts the TTL of each session in `ids`, if every one of `secrets` (one per id, or none at all
+    /// for sessions without secrets) is that session's; otherwise renews nothing. A session this server
+    /// does not know is [`KeepAlive::Gone`] whatever the secret.
+    pub fn keepalive(
+        &self,
+        ids: &[u64],
+        secrets: &[u128],
+        now: Instant,
+        out: &mut Vec<KeepAlive>,
+    ) -> Result<(), KeepAliveRefused> {
         let mut guard = self.lock();
         let s = &mut *guard;
-        s.leading?;
+        if s.leading.is_none() {
+            return Err(KeepAliveRefused::NotLeading);
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            let id = SessionId(id);
+            let shown = secrets.get(i).copied().unwrap_or(0);
+            if s.timers.get(&id).is_some_and(|t| t.secret != shown) {
+                return Err(KeepAliveRefused::WrongSecret(id));
+            }
+        }
         for &id in ids {
             let id = SessionId(id);
             match s.timers.get_mut(&id) {
@@ -147,7 +176,7 @@ impl Leases {
                 .map(|(id, t)| Reverse((t.deadline, *id)))
                 .collect();
         }
-        Some(())
+        Ok(())
     }
 
     /// Follows the applied log: new sessions start their TTL now, ended ones stop.
@@ -159,13 +188,18 @@ impl Leases {
         let mut earlier = false;
         for event in events {
             match event {
-                Event::SessionOpened { session, ttl_ms } => {
+                Event::SessionOpened {
+                    session,
+                    ttl_ms,
+                    secret,
+                } => {
                     let ttl = Duration::from_millis(*ttl_ms);
                     let deadline = now + self.span(ttl);
                     s.timers.insert(
                         *session,
                         Timer {
                             ttl,
+                            secret: *secret,
                             deadline,
                             expiring: false,
                             retry: false,
@@ -238,7 +272,7 @@ mod tests {
 
     fn alive(leases: &Leases, id: u64, now: Instant) -> Option<KeepAlive> {
         let mut out = Vec::new();
-        leases.keepalive(&[id], now, &mut out)?;
+        leases.keepalive(&[id], &[], now, &mut out).ok()?;
         out.pop()
     }
 
@@ -247,7 +281,7 @@ mod tests {
         let t0 = Instant::now();
         // 5% fast: a 10 s TTL on this clock is 9.524 s of real time.
         let fast = Leases::with_clock_rate_ppm(50_000);
-        fast.start_leading(1, [(SessionId(1), 10_000)].into_iter(), t0);
+        fast.start_leading(1, [(SessionId(1), 10_000, 0)].into_iter(), t0);
         assert!(fast.take_due(t0 + Duration::from_millis(9_523)).is_empty());
         assert_eq!(
             fast.take_due(t0 + Duration::from_millis(9_524)),
@@ -255,7 +289,7 @@ mod tests {
         );
         // 5% slow: 10.526 s.
         let slow = Leases::with_clock_rate_ppm(-50_000);
-        slow.start_leading(1, [(SessionId(2), 10_000)].into_iter(), t0);
+        slow.start_leading(1, [(SessionId(2), 10_000, 0)].into_iter(), t0);
         assert!(slow.take_due(t0 + Duration::from_millis(10_526)).is_empty());
         assert_eq!(
             slow.take_due(t0 + Duration::from_millis(10_527)),
@@ -267,7 +301,7 @@ mod tests {
     async fn a_session_expires_one_ttl_after_its_last_keepalive() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        leases.start_leading(1, [(SessionId(7), 10_000)].into_iter(), t0);
+        leases.start_leading(1, [(SessionId(7), 10_000, 0)].into_iter(), t0);
         tokio::time::advance(Duration::from_secs(9)).await;
         assert_eq!(
             alive(&leases, 7, Instant::now()),
@@ -291,14 +325,14 @@ mod tests {
     async fn a_failed_expiry_is_retried_and_never_renewed_meanwhile() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        leases.start_leading(1, [(SessionId(4), 2_000)].into_iter(), t0);
+        leases.start_leading(1, [(SessionId(4), 2_000, 0)].into_iter(), t0);
         let due_at = t0 + Duration::from_secs(2);
         assert_eq!(leases.take_due(due_at), vec![SessionId(4)]);
         // The proposal's outcome is unknown: it may still commit, so the session must stay unrenewable.
         leases.retry_expiry(SessionId(4), due_at + Duration::from_millis(500));
         let mut out = Vec::new();
         leases
-            .keepalive(&[4], due_at + Duration::from_millis(100), &mut out)
+            .keepalive(&[4], &[], due_at + Duration::from_millis(100), &mut out)
             .unwrap();
         assert_eq!(out, vec![KeepAlive::Gone]);
         assert!(leases
@@ -314,7 +348,7 @@ mod tests {
     async fn a_new_leader_gives_a_full_fresh_ttl() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        leases.start_leading(1, [(SessionId(1), 5_000)].into_iter(), t0);
+        leases.start_leading(1, [(SessionId(1), 5_000, 0)].into_iter(), t0);
         tokio::time::advance(Duration::from_secs(4)).await;
         leases.stop_leading();
         assert_eq!(
@@ -323,13 +357,49 @@ mod tests {
             "a follower does not renew"
         );
         let t1 = Instant::now();
-        leases.start_leading(2, [(SessionId(1), 5_000)].into_iter(), t1);
+        leases.start_leading(2, [(SessionId(1), 5_000, 0)].into_iter(), t1);
         assert!(leases
             .take_due(t1 + Duration::from_millis(4_999))
             .is_empty());
         assert_eq!(
             leases.take_due(t1 + Duration::from_millis(5_000)),
             vec![SessionId(1)]
+        );
+    }
+
+    /// A keepalive with a wrong secret for any of its sessions renews none of them.
+    #[tokio::test(start_paused = true)]
+    async fn a_wrong_secret_renews_nothing() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(
+            1,
+            [(SessionId(1), 5_000, 11), (SessionId(2), 5_000, 22)].into_iter(),
+            t0,
+        );
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for secrets in [&[11, 23][..], &[][..], &[11][..]] {
+            assert_eq!(
+                leases.keepalive(&[1, 2], secrets, now, &mut out),
+                Err(KeepAliveRefused::WrongSecret(SessionId(
+                    if secrets.is_empty() { 1 } else { 2 }
+                ))),
+            );
+        }
+        assert!(out.is_empty());
+        assert_eq!(
+            leases.remaining(SessionId(1), now),
+            Some(Duration::from_secs(1))
+        );
+        leases
+            .keepalive(&[1, 2, 9], &[11, 22, 5], now, &mut out)
+            .unwrap();
+        assert_eq!(out[2], KeepAlive::Gone);
+        assert_eq!(
+            leases.remaining(SessionId(1), now),
+            Some(Duration::from_secs(5))
         );
     }
 
@@ -342,6 +412,7 @@ mod tests {
             &[Event::SessionOpened {
                 session: SessionId(3),
                 ttl_ms: 2_000,
+                secret: 0,
             }],
             now,
         );
@@ -363,12 +434,12 @@ mod tests {
     async fn many_keepalives_keep_the_heap_bounded() {
         let leases = Leases::default();
         let now = Instant::now();
-        leases.start_leading(1, (1..=100).map(|i| (SessionId(i), 10_000)), now);
+        leases.start_leading(1, (1..=100).map(|i| (SessionId(i), 10_000, 0)), now);
         for round in 0..1_000u64 {
             let t = now + Duration::from_millis(round);
             let mut out = Vec::new();
             leases
-                .keepalive(&(1..=100).collect::<Vec<_>>(), t, &mut out)
+                .keepalive(&(1..=100).collect::<Vec<_>>(), &[], t, &mut out)
                 .unwrap();
         }
         assert!(leases.lock().heap.len() <= 4 * 100 + 1024 + 100);

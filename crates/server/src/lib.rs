@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod raft_types;
+pub mod secrets;
 pub mod service;
 pub mod snapshot_store;
 pub mod state_machine;

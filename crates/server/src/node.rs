@@ -40,6 +40,8 @@ pub struct NodeShared {
     pub pending_abandons: crate::abandon::PendingAbandons,
     /// The log every group writes to (for its metrics; `Node` closes it).
     pub wal: Arc<Wal>,
+    /// Where new sessions' secrets come from.
+    pub secrets: crate::secrets::SecretSource,
 }
 
 impl RaftLookup for NodeShared {
@@ -219,6 +221,7 @@ impl Node {
             attempt_ids: crate::abandon::AttemptIds::new(rng_seed, config.node_id, crate::now_ms()),
             pending_abandons: crate::abandon::PendingAbandons::open(&config.data_dir),
             wal: wal.clone(),
+            secrets: crate::secrets::SecretSource::new(rng_seed ^ config.node_id),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);

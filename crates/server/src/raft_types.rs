@@ -20,6 +20,12 @@ pub enum Response {
     #[default]
     None,
     Outcome(Outcome),
+    /// The outcome of opening a session with a secret, and that session's secret (a retried open gets
+    /// the secret of the first), read from the table in the same apply.
+    Opened {
+        outcome: Outcome,
+        secret: u128,
+    },
 }
 
 /// A member as the Raft membership records it: where peers and clients reach it. Replicated, so every

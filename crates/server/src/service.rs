@@ -7,7 +7,7 @@
 use crate::abandon::{self, Call, OnDrop};
 use crate::errors::{self, invalid, limit, not_leader, refusal, session_unknown};
 use crate::group::{Group, ProposeError, WaitEnd};
-use crate::lease::KeepAlive;
+use crate::lease::{KeepAlive, KeepAliveRefused};
 use crate::node::NodeShared;
 use crate::now_ms;
 use holdfast_lock_table::{
@@ -32,8 +32,9 @@ pub const MAX_KEEPALIVE_BATCH: usize = 10_000;
 pub const MAX_PAGE: u32 = 1_000;
 /// Page size when the client asks for 0.
 pub const DEFAULT_PAGE: u32 = 100;
-/// Largest client request message. A lock name is at most 256 bytes; a keepalive batch at most ~90 KiB.
-pub const MAX_REQUEST_BYTES: usize = 256 << 10;
+/// Largest client request message. A lock name is at most 256 bytes; a keepalive batch of 10,000 ids
+/// with their 16-byte secrets is at most ~250 KiB.
+pub const MAX_REQUEST_BYTES: usize = 512 << 10;
 /// Longest a requested leader transfer may take before it is reported as failed (the old leader then
 /// leads on).
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3);
@@ -150,13 +151,30 @@ impl ClientService {
                     .filter(|&l| l != self.node.config.node_id),
             ));
         }
+        if !req.session_secrets.is_empty() && req.session_secrets.len() != req.session_ids.len() {
+            return Err(invalid(format!(
+                "{} session secrets for {} session ids: send one per id, or none",
+                req.session_secrets.len(),
+                req.session_ids.len()
+            )));
+        }
+        let secrets = req
+            .session_secrets
+            .iter()
+            .map(|s| errors::session_secret(s))
+            .collect::<Result<Vec<u128>, Status>>()?;
         let mut out = Vec::with_capacity(req.session_ids.len());
-        if group
+        match group
             .leases
-            .keepalive(&req.session_ids, Instant::now(), &mut out)
-            .is_none()
+            .keepalive(&req.session_ids, &secrets, Instant::now(), &mut out)
         {
-            return Err(self.not_leader(group.current_leader()));
+            Ok(()) => {}
+            Err(KeepAliveRefused::NotLeading) => {
+                return Err(self.not_leader(group.current_leader()))
+            }
+            Err(KeepAliveRefused::WrongSecret(session)) => {
+                return Err(errors::permission_denied(session.0))
+            }
         }
         self.node
             .metrics
@@ -189,9 +207,9 @@ impl ClientService {
     async fn wait_for_grant(
         &self,
         group: &Group,
-        session: SessionId,
-        request: RequestId,
+        (session, request): (SessionId, RequestId),
         name: &LockName,
+        secret: u128,
         wait: Option<tokio::sync::oneshot::Receiver<WaitEnd>>,
         deadline: Instant,
     ) -> Result<FencingToken, Status> {
@@ -200,12 +218,15 @@ impl ClientService {
                 return Ok(token);
             }
         }
-        let cancel = Command::CancelWait {
-            session,
-            request,
-            name: name.clone(),
-            now_ms: now_ms(),
-        };
+        let cancel = authorized(
+            secret,
+            Command::CancelWait {
+                session,
+                request,
+                name: name.clone(),
+                now_ms: now_ms(),
+            },
+        );
         match group
             .propose(cancel)
             .await
@@ -233,6 +254,25 @@ impl ClientService {
                 "unexpected outcome of a cancel: {other:?}"
             ))),
         }
+    }
+}
+
+/// Refuses a request whose secret is not its session's, as far as this server's applied table knows,
+/// before it costs a log entry. The table checks again when the entry applies (this read may be behind),
+/// so this is only a shortcut: a session this server does not know yet goes on to the log.
+fn check_secret(group: &Group, session: SessionId, secret: u128) -> Result<(), Status> {
+    let state = group.state.read().expect("state lock");
+    match state.table.session_secret(session) {
+        Some(known) if known != secret => Err(errors::permission_denied(session.0)),
+        _ => Ok(()),
+    }
+}
+
+/// `command` on behalf of a caller that showed `secret`.
+fn authorized(secret: u128, command: Command) -> Command {
+    Command::Authorized {
+        secret,
+        command: Box::new(command),
     }
 }
 
@@ -281,24 +321,28 @@ impl Holdfast for ClientService {
         if nonce == 0 {
             return Err(invalid("nonce must be random and non-zero"));
         }
-        let command = Command::OpenSession {
+        let command = Command::OpenSessionWithSecret {
             nonce,
             ttl_ms,
+            secret: self.node.secrets.next(),
             now_ms: now_ms(),
         };
         match group
-            .propose(command)
+            .propose_open(command)
             .await
             .map_err(|e| self.propose_error(e))?
         {
-            Outcome::SessionOpened { session, ttl_ms } => {
+            (Outcome::SessionOpened { session, ttl_ms }, secret) => {
                 Ok(Response::new(pb::OpenSessionResponse {
                     session_id: session.0,
                     ttl_ms,
+                    session_secret: errors::secret_bytes(secret),
                 }))
             }
-            Outcome::Refused(r) => Err(refusal(r, 0, "")),
-            other => Err(unexpected(other)),
+            (outcome, _) => match outcome {
+                Outcome::Refused(r) => Err(refusal(r, 0, "")),
+                other => Err(unexpected(other)),
+            },
         }
     }
 
@@ -309,11 +353,16 @@ impl Holdfast for ClientService {
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
+        let secret = errors::session_secret(&r.session_secret)?;
+        check_secret(group, session, secret)?;
         match group
-            .propose(Command::CloseSession {
-                session,
-                now_ms: now_ms(),
-            })
+            .propose(authorized(
+                secret,
+                Command::CloseSession {
+                    session,
+                    now_ms: now_ms(),
+                },
+            ))
             .await
             .map_err(|e| self.propose_error(e))?
         {
@@ -363,6 +412,8 @@ impl Holdfast for ClientService {
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
         let request = RequestId(nonzero(r.request_id, "request_id")?);
+        let secret = errors::session_secret(&r.session_secret)?;
+        check_secret(group, session, secret)?;
         let name = self.lock_name(r.name, r.group)?;
         if r.wait_timeout_ms > MAX_WAIT_MS {
             return Err(limit(
@@ -399,6 +450,7 @@ impl Holdfast for ClientService {
             (session, request),
             &name,
             attempt,
+            secret,
             on_drop,
         );
         let started = Instant::now();
@@ -410,15 +462,18 @@ impl Holdfast for ClientService {
         };
         // Register before proposing, so a grant applied right after the Queued outcome is not missed.
         let wait = (mode == AcquireMode::Wait).then(|| group.waiters.register(session, request));
-        let command = Command::Acquire {
-            session,
-            request,
-            name: name.clone(),
-            mode,
-            value: r.value.into(),
-            attempt,
-            now_ms: now_ms(),
-        };
+        let command = authorized(
+            secret,
+            Command::Acquire {
+                session,
+                request,
+                name: name.clone(),
+                mode,
+                value: r.value.into(),
+                attempt,
+                now_ms: now_ms(),
+            },
+        );
         let outcome = group
             .propose(command)
             .await
@@ -429,7 +484,7 @@ impl Holdfast for ClientService {
             // A try that finds its request queued is a retry of a wait whose time ran out: it ends the
             // wait now (through the log, which also tells whether the grant won the race).
             Ok(Outcome::Queued { .. }) => {
-                self.wait_for_grant(group, session, request, &name, wait, deadline)
+                self.wait_for_grant(group, (session, request), &name, secret, wait, deadline)
                     .await
             }
             Ok(Outcome::Cancelled) => Err(errors::status(
@@ -468,7 +523,9 @@ impl Holdfast for ClientService {
         let request = RequestId(nonzero(r.request_id, "request_id")?);
         let name = self.lock_name(r.name, r.group)?;
         let attempt = (r.attempt != 0).then_some(r.attempt);
-        let outcome = abandon::propose(group, session, request, &name, attempt)
+        let secret = errors::session_secret(&r.session_secret)?;
+        check_secret(group, session, secret)?;
+        let outcome = abandon::propose(group, session, request, &name, attempt, secret)
             .await
             .map_err(|e| self.propose_error(e))?;
         match outcome {
@@ -503,14 +560,19 @@ impl Holdfast for ClientService {
         let session = SessionId(nonzero(r.session_id, "session_id")?);
         let request = RequestId(nonzero(r.request_id, "request_id")?);
         let token = FencingToken(nonzero(r.token, "token")?);
+        let secret = errors::session_secret(&r.session_secret)?;
+        check_secret(group, session, secret)?;
         let name = self.lock_name(r.name, r.group)?;
-        let command = Command::Release {
-            session,
-            request,
-            name: name.clone(),
-            token,
-            now_ms: now_ms(),
-        };
+        let command = authorized(
+            secret,
+            Command::Release {
+                session,
+                request,
+                name: name.clone(),
+                token,
+                now_ms: now_ms(),
+            },
+        );
         match group
             .propose(command)
             .await

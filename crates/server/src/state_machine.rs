@@ -128,14 +128,19 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 let mut s = self.state.write().expect("state machine lock poisoned");
                 let response = apply_one(&mut s, entry);
                 let events = s.table.take_events();
-                if let (Some((index, command)), Some(audit), Response::Outcome(outcome)) =
-                    (audited, self.audit.as_mut(), &response)
+                let outcome = match &response {
+                    Response::Outcome(o) | Response::Opened { outcome: o, .. } => Some(o),
+                    Response::None => None,
+                };
+                if let (Some((index, command)), Some(audit), Some(outcome)) =
+                    (audited, self.audit.as_mut(), outcome)
                 {
+                    // Secrets stay out of the audit log, like every other log.
                     let line = AuditLine {
                         index,
-                        command,
+                        command: command.without_secrets(),
                         outcome: outcome.clone(),
-                        events: events.clone(),
+                        events: events.iter().map(redacted).collect(),
                     };
                     let written =
                         serde_json::to_writer(&mut *audit, &line).map_err(io::Error::other);
@@ -198,13 +203,36 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 }
 
+fn redacted(event: &holdfast_lock_table::Event) -> holdfast_lock_table::Event {
+    match event {
+        holdfast_lock_table::Event::SessionOpened {
+            session, ttl_ms, ..
+        } => holdfast_lock_table::Event::SessionOpened {
+            session: *session,
+            ttl_ms: *ttl_ms,
+            secret: 0,
+        },
+        other => other.clone(),
+    }
+}
+
 fn apply_one(s: &mut SmState, entry: Entry) -> Response {
     let log_id = entry.log_id;
     s.last_applied = Some(log_id);
     match entry.payload {
         EntryPayload::Blank => Response::None,
         EntryPayload::Normal(Request(command)) => {
-            Response::Outcome(s.table.apply(log_id.index, &command))
+            let outcome = s.table.apply(log_id.index, &command);
+            match (&command, &outcome) {
+                (
+                    holdfast_lock_table::Command::OpenSessionWithSecret { .. },
+                    holdfast_lock_table::Outcome::SessionOpened { session, .. },
+                ) => Response::Opened {
+                    secret: s.table.session_secret(*session).unwrap_or(0),
+                    outcome,
+                },
+                _ => Response::Outcome(outcome),
+            }
         }
         EntryPayload::Membership(m) => {
             s.membership = StoredMembership::new(Some(log_id), m);

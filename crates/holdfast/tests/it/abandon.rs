@@ -20,17 +20,18 @@ async fn raw_session(
     raw: &mut holdfast_proto::v1::holdfast_client::HoldfastClient<tonic::transport::Channel>,
     ttl_ms: u64,
     nonce: u64,
-) -> u64 {
-    raw.open_session(pb::OpenSessionRequest {
-        group: 0,
-        ttl_ms,
-        nonce_hi: nonce,
-        nonce_lo: nonce,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .session_id
+) -> (u64, Vec<u8>) {
+    let opened = raw
+        .open_session(pb::OpenSessionRequest {
+            group: 0,
+            ttl_ms,
+            nonce_hi: nonce,
+            nonce_lo: nonce,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (opened.session_id, opened.session_secret)
 }
 
 /// A caller that drops a waiting `acquire` (a timeout around it) leaves no wait behind: when the holder
@@ -75,7 +76,7 @@ async fn a_raw_acquire_whose_call_is_cancelled_is_abandoned_by_the_server() {
 
     let mut raw = c.raw(leader).await;
     // A long TTL: B's session outlives the test, so only the abandon can free the lock for others.
-    let b = raw_session(&mut raw, 120_000, 7).await;
+    let (b, b_secret) = raw_session(&mut raw, 120_000, 7).await;
     let acquire = pb::AcquireRequest {
         group: 0,
         session_id: b,
@@ -84,6 +85,7 @@ async fn a_raw_acquire_whose_call_is_cancelled_is_abandoned_by_the_server() {
         wait_timeout_ms: 60_000,
         value: vec![],
         client_cancels: false,
+        session_secret: b_secret.clone(),
     };
     // Dropping the call's future resets its HTTP/2 stream; the connection stays open.
     let dropped = tokio::time::timeout(
@@ -148,6 +150,7 @@ async fn cancel_acquire_releases_a_grant_and_forestalls_a_late_acquire() {
             wait_timeout_ms: 0,
             value: vec![],
             client_cancels: false,
+            session_secret: s.secrets()[0].clone(),
         })
         .await
         .unwrap_err();
@@ -222,7 +225,7 @@ async fn a_try_retry_of_a_queued_request_ends_its_wait() {
     let a = client.open_session(Duration::from_secs(10)).await.unwrap();
     let held = a.try_acquire("t").await.unwrap();
     let mut raw = c.raw(leader).await;
-    let b = raw_session(&mut raw, 60_000, 9).await;
+    let (b, b_secret) = raw_session(&mut raw, 60_000, 9).await;
     let mut acquire = pb::AcquireRequest {
         group: 0,
         session_id: b,
@@ -232,6 +235,7 @@ async fn a_try_retry_of_a_queued_request_ends_its_wait() {
         value: vec![],
         // This caller says it cancels by itself, so the server keeps the wait when the call goes away.
         client_cancels: true,
+        session_secret: b_secret.clone(),
     };
     let dropped = tokio::time::timeout(
         Duration::from_millis(300),

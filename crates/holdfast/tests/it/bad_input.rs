@@ -7,7 +7,7 @@ use prost::Message;
 use std::time::Duration;
 use tonic::transport::Channel;
 
-fn reason_of<T: std::fmt::Debug>(
+pub(crate) fn reason_of<T: std::fmt::Debug>(
     r: Result<tonic::Response<T>, tonic::Status>,
 ) -> (Reason, ErrorDetail, String) {
     let status = r.expect_err("request should have been refused");
@@ -30,7 +30,7 @@ fn name_in_group(group: u32, groups: u32, prefix: &str) -> String {
         .unwrap()
 }
 
-async fn snapshot(c: &Cluster, leader: u64, group: u32) -> (u64, u64) {
+pub(crate) async fn snapshot(c: &Cluster, leader: u64, group: u32) -> (u64, u64) {
     let g = c.group_status(leader, group).await.unwrap();
     (g.applied_index, g.digest)
 }
@@ -54,26 +54,30 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         nonce_hi: nonce,
         nonce_lo: nonce,
     };
-    let a = raw
-        .open_session(open(1))
-        .await
-        .unwrap()
-        .into_inner()
-        .session_id;
-    let b = raw
-        .open_session(open(2))
-        .await
-        .unwrap()
-        .into_inner()
-        .session_id;
+    let opened = raw.open_session(open(1)).await.unwrap().into_inner();
+    let (a, a_secret) = (opened.session_id, opened.session_secret);
+    let opened = raw.open_session(open(2)).await.unwrap().into_inner();
+    let (b, b_secret) = (opened.session_id, opened.session_secret);
+    assert_eq!((a_secret.len(), b_secret.len()), (16, 16));
+    assert_ne!(a_secret, b_secret);
+    let secret_of = {
+        let (a_secret, b_secret) = (a_secret.clone(), b_secret.clone());
+        move |id: u64| match id {
+            id if id == a => a_secret.clone(),
+            id if id == b => b_secret.clone(),
+            _ => Vec::new(),
+        }
+    };
     let keep = {
         let mut raw = raw.clone();
+        let secrets = vec![a_secret.clone(), b_secret.clone()];
         tokio::spawn(async move {
             loop {
                 let _ = raw
                     .keep_alive(KeepAliveRequest {
                         group: 0,
                         session_ids: vec![a, b],
+                        session_secrets: secrets.clone(),
                     })
                     .await;
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -89,6 +93,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         wait_timeout_ms: 0,
         value: vec![],
         client_cancels: false,
+        session_secret: secret_of(session_id),
     };
     let token = raw
         .acquire(acq(a, 1, &lock))
@@ -185,6 +190,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
                 raw.keep_alive(KeepAliveRequest {
                     group: 0,
                     session_ids: vec![a; 10_001],
+                    session_secrets: vec![],
                 })
                 .await,
             ),
@@ -212,6 +218,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
                     request_id: 8,
                     name: lock.clone(),
                     token: 0,
+                    session_secret: a_secret.clone(),
                 })
                 .await,
             ),
@@ -282,6 +289,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
             request_id: 10,
             name: lock.clone(),
             token: token - 1,
+            session_secret: a_secret.clone(),
         })
         .await,
     );
@@ -293,6 +301,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
             request_id: 2,
             name: lock.clone(),
             token,
+            session_secret: b_secret.clone(),
         })
         .await,
     );
@@ -305,6 +314,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         raw.close_session(CloseSessionRequest {
             group: 0,
             session_id: 999_999,
+            session_secret: vec![],
         })
         .await,
     );

@@ -125,7 +125,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
     let leader = c.wait_for_leader(0, SECS_30).await;
     let mut raw = c.raw(leader).await;
     let opened_at = Instant::now();
-    let silent = raw
+    let opened = raw
         .open_session(OpenSessionRequest {
             group: 0,
             ttl_ms: 2_000,
@@ -134,8 +134,8 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         })
         .await
         .unwrap()
-        .into_inner()
-        .session_id;
+        .into_inner();
+    let (silent, silent_secret) = (opened.session_id, opened.session_secret);
     let req = AcquireRequest {
         group: 0,
         session_id: silent,
@@ -143,6 +143,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         name: "shared".into(),
         wait_timeout_ms: 0,
         value: vec![],
+        session_secret: silent_secret.clone(),
         client_cancels: false,
     };
     let first = raw.acquire(req).await.unwrap().into_inner().token;
@@ -192,6 +193,7 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         name: "other".into(),
         wait_timeout_ms: 0,
         value: vec![],
+        session_secret: silent_secret.clone(),
         client_cancels: false,
     };
     let err = raw.acquire(req).await.unwrap_err();
@@ -299,6 +301,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         wait_timeout_ms: 0,
         value: vec![],
         client_cancels: false,
+        session_secret: session.secrets()[0].clone(),
     };
     let r = raw_old.acquire(acquire).await;
     assert!(r.is_err(), "an isolated leader granted a lock: {r:?}");
@@ -314,6 +317,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         .keep_alive(KeepAliveRequest {
             group: 0,
             session_ids: vec![session.ids()[0]],
+            session_secrets: session.secrets()[..1].to_vec(),
         })
         .await;
     assert!(

@@ -13,5 +13,6 @@ mod membership;
 mod newcomer;
 mod operations;
 mod proxy;
+mod secrets;
 mod storage;
 mod upgrade;
