@@ -45,7 +45,9 @@ pub(crate) struct SessionInner {
     /// The session's secret in each group (empty for a server that gave none): sent with every request
     /// that acts on the session, and never shown.
     secrets: Vec<Vec<u8>>,
-    next_request: AtomicU64,
+    /// The next request id in each group: each group's table checks its sessions' ids on their own
+    /// (a request id may be at most 2^20 above that session's highest), so one counter per group.
+    next_request: Vec<AtomicU64>,
     lease: watch::Sender<Lease>,
     keepalive: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -149,12 +151,13 @@ impl Client {
             next_due: started + granted / 3,
             lost: None,
         });
+        let groups_opened = ids.len();
         let inner = Arc::new(SessionInner {
             client: self.clone(),
             ttl: granted,
             ids,
             secrets,
-            next_request: AtomicU64::new(1),
+            next_request: (0..groups_opened).map(|_| AtomicU64::new(1)).collect(),
             lease,
             keepalive: Mutex::new(None),
         });
@@ -355,8 +358,8 @@ impl Session {
             .then(|| l.valid_until.saturating_duration_since(Instant::now()))
     }
 
-    pub(crate) fn next_request_id(&self) -> u64 {
-        self.inner.next_request.fetch_add(1, Relaxed)
+    pub(crate) fn next_request_id(&self, group: u32) -> u64 {
+        self.inner.next_request[group as usize].fetch_add(1, Relaxed)
     }
 
     /// Acquires `name`, waiting in its FIFO queue for as long as the server allows (5 minutes).
@@ -395,7 +398,7 @@ impl Session {
         let mut pending = PendingAcquire {
             session: self.clone(),
             name,
-            request_id: self.next_request_id(),
+            request_id: self.next_request_id(group),
             armed: true,
         };
         match self
@@ -519,7 +522,7 @@ impl Session {
     pub async fn release(&self, name: &str, token: u64) -> Result<(), Error> {
         let group = crate::group_for(name, self.inner.client.groups());
         let session_id = self.inner.ids[group as usize];
-        let request_id = self.next_request_id();
+        let request_id = self.next_request_id(group);
         let n = name.to_string();
         self.inner
             .client

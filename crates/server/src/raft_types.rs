@@ -5,12 +5,19 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The payload of a normal log entry: one lock table command.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request(pub Command);
 
+/// openraft prints entries (at debug level) through these: never with a session secret in them.
 impl fmt::Display for Request {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.0)
+        write!(f, "{:?}", self.0.without_secrets())
+    }
+}
+
+impl fmt::Debug for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Request({:?})", self.0.without_secrets())
     }
 }
 
@@ -68,3 +75,38 @@ pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
 pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
 pub type SnapshotData = std::io::Cursor<Vec<u8>>;
 pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, SnapshotData>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use holdfast_lock_table::{Command, SessionId};
+
+    /// openraft prints entries at debug level; a session secret must not be in what it prints.
+    #[test]
+    fn entries_print_without_secrets() {
+        let secret = 0x1234_5678_9abc_def0_0fed_cba9_8765_4321u128;
+        let close = Command::CloseSession {
+            session: SessionId(4),
+            now_ms: 1,
+        };
+        for command in [
+            Command::Authorized {
+                secret,
+                command: Box::new(close),
+            },
+            Command::OpenSessionWithSecret {
+                nonce: 9,
+                ttl_ms: 10_000,
+                secret,
+                now_ms: 1,
+            },
+        ] {
+            let request = Request(command);
+            for printed in [format!("{request}"), format!("{request:?}")] {
+                assert!(!printed.contains(&secret.to_string()), "{printed}");
+                assert!(!printed.contains(&format!("{secret:x}")), "{printed}");
+                assert!(!printed.contains("secret"), "{printed}");
+            }
+        }
+    }
+}

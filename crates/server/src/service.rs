@@ -26,7 +26,8 @@ use tonic::{Request, Response, Status};
 
 /// Longest an acquire may wait in a queue; a client wanting longer re-issues the acquire.
 pub const MAX_WAIT_MS: u64 = 300_000;
-/// Most session ids in one keepalive message: 10,000 × 8 bytes stays far under the request size limit.
+/// Most session ids in one keepalive message: 10,000 ids and secrets (at most ~275 KiB) stay under the
+/// request size limit.
 pub const MAX_KEEPALIVE_BATCH: usize = 10_000;
 /// Largest page of a listing.
 pub const MAX_PAGE: u32 = 1_000;
