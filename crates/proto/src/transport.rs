@@ -64,6 +64,33 @@ impl Listener {
         tonic::transport::server::TcpIncoming::from(self.inner).with_nodelay(Some(true))
     }
 
+    /// [`Listener::incoming`], with at most `limit`'s permits' worth of connections open at once: a
+    /// connection accepted while none is free is closed at once and counted in `refused`.
+    #[cfg(not(holdfast_sim))]
+    pub fn incoming_limited(
+        self,
+        limit: std::sync::Arc<tokio::sync::Semaphore>,
+        refused: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) -> impl tonic::codegen::tokio_stream::Stream<Item = io::Result<Limited<tokio::net::TcpStream>>>
+           + Send
+           + 'static {
+        use tonic::codegen::tokio_stream::StreamExt;
+        self.incoming().filter_map(move |accepted| match accepted {
+            Ok(stream) => match limit.clone().try_acquire_owned() {
+                Ok(permit) => Some(Ok(Limited {
+                    inner: stream,
+                    _permit: permit,
+                })),
+                // Dropping the stream closes the connection.
+                Err(_) => {
+                    refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    None
+                }
+            },
+            Err(e) => Some(Err(e)),
+        })
+    }
+
     /// The accepted connections, for `tonic::transport::Server::serve_with_incoming*`.
     #[cfg(holdfast_sim)]
     pub fn incoming(self) -> impl futures::Stream<Item = io::Result<sim::Stream>> + Send + 'static {
@@ -71,6 +98,61 @@ impl Listener {
             let accepted = listener.accept().await.map(|(s, _)| sim::Stream(s));
             Some((accepted, listener))
         })
+    }
+}
+
+/// An accepted connection that holds one of the listener's connection permits until it closes.
+pub struct Limited<S> {
+    inner: S,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Limited<S> {
+    type ConnectInfo = S::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Limited<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Limited<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
     }
 }
 

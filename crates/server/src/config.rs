@@ -85,6 +85,13 @@ pub struct ServerConfig {
     #[cfg(holdfast_sim)]
     #[serde(skip)]
     pub sim_fsync: std::time::Duration,
+    /// Most client connections open at once; a connection beyond it is closed as soon as it is accepted
+    /// (counted in `holdfast_connections_refused_total{port="client"}`), so a flood of connections
+    /// cannot starve the connections already open of memory or file descriptors.
+    pub max_client_connections: usize,
+    /// Most concurrent HTTP/2 streams (calls in progress) per client connection, announced to the
+    /// client in the HTTP/2 settings; a client that wants more waits for one to end.
+    pub max_streams_per_connection: u32,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -120,6 +127,8 @@ impl Default for ServerConfig {
             clock_rate_ppm: 0,
             #[cfg(holdfast_sim)]
             sim_fsync: std::time::Duration::from_micros(500),
+            max_client_connections: 4_096,
+            max_streams_per_connection: 1_024,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,
@@ -201,6 +210,11 @@ impl ServerConfig {
         }
         if self.snapshot_every_entries < 100 {
             return Err("snapshot_every_entries must be at least 100".into());
+        }
+        if self.max_client_connections == 0 || self.max_streams_per_connection == 0 {
+            return Err(
+                "max_client_connections and max_streams_per_connection must be at least 1".into(),
+            );
         }
         if self.snapshot_every_bytes != 0 && self.snapshot_every_bytes < 64 << 10 {
             return Err("snapshot_every_bytes must be 0 (off) or at least 65536".into());

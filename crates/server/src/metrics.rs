@@ -114,6 +114,12 @@ pub struct ServerMetrics {
     pub keepalives: AtomicU64,
     /// Keepalive messages (unary calls and stream messages); each may carry many session ids.
     pub keepalive_messages: AtomicU64,
+    /// `KeepAliveStream` calls in progress.
+    pub keepalive_streams: std::sync::Arc<AtomicU64>,
+    /// Client connections closed at accept because `max_client_connections` were open.
+    pub client_connections_refused: std::sync::Arc<AtomicU64>,
+    /// The client listener's connection slots (set when it starts listening).
+    pub client_connection_slots: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>>,
 }
 
 impl Default for ServerMetrics {
@@ -123,6 +129,9 @@ impl Default for ServerMetrics {
             fsync_batch_records: Histogram::new(BATCH_BUCKETS),
             keepalives: AtomicU64::new(0),
             keepalive_messages: AtomicU64::new(0),
+            keepalive_streams: Default::default(),
+            client_connections_refused: Default::default(),
+            client_connection_slots: Default::default(),
         }
     }
 }

@@ -275,13 +275,21 @@ impl Node {
             })
             .max_decoding_message_size(MAX_REQUEST_BYTES);
         let mut rx = shutdown_rx.clone();
+        let slots = Arc::new(tokio::sync::Semaphore::new(config.max_client_connections));
+        let _ = shared.metrics.client_connection_slots.set(slots.clone());
+        #[cfg(not(holdfast_sim))]
+        let incoming = client_listener
+            .incoming_limited(slots, shared.metrics.client_connections_refused.clone());
+        #[cfg(holdfast_sim)]
+        let incoming = client_listener.incoming();
+        let max_streams = config.max_streams_per_connection;
         tasks.push(tokio::spawn(async move {
-            let incoming = client_listener.incoming();
             let stop = async move {
                 let _ = rx.changed().await;
             };
             if let Err(e) = tonic::transport::Server::builder()
                 .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                .max_concurrent_streams(Some(max_streams))
                 .add_service(client_service)
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await
@@ -426,6 +434,7 @@ impl NodeShared {
                     committed_index: m.local_committed.map_or(0, |l| l.index),
                     applied_index: s.last_applied.map_or(0, |l| l.index),
                     snapshot_index: m.snapshot.map_or(0, |l| l.index),
+                    purged_index: m.purged.map_or(0, |l| l.index),
                     sessions: s.table.session_count() as u64,
                     locks: s.table.lock_count() as u64,
                     waiters: s.table.waiter_count(),
@@ -566,6 +575,32 @@ impl NodeShared {
             "Records per group commit (one fsync).",
             metrics::Unit::Count,
             &[(String::new(), &self.metrics.fsync_batch_records)],
+        );
+        let open = self.metrics.client_connection_slots.get().map_or(0, |s| {
+            self.config
+                .max_client_connections
+                .saturating_sub(s.available_permits()) as u64
+        });
+        metrics::gauge(
+            &mut out,
+            "holdfast_keepalive_streams",
+            "KeepAliveStream calls in progress (at most max_streams_per_connection per connection).",
+            &[(String::new(), self.metrics.keepalive_streams.load(Relaxed))],
+        );
+        metrics::gauge(
+            &mut out,
+            "holdfast_client_connections",
+            "Client connections open now (at most max_client_connections).",
+            &[(String::new(), open)],
+        );
+        metrics::counter(
+            &mut out,
+            "holdfast_connections_refused_total",
+            "Client connections closed as soon as they were accepted, because max_client_connections were open.",
+            &[(
+                "port=\"client\"".to_string(),
+                self.metrics.client_connections_refused.load(Relaxed),
+            )],
         );
         let (pre_created, created_inline) = self.wal.rotations();
         metrics::counter(

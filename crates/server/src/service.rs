@@ -391,7 +391,16 @@ impl Holdfast for ClientService {
         let mut inbound = r.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(KEEPALIVE_STREAM_BUFFER);
         let service = self.clone();
+        let streams = self.node.metrics.keepalive_streams.clone();
+        streams.fetch_add(1, Relaxed);
         tokio::spawn(async move {
+            struct Open(std::sync::Arc<std::sync::atomic::AtomicU64>);
+            impl Drop for Open {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, Relaxed);
+                }
+            }
+            let _open = Open(streams);
             while let Ok(Some(req)) = inbound.message().await {
                 let reply = service.keepalive(req);
                 let stop = reply.is_err();

@@ -78,6 +78,12 @@ pub struct ServerArgs {
     /// Exit when standard input closes (for supervisors and tests that must not leave servers behind).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
+    /// Most client connections open at once; more are closed when accepted (default 4096).
+    #[arg(long)]
+    max_client_connections: Option<usize>,
+    /// Most calls in progress per client connection (HTTP/2 streams; default 1024).
+    #[arg(long)]
+    max_streams_per_connection: Option<u32>,
     /// TTL for sessions that ask for 0 (default 10000).
     #[arg(long)]
     default_ttl_ms: Option<u64>,
@@ -115,7 +121,9 @@ impl ServerArgs {
             cluster_token,
             default_ttl_ms,
             min_ttl_ms,
-            max_ttl_ms
+            max_ttl_ms,
+            max_client_connections,
+            max_streams_per_connection
         );
         if self.audit_log {
             c.audit_log = true;

@@ -152,7 +152,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                         "leader_endpoint": g.leader_endpoint, "leader_confirmed": g.leader_confirmed,
                         "last_log_index": g.last_log_index,
                         "committed_index": g.committed_index, "applied_index": g.applied_index,
-                        "snapshot_index": g.snapshot_index, "lag": leader_last(g.group).map(|l| l.saturating_sub(g.applied_index)),
+                        "snapshot_index": g.snapshot_index, "purged_index": g.purged_index, "lag": leader_last(g.group).map(|l| l.saturating_sub(g.applied_index)),
                         "sessions": g.sessions, "locks": g.locks, "waiters": g.waiters, "digest": format!("{:016x}", g.digest),
                     })).collect::<Vec<_>>(),
                     "members": s.members.iter().map(|m| json!({"node_id": m.node_id, "client": m.client_endpoint, "peer": m.peer_endpoint})).collect::<Vec<_>>(),

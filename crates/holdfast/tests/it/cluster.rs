@@ -253,6 +253,18 @@ async fn a_restarted_server_catches_up_by_log_and_by_snapshot() {
         leader_status.snapshot_index > before,
         "leader did not snapshot past the follower"
     );
+    // openraft purges the log only once no replication task has those entries in flight, and the
+    // stream to the killed follower may still have: wait for the purge, or the follower can catch up
+    // from the log after all.
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let deadline = Instant::now() + SECS_30;
+    while c.group_status(leader, 0).await.unwrap().purged_index <= before {
+        assert!(
+            Instant::now() < deadline,
+            "the leader never purged its log past the follower"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     c.start_server(follower);
     c.wait_converged(0, SECS_30).await;
     let caught_up = c.group_status(follower, 0).await.unwrap();

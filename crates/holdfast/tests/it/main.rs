@@ -9,6 +9,7 @@ mod cluster;
 mod faults;
 mod fencing;
 mod harness;
+mod limits;
 mod membership;
 mod newcomer;
 mod operations;

@@ -1,0 +1,128 @@
+//! Per-server bounds on connections and streams: a flood is capped and the server keeps serving the
+//! clients it already has.
+
+use crate::harness::{Cluster, Options};
+use std::time::{Duration, Instant};
+
+const MAX_CONNECTIONS: usize = 16;
+const MAX_STREAMS: u32 = 8;
+
+/// The value of an unlabelled (or the first labelled) sample of `name` in a `/metrics` body.
+fn metric(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in {body}"))
+}
+
+/// Acquire+release cycles of an already connected client, with the latency of each.
+async fn cycles(session: &holdfast_client::Session, prefix: &str, n: usize) -> Vec<Duration> {
+    let mut took = Vec::with_capacity(n);
+    for i in 0..n {
+        let started = Instant::now();
+        let guard = session
+            .try_acquire(&format!("{prefix}/{i}"))
+            .await
+            .unwrap_or_else(|e| panic!("cycle {i} during the flood: {e}"));
+        guard.release().await.unwrap();
+        took.push(started.elapsed());
+    }
+    took.sort();
+    took
+}
+
+fn p99(sorted: &[Duration]) -> Duration {
+    sorted[(sorted.len() - 1) * 99 / 100]
+}
+
+/// 200 extra TCP connections to the leader's client port: at most `max_client_connections` stay open,
+/// the rest are closed at accept and counted, and the client that was already connected keeps working.
+/// 50 streams on one connection to a follower: at most `max_streams_per_connection` are in progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floods_of_connections_and_streams_are_capped_and_others_are_served() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        server_args: vec![
+            format!("--max-client-connections={MAX_CONNECTIONS}"),
+            format!("--max-streams-per-connection={MAX_STREAMS}"),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let before = cycles(&session, "calm", 100).await;
+
+    // Streams: each KeepAliveStream call waits for its first message, so all 50 would stay open.
+    let follower = (1..=3).find(|&i| i != leader).unwrap();
+    let raw = c.raw(follower).await;
+    let mut streams = Vec::new();
+    for _ in 0..50 {
+        let mut raw = raw.clone();
+        streams.push(tokio::spawn(async move {
+            let never =
+                tonic::codegen::tokio_stream::pending::<holdfast_proto::v1::KeepAliveRequest>();
+            let _ = raw.keep_alive_stream(never).await;
+            std::future::pending::<()>().await
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let open = metric(
+            &c.http_get(follower, "/metrics").await.1,
+            "holdfast_keepalive_streams",
+        );
+        assert!(
+            open <= u64::from(MAX_STREAMS),
+            "{open} streams on one connection"
+        );
+        if open == u64::from(MAX_STREAMS) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "only {open} streams opened");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Connections: hold 200 more to the leader.
+    let port: u16 = c
+        .endpoint(leader)
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut flood = Vec::new();
+    for _ in 0..200 {
+        flood.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (open, refused) = loop {
+        let body = c.http_get(leader, "/metrics").await.1;
+        let open = metric(&body, "holdfast_client_connections");
+        let refused = metric(&body, "holdfast_connections_refused_total");
+        assert!(open <= MAX_CONNECTIONS as u64, "{open} connections open");
+        if open + refused >= 200 {
+            break (open, refused);
+        }
+        assert!(Instant::now() < deadline, "{open} open, {refused} refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(refused >= 200 - MAX_CONNECTIONS as u64, "{refused} refused");
+    let during = cycles(&session, "flood", 100).await;
+    eprintln!(
+        "with {open} connections open and {refused} refused: cycle p99 {:?} before the flood, {:?} during it",
+        p99(&before),
+        p99(&during)
+    );
+    drop(flood);
+    for s in streams {
+        s.abort();
+    }
+}
