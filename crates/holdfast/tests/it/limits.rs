@@ -121,7 +121,25 @@ async fn floods_of_connections_and_streams_are_capped_and_others_are_served() {
         p99(&before),
         p99(&during)
     );
+    // Closed connections give their slots back: new clients get in again.
     drop(flood);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let open = metric(
+            &c.http_get(leader, "/metrics").await.1,
+            "holdfast_client_connections",
+        );
+        if open < MAX_CONNECTIONS as u64 / 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{open} connections still open after the flood closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let fresh = c.client().await;
+    fresh.open_session(Duration::from_secs(10)).await.unwrap();
     for s in streams {
         s.abort();
     }
