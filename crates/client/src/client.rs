@@ -28,6 +28,8 @@ pub struct ClientOptions {
     pub batched_keepalives: bool,
     /// Fixes the stream of session-open nonces (deterministic tests and the simulation). None, the
     /// default: random per process. Two clients with the same seed would collide, so never share one.
+    /// Tests only: a retried open with a session's nonce returns its secret, so anyone who can compute
+    /// the nonces can act on the sessions.
     pub nonce_seed: Option<u64>,
     /// Learn every member's advertised client endpoint from the first server that answers, and follow a
     /// `NOT_LEADER` redirect to a leader outside the endpoints given (the default): a partial endpoint
