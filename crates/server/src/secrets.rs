@@ -7,6 +7,9 @@
 
 /// Where a server's session secrets come from.
 pub struct SecretSource {
+    /// `/dev/urandom`, opened once (reads of 16 bytes from it never block or come back short).
+    #[cfg(not(holdfast_sim))]
+    urandom: std::sync::Mutex<std::fs::File>,
     #[cfg(holdfast_sim)]
     state: std::sync::Mutex<u64>,
 }
@@ -15,6 +18,11 @@ impl SecretSource {
     #[cfg_attr(not(holdfast_sim), allow(unused_variables))]
     pub fn new(seed: u64) -> SecretSource {
         SecretSource {
+            #[cfg(not(holdfast_sim))]
+            urandom: std::sync::Mutex::new(
+                std::fs::File::open("/dev/urandom")
+                    .expect("the OS random number generator (/dev/urandom) must be readable"),
+            ),
             #[cfg(holdfast_sim)]
             state: std::sync::Mutex::new(seed),
         }
@@ -35,9 +43,11 @@ impl SecretSource {
         use std::io::Read;
         let mut buf = [0u8; 16];
         // /dev/urandom is the kernel's CSPRNG (the same as getrandom(2) once it is seeded, which it is
-        // long before a server starts); a read of 16 bytes never blocks or comes back short.
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut buf))
+        // long before a server starts).
+        self.urandom
+            .lock()
+            .expect("secret source lock")
+            .read_exact(&mut buf)
             .expect("the OS random number generator (/dev/urandom) must be readable");
         u128::from_le_bytes(buf)
     }

@@ -22,6 +22,27 @@ fn only_segment(dir: &Path) -> std::path::PathBuf {
     segs[0].clone()
 }
 
+/// Opens a log that must refuse to start: the error and its message.
+fn refused(dir: &Path) -> (WalError, String) {
+    let err = Wal::open(dir, WalOptions::default())
+        .err()
+        .expect("must refuse");
+    let msg = err.to_string();
+    (err, msg)
+}
+
+fn assert_names(msg: &str, path: &Path) {
+    assert!(
+        msg.contains(path.file_name().unwrap().to_str().unwrap()),
+        "{msg}"
+    );
+}
+
+/// The path of segment `seq` beside `segment`.
+fn segment_beside(segment: &Path, seq: u64) -> std::path::PathBuf {
+    segment.with_file_name(format!("wal-{seq:016x}.log"))
+}
+
 #[test]
 fn records_come_back_in_order() {
     let dir = tempfile::tempdir().unwrap();
@@ -205,15 +226,9 @@ fn corruption_in_an_older_segment_refuses_to_start() {
     let n = bytes.len();
     bytes[n - 1] ^= 0xff;
     std::fs::write(&first, &bytes).unwrap();
-    let err = Wal::open(dir.path(), WalOptions::default())
-        .err()
-        .expect("must refuse");
-    let msg = err.to_string();
+    let (err, msg) = refused(dir.path());
     assert!(matches!(err, WalError::Corrupt { .. }), "{msg}");
-    assert!(
-        msg.contains(first.file_name().unwrap().to_str().unwrap()),
-        "{msg}"
-    );
+    assert_names(&msg, &first);
 }
 
 #[test]
@@ -459,15 +474,9 @@ fn a_standby_started_but_never_synced_is_cut_and_the_segment_before_stays_strict
     let n = bytes.len();
     bytes[n - 1] ^= 0xff;
     std::fs::write(&first, &bytes).unwrap();
-    let err = Wal::open(damaged.path(), WalOptions::default())
-        .err()
-        .expect("must refuse");
-    let msg = err.to_string();
+    let (err, msg) = refused(damaged.path());
     assert!(matches!(err, WalError::Corrupt { .. }), "{msg}");
-    assert!(
-        msg.contains(first.file_name().unwrap().to_str().unwrap()),
-        "{msg}"
-    );
+    assert_names(&msg, &first);
 }
 
 #[test]
@@ -476,26 +485,16 @@ fn a_standby_that_is_not_the_last_segment_or_an_unknown_state_is_corruption() {
     let (first, standby) = closed_log_with_standby(dir.path());
     let later = tempfile::tempdir().unwrap();
     copy_dir(dir.path(), later.path());
-    let mut seq = standby.file_name().unwrap().to_str().unwrap().to_string();
-    seq.replace_range(4..20, &format!("{:016x}", 99));
-    std::fs::copy(&first, later.path().join(&seq)).unwrap();
-    let msg = Wal::open(later.path(), WalOptions::default())
-        .err()
-        .expect("must refuse")
-        .to_string();
+    let copy = segment_beside(&later.path().join(first.file_name().unwrap()), 99);
+    std::fs::copy(&first, copy).unwrap();
+    let (_, msg) = refused(later.path());
     assert!(msg.contains("followed by later segments"), "{msg}");
-    assert!(
-        msg.contains(standby.file_name().unwrap().to_str().unwrap()),
-        "{msg}"
-    );
+    assert_names(&msg, &standby);
 
     let mut bytes = std::fs::read(&first).unwrap();
     bytes[12] = 1;
     std::fs::write(&first, &bytes).unwrap();
-    let msg = Wal::open(dir.path(), WalOptions::default())
-        .err()
-        .expect("must refuse")
-        .to_string();
+    let (_, msg) = refused(dir.path());
     assert!(msg.contains("unknown segment state 0x00000001"), "{msg}");
 }
 
@@ -505,18 +504,10 @@ fn a_standby_that_is_not_the_last_segment_or_an_unknown_state_is_corruption() {
 fn two_standbys_are_corruption() {
     let dir = tempfile::tempdir().unwrap();
     let (_, standby) = closed_log_with_standby(dir.path());
-    let mut name = standby.file_name().unwrap().to_str().unwrap().to_string();
-    name.replace_range(4..20, &format!("{:016x}", 99));
-    std::fs::copy(&standby, dir.path().join(&name)).unwrap();
-    let msg = Wal::open(dir.path(), WalOptions::default())
-        .err()
-        .expect("must refuse")
-        .to_string();
+    std::fs::copy(&standby, segment_beside(&standby, 99)).unwrap();
+    let (_, msg) = refused(dir.path());
     assert!(msg.contains("followed by later segments"), "{msg}");
-    assert!(
-        msg.contains(standby.file_name().unwrap().to_str().unwrap()),
-        "{msg}"
-    );
+    assert_names(&msg, &standby);
 }
 
 /// A crash right after a segment file was created leaves it empty: it is removed, and the log keeps
