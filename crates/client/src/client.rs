@@ -43,6 +43,8 @@ pub struct ClientOptions {
     /// retry after a broken connection may then find its acquire abandoned and fail with
     /// `Error::Abandoned`); the simulation uses it on some hosts so both paths run under faults.
     pub client_cancels: bool,
+    /// Connect over TLS (see [`crate::ClientTls`]). None, the default: plaintext.
+    pub tls: Option<crate::ClientTls>,
 }
 
 impl Default for ClientOptions {
@@ -55,6 +57,7 @@ impl Default for ClientOptions {
             nonce_seed: None,
             discover: true,
             client_cancels: true,
+            tls: None,
         }
     }
 }
@@ -122,7 +125,10 @@ fn channel_to(endpoint: &str, options: &ClientOptions) -> Result<Channel, Error>
         .http2_keep_alive_interval(Duration::from_secs(2))
         .keep_alive_timeout(Duration::from_secs(2))
         .keep_alive_while_idle(true);
-    Ok(holdfast_proto::transport::connect_lazy(e))
+    Ok(holdfast_proto::transport::connect_lazy_tls(
+        e,
+        options.tls.as_ref().map(|t| &t.connector),
+    ))
 }
 
 /// How much longer than a normal request a membership change may take (a learner catching up).
@@ -136,8 +142,15 @@ pub fn describe_status(status: &tonic::Status) -> String {
             .into();
     }
     let text = holdfast_proto::status_with_causes(status);
-    if text.contains("frame with invalid size") || text.contains("http2 error") {
+    if text.contains("frame with invalid size") {
+        // A TLS server answers a plaintext HTTP/2 preface with a TLS alert, which h2 reads as a frame.
+        return format!("not a plaintext gRPC server: a TLS port? (give the cluster CA: --ca or HOLDFAST_CA; the HTTP/2 handshake failed: {text})");
+    }
+    if text.contains("http2 error") {
         return format!("not a gRPC server (the HTTP/2 handshake failed: {text})");
+    }
+    if text.contains("InvalidContentType") || text.contains("corrupt message") {
+        return format!("not a TLS server: a plaintext port? (drop --ca / HOLDFAST_CA; {text})");
     }
     text
 }

@@ -12,7 +12,7 @@
 //! ```
 //!
 //! Layout: [`client`] (endpoints, leader following, retries), [`session`] (keepalive and the client-side
-//! lease), [`guard`] (a held lock), [`error`]. The crate depends only on the protocol crate
+//! lease), [`guard`] (a held lock), [`tls`], [`error`]. The crate depends only on the protocol crate
 //! (`holdfast-proto`), never on server internals.
 //!
 //! Retries are safe: every write carries an id (a random nonce for opening a session, a per-session
@@ -25,12 +25,14 @@ pub mod error;
 pub mod guard;
 mod keepalive;
 pub mod session;
+pub mod tls;
 
 pub use client::{Client, ClientOptions};
 pub use election::{Leader, Leadership, Observer};
 pub use error::Error;
 pub use guard::LockGuard;
 pub use session::{LeaseLost, Session};
+pub use tls::ClientTls;
 
 /// FNV-1a 64 of the name's bytes modulo the group count: the group that owns a lock name. Must match the
 /// server's `holdfast_lock_table::group_for` (a test checks it does).

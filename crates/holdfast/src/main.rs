@@ -53,6 +53,8 @@ enum Cmd {
     FenceWrite(cmd::fence::FenceWriteArgs),
     /// Read from the reference fenced store with a fencing token (raising its mark).
     FenceRead(cmd::fence::FenceReadArgs),
+    /// Make a cluster CA, server and client certificates for TLS.
+    Certs(cmd::certs::CertsArgs),
     /// The fault tests' client workload (writes a history for the checker).
     #[command(hide = true)]
     Workload(cmd::workload::WorkloadArgs),
@@ -87,6 +89,7 @@ fn main() -> std::process::ExitCode {
             Cmd::FenceStore(args) => cmd::fence_store::run(args).await,
             Cmd::FenceWrite(args) => cmd::fence::write(args).await,
             Cmd::FenceRead(args) => cmd::fence::read(args).await,
+            Cmd::Certs(args) => cmd::certs::run(args).await,
             Cmd::Workload(args) => cmd::workload::run(args).await,
         }
     });

@@ -9,6 +9,7 @@ pub mod v1 {
     tonic::include_proto!("holdfast.v1");
 }
 
+pub mod tls;
 pub mod transport;
 
 /// Metadata key that repeats the [`v1::Reason`] of an error status, for tools that cannot decode details.

@@ -22,6 +22,14 @@ pub fn connect_lazy(endpoint: Endpoint) -> Channel {
     return endpoint.connect_with_connector_lazy(sim::connector());
 }
 
+/// [`connect_lazy`] over TLS with `tls` when it is given.
+pub fn connect_lazy_tls(endpoint: Endpoint, tls: Option<&crate::tls::TlsConnector>) -> Channel {
+    match tls {
+        Some(tls) => endpoint.connect_with_connector_lazy(tls.clone()),
+        None => connect_lazy(endpoint),
+    }
+}
+
 /// A channel connected now (fails if the server cannot be reached).
 pub async fn connect(endpoint: Endpoint) -> Result<Channel, tonic::transport::Error> {
     #[cfg(not(holdfast_sim))]
@@ -79,7 +87,7 @@ impl Listener {
             Ok(stream) => match limit.clone().try_acquire_owned() {
                 Ok(permit) => Some(Ok(Limited {
                     inner: stream,
-                    _permit: permit,
+                    _permit: Some(permit),
                 })),
                 // Dropping the stream closes the connection.
                 Err(_) => {
@@ -89,6 +97,76 @@ impl Listener {
             },
             Err(e) => Some(Err(e)),
         })
+    }
+
+    /// Accepted connections past their TLS handshake with `config`'s current configuration, for
+    /// `tonic::transport::Server::serve_with_incoming*`. Handshakes run concurrently (one slow client
+    /// does not hold up the others), each for at most [`crate::tls::HANDSHAKE_TIMEOUT`]. With `limit`,
+    /// as [`Listener::incoming_limited`]: a connection holds a permit from accept to close. A
+    /// connection whose handshake fails, or that `admit` turns away, is closed and counted in
+    /// `refused_handshakes`.
+    #[cfg(not(holdfast_sim))]
+    pub fn incoming_tls(
+        self,
+        config: crate::tls::ServerConfigCell,
+        limit: Option<(
+            std::sync::Arc<tokio::sync::Semaphore>,
+            std::sync::Arc<std::sync::atomic::AtomicU64>,
+        )>,
+        admit: fn(&crate::tls::TlsConnectInfo) -> bool,
+        refused_handshakes: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) -> impl tonic::codegen::tokio_stream::Stream<
+        Item = io::Result<crate::tls::TlsConn<Limited<tokio::net::TcpStream>>>,
+    > + Send
+           + 'static {
+        use std::sync::atomic::Ordering::Relaxed;
+        // Connections through their handshake wait here for tonic; a full queue holds up accepting.
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let listener = self.inner;
+        tokio::spawn(async move {
+            loop {
+                let (stream, remote) = tokio::select! {
+                    accepted = listener.accept() => match accepted {
+                        Ok(a) => a,
+                        Err(e) => {
+                            // Out of file descriptors or similar: let connections close, then go on.
+                            tracing::warn!(%e, "accepting a connection failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                            continue;
+                        }
+                    },
+                    _ = tx.closed() => return,
+                };
+                let _ = stream.set_nodelay(true);
+                let permit = match &limit {
+                    None => None,
+                    Some((slots, refused)) => match slots.clone().try_acquire_owned() {
+                        Ok(p) => Some(p),
+                        Err(_) => {
+                            refused.fetch_add(1, Relaxed);
+                            continue;
+                        }
+                    },
+                };
+                let (tx, config, refused) =
+                    (tx.clone(), config.clone(), refused_handshakes.clone());
+                tokio::spawn(async move {
+                    let stream = Limited {
+                        inner: stream,
+                        _permit: permit,
+                    };
+                    match crate::tls::accept(&config, stream, Some(remote)).await {
+                        Ok(conn) if admit(conn.info()) => {
+                            let _ = tx.send(Ok(conn)).await;
+                        }
+                        _ => {
+                            refused.fetch_add(1, Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx)
     }
 
     /// The accepted connections, for `tonic::transport::Server::serve_with_incoming*`.
@@ -101,10 +179,11 @@ impl Listener {
     }
 }
 
-/// An accepted connection that holds one of the listener's connection permits until it closes.
+/// An accepted connection that holds one of the listener's connection permits (if it has a limit)
+/// until it closes.
 pub struct Limited<S> {
     inner: S,
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Limited<S> {

@@ -92,6 +92,8 @@ pub struct ServerConfig {
     /// Most concurrent HTTP/2 streams (calls in progress) per client connection, announced to the
     /// client in the HTTP/2 settings; a client that wants more waits for one to end.
     pub max_streams_per_connection: u32,
+    /// TLS on the client, peer and HTTP ports (the `[tls]` section; see `crate::tls`). None: plaintext.
+    pub tls: Option<crate::tls::TlsConfig>,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -129,6 +131,7 @@ impl Default for ServerConfig {
             sim_fsync: std::time::Duration::from_micros(500),
             max_client_connections: 4_096,
             max_streams_per_connection: 1_024,
+            tls: None,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,
             max_ttl_ms: holdfast_lock_table::limits::MAX_TTL_MS,

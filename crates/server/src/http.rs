@@ -1,13 +1,13 @@
 //! A minimal HTTP/1.1 endpoint for operators: `GET /metrics` (Prometheus text), `/healthz` (the process
 //! serves), `/readyz` (a write or linearizable read of every group can be served now, see
 //! [`NodeShared::readiness`]). One request per connection; requests over 8 KiB or
-//! slower than 5 s are dropped.
+//! slower than 5 s are dropped. Over TLS when the server has it (no client certificate asked for).
 
 use crate::node::NodeShared;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 
 const MAX_REQUEST_BYTES: usize = 8 << 10;
 
@@ -17,18 +17,36 @@ pub async fn serve(
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, remote) = tokio::select! {
             accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
             _ = shutdown.changed() => return,
         };
         let node = node.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), handle(stream, node)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                match node.tls.clone() {
+                    #[cfg(not(holdfast_sim))]
+                    Some(tls) => {
+                        let conn =
+                            holdfast_proto::tls::accept(&tls.http_port, stream, Some(remote))
+                                .await?;
+                        handle(conn, node).await
+                    }
+                    _ => {
+                        let _ = remote;
+                        handle(stream, node).await
+                    }
+                }
+            })
+            .await;
         });
     }
 }
 
-async fn handle(mut stream: TcpStream, node: Arc<NodeShared>) -> std::io::Result<()> {
+async fn handle<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    node: Arc<NodeShared>,
+) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {

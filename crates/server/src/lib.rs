@@ -15,6 +15,7 @@
 //! - [`backup`]: backup files of every group's table, and seeding a new cluster's data dirs from one.
 //! - [`abandon`]: acquires whose caller went away are abandoned through the log.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`tls`]: certificates for all three ports, who the peer port admits, reloading on change.
 
 pub mod abandon;
 pub mod backup;
@@ -34,6 +35,7 @@ pub mod secrets;
 pub mod service;
 pub mod snapshot_store;
 pub mod state_machine;
+pub mod tls;
 
 pub use config::{Member, ServerConfig};
 pub use node::Node;

@@ -42,6 +42,8 @@ pub struct NodeShared {
     pub wal: Arc<Wal>,
     /// Where new sessions' secrets come from.
     pub secrets: crate::secrets::SecretSource,
+    /// TLS on every port, when configured (see `tls`).
+    pub tls: Option<Arc<crate::tls::Tls>>,
 }
 
 impl RaftLookup for NodeShared {
@@ -75,6 +77,17 @@ impl Node {
             .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
         let dir_lock = lock_data_dir(&config)?;
         let identity = crate::identity::check(&config)?;
+        // Before anything else starts: a server whose certificates do not load must not start.
+        let tls = match &config.tls {
+            None => None,
+            Some(files) => Some(Arc::new(
+                crate::tls::Tls::load(files).map_err(|e| anyhow!("TLS: {e}"))?,
+            )),
+        };
+        #[cfg(holdfast_sim)]
+        if tls.is_some() {
+            anyhow::bail!("TLS is not simulated: the simulation runs plaintext");
+        }
 
         let metrics = Arc::new(ServerMetrics::default());
         let m = metrics.clone();
@@ -121,6 +134,7 @@ impl Node {
                 .iter()
                 .map(|m| (m.id, m.peer.clone()))
                 .collect(),
+            tls.as_ref().map(|t| t.peer_connector()),
         );
         let raft_config = Arc::new(
             openraft::Config {
@@ -222,6 +236,7 @@ impl Node {
             pending_abandons: crate::abandon::PendingAbandons::open(&config.data_dir),
             wal: wal.clone(),
             secrets: crate::secrets::SecretSource::new(rng_seed ^ config.node_id),
+            tls: tls.clone(),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -252,19 +267,34 @@ impl Node {
         .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
         let mut rx = shutdown_rx.clone();
+        let peer_tls = tls.clone();
         tasks.push(tokio::spawn(async move {
-            let incoming = peer_listener.incoming();
             let stop = async move {
                 let _ = rx.changed().await;
             };
-            if let Err(e) = tonic::transport::Server::builder()
+            let server = tonic::transport::Server::builder()
                 // Close connections that stop answering (see `holdfast_proto::transport`).
                 .http2_keepalive_interval(Some(Duration::from_secs(1)))
                 .http2_keepalive_timeout(Some(Duration::from_secs(3)))
-                .add_service(peer_service)
-                .serve_with_incoming_shutdown(incoming, stop)
-                .await
-            {
+                .add_service(peer_service);
+            let served = match peer_tls {
+                #[cfg(not(holdfast_sim))]
+                Some(tls) => {
+                    let incoming = peer_listener.incoming_tls(
+                        tls.peer_port.clone(),
+                        None,
+                        crate::tls::admit_peer,
+                        tls.refused_peer.clone(),
+                    );
+                    server.serve_with_incoming_shutdown(incoming, stop).await
+                }
+                _ => {
+                    server
+                        .serve_with_incoming_shutdown(peer_listener.incoming(), stop)
+                        .await
+                }
+            };
+            if let Err(e) = served {
                 tracing::error!(%e, "peer server failed");
             }
         }));
@@ -277,23 +307,41 @@ impl Node {
         let mut rx = shutdown_rx.clone();
         let slots = Arc::new(tokio::sync::Semaphore::new(config.max_client_connections));
         let _ = shared.metrics.client_connection_slots.set(slots.clone());
-        #[cfg(not(holdfast_sim))]
-        let incoming = client_listener
-            .incoming_limited(slots, shared.metrics.client_connections_refused.clone());
-        #[cfg(holdfast_sim)]
-        let incoming = client_listener.incoming();
         let max_streams = config.max_streams_per_connection;
+        let refused = shared.metrics.client_connections_refused.clone();
+        let client_tls = tls.clone();
         tasks.push(tokio::spawn(async move {
             let stop = async move {
                 let _ = rx.changed().await;
             };
-            if let Err(e) = tonic::transport::Server::builder()
+            let server = tonic::transport::Server::builder()
                 .http2_keepalive_interval(Some(Duration::from_secs(10)))
                 .max_concurrent_streams(Some(max_streams))
-                .add_service(client_service)
-                .serve_with_incoming_shutdown(incoming, stop)
-                .await
-            {
+                .add_service(client_service);
+            #[cfg(not(holdfast_sim))]
+            let served = match client_tls {
+                Some(tls) => {
+                    let incoming = client_listener.incoming_tls(
+                        tls.client_port.clone(),
+                        Some((slots, refused)),
+                        crate::tls::admit_client,
+                        tls.refused_client.clone(),
+                    );
+                    server.serve_with_incoming_shutdown(incoming, stop).await
+                }
+                None => {
+                    let incoming = client_listener.incoming_limited(slots, refused);
+                    server.serve_with_incoming_shutdown(incoming, stop).await
+                }
+            };
+            #[cfg(holdfast_sim)]
+            let served = {
+                let _ = (client_tls, slots, refused);
+                server
+                    .serve_with_incoming_shutdown(client_listener.incoming(), stop)
+                    .await
+            };
+            if let Err(e) = served {
                 tracing::error!(%e, "client server failed");
             }
         }));
@@ -314,6 +362,9 @@ impl Node {
             None => None,
         };
 
+        if let Some(tls) = &tls {
+            tasks.push(tokio::spawn(tls.clone().watch(shutdown_rx.clone())));
+        }
         for group in &shared.groups {
             tasks.push(tokio::spawn(group.clone().run_leadership()));
             tasks.push(tokio::spawn(group.clone().run_expiry(shutdown_rx.clone())));
@@ -602,6 +653,26 @@ impl NodeShared {
                 self.metrics.client_connections_refused.load(Relaxed),
             )],
         );
+        if let Some(tls) = &self.tls {
+            metrics::counter(
+                &mut out,
+                "holdfast_tls_reloads_total",
+                "Changes of the certificate files, by whether they loaded (now in use) or not (the previous ones stay).",
+                &[
+                    ("result=\"ok\"".to_string(), tls.reloads.load(Relaxed)),
+                    ("result=\"error\"".to_string(), tls.reload_failures.load(Relaxed)),
+                ],
+            );
+            metrics::counter(
+                &mut out,
+                "holdfast_tls_handshakes_refused_total",
+                "Connections closed because their TLS handshake failed (no or a foreign certificate, plaintext, a timeout) or, on the peer port, the certificate is not a server's.",
+                &[
+                    ("port=\"client\"".to_string(), tls.refused_client.load(Relaxed)),
+                    ("port=\"peer\"".to_string(), tls.refused_peer.load(Relaxed)),
+                ],
+            );
+        }
         let (pre_created, created_inline) = self.wal.rotations();
         metrics::counter(
             &mut out,

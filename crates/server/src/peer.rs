@@ -50,6 +50,8 @@ pub struct Peers {
     /// Keyed by address too: a member re-added at a new address gets a new channel.
     channels: Arc<Mutex<HashMap<(NodeId, String), Channel>>>,
     health: Arc<Mutex<HashMap<NodeId, Health>>>,
+    /// Connect over TLS, presenting this server's certificate (see `crate::tls`).
+    tls: Option<holdfast_proto::tls::TlsConnector>,
 }
 
 /// A peer that stopped answering: logged once when it happens, summarised every [`HEALTH_SUMMARY`], and
@@ -65,12 +67,17 @@ struct Health {
 const HEALTH_SUMMARY: Duration = Duration::from_secs(10);
 
 impl Peers {
-    pub fn new(me: PeerIdentity, addresses: HashMap<NodeId, String>) -> Self {
+    pub fn new(
+        me: PeerIdentity,
+        addresses: HashMap<NodeId, String>,
+        tls: Option<holdfast_proto::tls::TlsConnector>,
+    ) -> Self {
         Peers {
             me,
             addresses: Arc::new(addresses),
             channels: Arc::default(),
             health: Arc::default(),
+            tls,
         }
     }
 
@@ -128,7 +135,7 @@ impl Peers {
             // Not too tight: a late ping answer closes the connection and fails every RPC on it.
             .keep_alive_timeout(Duration::from_secs(3))
             .keep_alive_while_idle(true);
-        let channel = holdfast_proto::transport::connect_lazy(channel);
+        let channel = holdfast_proto::transport::connect_lazy_tls(channel, self.tls.as_ref());
         channels.insert((target, addr.to_string()), channel.clone());
         Ok(channel)
     }

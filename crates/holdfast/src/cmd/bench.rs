@@ -23,6 +23,8 @@ pub struct BenchArgs {
     /// Print the result as one JSON object.
     #[arg(long, global = true)]
     json: bool,
+    #[command(flatten)]
+    tls: super::TlsArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -73,6 +75,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .collect();
+    let base = ClientOptions {
+        tls: args.tls.client_tls()?,
+        ..ClientOptions::default()
+    };
     match args.mode {
         Mode::AcquireRelease {
             clients,
@@ -80,9 +86,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             duration,
         } => {
             let names = names.unwrap_or(clients).max(1);
-            acquire_release(endpoints, clients.max(1), names, duration, args.json).await
+            acquire_release(endpoints, base, clients.max(1), names, duration, args.json).await
         }
-        Mode::Availability { duration } => availability(endpoints, duration, args.json).await,
+        Mode::Availability { duration } => availability(endpoints, base, duration, args.json).await,
         Mode::Hold {
             sessions,
             locks_per_session,
@@ -93,7 +99,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         } => {
             let options = ClientOptions {
                 batched_keepalives: !unbatched_keepalives,
-                ..ClientOptions::default()
+                ..base
             };
             let setup = HoldSetup {
                 sessions,
@@ -108,10 +114,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 
 async fn availability(
     endpoints: Vec<String>,
+    options: ClientOptions,
     duration: Duration,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = connect(endpoints, ClientOptions::default()).await?;
+    let client = connect(endpoints, options).await?;
     let session = client
         .open_session(Duration::from_secs(10))
         .await
@@ -172,12 +179,13 @@ async fn availability(
 
 async fn acquire_release(
     endpoints: Vec<String>,
+    options: ClientOptions,
     clients: usize,
     names: usize,
     duration: Duration,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = connect(endpoints, ClientOptions::default()).await?;
+    let client = connect(endpoints, options).await?;
     let mut sessions = Vec::new();
     for _ in 0..clients {
         sessions.push(

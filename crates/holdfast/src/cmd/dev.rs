@@ -35,6 +35,10 @@ pub struct DevArgs {
     /// Raft groups (fixed when the data directory is first created).
     #[arg(long, default_value_t = 1)]
     groups: u32,
+    /// TLS on every port, with a throwaway CA and certificates made under DATA_DIR/tls on first use
+    /// (kept for the next run): the banner says which HOLDFAST_CA/CERT/KEY the client commands need.
+    #[arg(long)]
+    tls: bool,
 }
 
 /// Commands for a running `holdfast dev` (found through its `--data-dir`).
@@ -54,6 +58,8 @@ struct Plan {
     base_port: u16,
     groups: u32,
     members: String,
+    /// DATA_DIR/tls when `--tls`.
+    tls: Option<PathBuf>,
 }
 
 impl Plan {
@@ -80,6 +86,16 @@ impl Plan {
             .arg(self.data_dir.join(format!("node{n}")))
             .args(["--http-listen", &format!("127.0.0.1:{}", self.port(n, 200))])
             .args(["--groups", &self.groups.to_string()])
+            .args(self.tls.iter().flat_map(|dir| {
+                [
+                    "--tls-ca".into(),
+                    dir.join("ca.pem").into_os_string(),
+                    "--tls-cert".into(),
+                    dir.join(format!("server-{n}.pem")).into_os_string(),
+                    "--tls-key".into(),
+                    dir.join(format!("server-{n}.key")).into_os_string(),
+                ]
+            }))
             .arg("--exit-on-stdin-close")
             .stdin(std::process::Stdio::piped())
             .stdout(log.try_clone()?)
@@ -88,6 +104,49 @@ impl Plan {
             .spawn()
             .with_context(|| format!("cannot start server {n}"))
     }
+}
+
+/// Makes what is missing of a dev CA, server certificates for nodes 1..=nodes and a client certificate
+/// `dev` under `dir`, and returns the client settings for them.
+fn dev_certs(dir: &Path, nodes: u64) -> anyhow::Result<holdfast_client::ClientTls> {
+    use super::certs;
+    let ca_pem = dir.join("ca.pem");
+    if !ca_pem.exists() {
+        let (cert, key) = certs::new_ca(
+            &format!("Holdfast dev CA (throwaway) {}", plan_stamp()),
+            3650,
+        )?;
+        certs::write_pair(dir, "ca", &cert, &key)?;
+    }
+    let ca_cert = std::fs::read_to_string(&ca_pem)?;
+    let ca_key = std::fs::read_to_string(dir.join("ca.key"))?;
+    let mut leaves: Vec<(String, certs::Leaf)> = (1..=nodes)
+        .map(|id| {
+            let leaf = certs::Leaf::Server {
+                id,
+                hosts: Vec::new(),
+            };
+            (format!("server-{id}"), leaf)
+        })
+        .collect();
+    leaves.push(("dev".into(), certs::Leaf::Client { name: "dev".into() }));
+    for (stem, leaf) in leaves {
+        if !dir.join(format!("{stem}.pem")).exists() {
+            let (cert, key) = certs::issue(&ca_cert, &ca_key, &leaf, 365)?;
+            certs::write_pair(dir, &stem, &cert, &key)?;
+        }
+    }
+    Ok(holdfast_client::ClientTls::from_files(
+        &ca_pem,
+        Some((dir.join("dev.pem"), dir.join("dev.key"))),
+    )?)
+}
+
+/// When this dev CA was made (seconds since the epoch), so that two dev CAs have different names.
+fn plan_stamp() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Sends SIGTERM to a child we started (by its PID).
@@ -113,6 +172,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
             })
             .collect::<Vec<_>>()
             .join(","),
+        tls: args.tls.then(|| args.data_dir.join("tls")),
         data_dir: args.data_dir,
         nodes: args.nodes,
         base_port: args.base_port,
@@ -123,6 +183,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     let _dev_lock = lock_dev(&plan.data_dir)?;
     check_shape(&plan)?;
     check_ports(&plan)?;
+    let client_tls = match &plan.tls {
+        Some(dir) => Some(dev_certs(dir, plan.nodes)?),
+        None => None,
+    };
     let socket_path = plan.data_dir.join("dev.sock");
     let _ = std::fs::remove_file(&socket_path);
     let control = UnixListener::bind(&socket_path)
@@ -136,11 +200,12 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
         .map(|n| format!("127.0.0.1:{}", plan.port(n, 0)))
         .collect();
     let started = Instant::now();
-    match wait_ready(&plan, &endpoints, &mut children).await {
+    match wait_ready(&plan, &endpoints, &mut children, client_tls.as_ref()).await {
         Ok(leader) => {
             println!("holdfast dev cluster ready in {:.1}s ({} servers, leader of group 0: node {leader})", started.elapsed().as_secs_f64(), plan.nodes);
+            let http = if plan.tls.is_some() { "https" } else { "http" };
             for n in 1..=plan.nodes {
-                println!("  node {n}: client 127.0.0.1:{}  peer 127.0.0.1:{}  http http://127.0.0.1:{}/metrics", plan.port(n, 0), plan.port(n, 100), plan.port(n, 200));
+                println!("  node {n}: client 127.0.0.1:{}  peer 127.0.0.1:{}  http {http}://127.0.0.1:{}/metrics", plan.port(n, 0), plan.port(n, 100), plan.port(n, 200));
             }
             println!(
                 "  data: {}  logs: {}/nodeN.log",
@@ -148,6 +213,17 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
                 plan.data_dir.display()
             );
             println!("  HOLDFAST_ENDPOINTS={}", endpoints.join(","));
+            match &plan.tls {
+                Some(dir) => {
+                    let dir = std::path::absolute(dir).unwrap_or(dir.clone());
+                    println!("  TLS on every port (mutual between servers). For the client commands:");
+                    println!(
+                        "    export HOLDFAST_CA={0}/ca.pem HOLDFAST_CERT={0}/dev.pem HOLDFAST_KEY={0}/dev.key",
+                        dir.display()
+                    );
+                }
+                None => println!("  plaintext: anyone who reaches these ports can use them (`--tls` for TLS; see docs/security.md)"),
+            }
             println!("Failover: `holdfast dev kill N`, then `holdfast dev restart N`. Ctrl-C stops the cluster; the data is kept for the next run.");
         }
         Err(e) => {
@@ -385,6 +461,7 @@ async fn wait_ready(
     plan: &Plan,
     endpoints: &[String],
     children: &mut [Option<Child>],
+    tls: Option<&holdfast_client::ClientTls>,
 ) -> anyhow::Result<u64> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -403,11 +480,16 @@ async fn wait_ready(
             else {
                 continue;
             };
-            let Ok(channel) = endpoint
-                .connect_timeout(Duration::from_millis(200))
-                .connect()
-                .await
-            else {
+            let endpoint = endpoint.connect_timeout(Duration::from_millis(200));
+            let connected = match tls {
+                Some(tls) => {
+                    endpoint
+                        .connect_with_connector(tls.connector().clone())
+                        .await
+                }
+                None => endpoint.connect().await,
+            };
+            let Ok(channel) = connected else {
                 continue;
             };
             if let Ok(s) = HoldfastClient::new(channel)

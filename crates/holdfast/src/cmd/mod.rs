@@ -2,6 +2,7 @@
 //! print, and how to signal a child process.
 
 pub mod bench;
+pub mod certs;
 pub mod describe;
 pub mod dev;
 pub mod duration;
@@ -40,6 +41,45 @@ pub struct Conn {
     /// redirects to them (for a cluster reached through a proxy or NAT).
     #[arg(long, env = "HOLDFAST_ONLY_ENDPOINTS", value_parser = clap::builder::BoolishValueParser::new())]
     pub only_endpoints: bool,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// How a client command connects over TLS (a cluster started with `[tls]` or `holdfast dev --tls`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// The cluster CA (PEM): connect over TLS and verify the servers' certificates against it.
+    #[arg(long, env = "HOLDFAST_CA", global = true)]
+    pub ca: Option<std::path::PathBuf>,
+    /// This client's certificate (PEM), for a cluster that wants one; its common name is the principal.
+    #[arg(long, env = "HOLDFAST_CERT", global = true, requires = "key")]
+    pub cert: Option<std::path::PathBuf>,
+    /// The key of --cert (PEM).
+    #[arg(long, env = "HOLDFAST_KEY", global = true, requires = "cert")]
+    pub key: Option<std::path::PathBuf>,
+    /// Verify the servers' certificates for this name instead of the endpoint's host.
+    #[arg(long, env = "HOLDFAST_TLS_SERVER_NAME", global = true)]
+    pub tls_server_name: Option<String>,
+}
+
+impl TlsArgs {
+    /// None: plaintext.
+    pub fn client_tls(&self) -> anyhow::Result<Option<holdfast_client::ClientTls>> {
+        let Some(ca) = &self.ca else {
+            if self.cert.is_some() {
+                anyhow::bail!(
+                    "--cert needs --ca (HOLDFAST_CA): the CA the servers' certificates chain to"
+                );
+            }
+            return Ok(None);
+        };
+        let identity = self.cert.as_ref().zip(self.key.as_ref());
+        let tls = holdfast_client::ClientTls::from_files(ca, identity)?;
+        Ok(Some(match &self.tls_server_name {
+            Some(name) => tls.with_server_name(name),
+            None => tls,
+        }))
+    }
 }
 
 impl Conn {
@@ -60,20 +100,21 @@ impl Conn {
         Ok(list)
     }
 
-    pub fn options(&self) -> ClientOptions {
-        ClientOptions {
+    pub fn options(&self) -> anyhow::Result<ClientOptions> {
+        Ok(ClientOptions {
             request_timeout: self.timeout,
             attempt_timeout: self.timeout.min(ClientOptions::default().attempt_timeout),
             discover: !self.only_endpoints,
+            tls: self.tls.client_tls()?,
             ..ClientOptions::default()
-        }
+        })
     }
 
     /// Connects, saying on a terminal what it is waiting for when the cluster does not answer at once.
     pub async fn connect(&self) -> anyhow::Result<Client> {
         use std::io::IsTerminal;
         let endpoints = self.endpoint_list()?;
-        let connecting = Client::connect_with(endpoints, self.options());
+        let connecting = Client::connect_with(endpoints, self.options()?);
         tokio::pin!(connecting);
         let waited = tokio::select! {
             r = &mut connecting => Some(r),

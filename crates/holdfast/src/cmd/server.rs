@@ -84,6 +84,19 @@ pub struct ServerArgs {
     /// Most calls in progress per client connection (HTTP/2 streams; default 1024).
     #[arg(long)]
     max_streams_per_connection: Option<u32>,
+    /// TLS on every port: the cluster CA (PEM). With --tls-cert and --tls-key; overrides `[tls]`.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<std::path::PathBuf>,
+    /// This server's certificate chain (PEM), from `holdfast certs server`.
+    #[arg(long, requires = "tls_ca")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// This server's private key (PEM).
+    #[arg(long, requires = "tls_ca")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Client certificates on the client port: `optional` (verified when presented; the default) or
+    /// `required`.
+    #[arg(long)]
+    client_certs: Option<holdfast_server::tls::ClientCertMode>,
     /// TTL for sessions that ask for 0 (default 10000).
     #[arg(long)]
     default_ttl_ms: Option<u64>,
@@ -152,6 +165,22 @@ impl ServerArgs {
         if let Some(m) = &self.members {
             c.members = ServerConfig::parse_members(m).map_err(|e| anyhow!(e))?;
         }
+        if let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            c.tls = Some(holdfast_server::tls::TlsConfig {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+                client_certs: c.tls.as_ref().map(|t| t.client_certs).unwrap_or_default(),
+            });
+        }
+        if let Some(mode) = self.client_certs {
+            match &mut c.tls {
+                Some(tls) => tls.client_certs = mode,
+                None => anyhow::bail!(
+                    "--client-certs needs TLS (--tls-ca, --tls-cert, --tls-key or [tls])"
+                ),
+            }
+        }
         c.validate().map_err(|e| anyhow!(e))?;
         Ok(c)
     }
@@ -178,6 +207,15 @@ fn check_config(config: &ServerConfig) -> anyhow::Result<()> {
     ] {
         addr.parse::<SocketAddr>()
             .map_err(|_| anyhow!("this member's {what} listen address {addr:?} is not ip:port (give --{what}-listen)"))?;
+    }
+    if let Some(files) = &config.tls {
+        holdfast_server::tls::Tls::load(files).map_err(|e| anyhow!("TLS: {e}"))?;
+        println!(
+            "TLS OK: {} signed by a CA in {}; client certificates {:?}",
+            files.cert.display(),
+            files.ca.display(),
+            files.client_certs
+        );
     }
     let identity = holdfast_server::identity::inspect(config)?;
     println!(

@@ -27,12 +27,13 @@ async fn status_of(
     endpoint: &str,
     with_digest: bool,
     timeout: Duration,
+    tls: Option<&holdfast_client::ClientTls>,
 ) -> Result<StatusResponse, String> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(timeout.min(Duration::from_secs(1)))
-        .timeout(timeout.min(Duration::from_secs(2)))
-        .connect_lazy();
+        .timeout(timeout.min(Duration::from_secs(2)));
+    let channel = holdfast_proto::transport::connect_lazy_tls(endpoint, tls.map(|t| t.connector()));
     match HoldfastClient::new(channel)
         .status(StatusRequest { with_digest })
         .await
@@ -45,8 +46,9 @@ async fn status_of(
 pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let timeout = args.conn.timeout;
     let mut answers: Vec<(String, Result<StatusResponse, String>)> = Vec::new();
+    let tls = args.conn.tls.client_tls()?;
     for ep in args.conn.endpoint_list()? {
-        let answer = status_of(&ep, args.json, timeout).await;
+        let answer = status_of(&ep, args.json, timeout, tls.as_ref()).await;
         answers.push((ep, answer));
     }
     // Every member the cluster reports, so a partial endpoint list shows them all.
@@ -58,7 +60,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .collect();
         for ep in members {
             if !answers.iter().any(|(e, _)| *e == ep) {
-                let answer = status_of(&ep, args.json, timeout).await;
+                let answer = status_of(&ep, args.json, timeout, tls.as_ref()).await;
                 answers.push((ep, answer));
             }
         }

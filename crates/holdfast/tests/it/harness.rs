@@ -30,6 +30,9 @@ pub struct Options {
     pub restore: Option<PathBuf>,
     /// Added to every server's command line (hidden test flags such as `--wal-segment-bytes`).
     pub server_args: Vec<String>,
+    /// TLS on every port: a CA, server certificates and a client certificate `tester` are made with
+    /// `holdfast certs` under `DIR/tls`, and the harness's own clients use them.
+    pub tls: bool,
 }
 
 impl Default for Options {
@@ -44,6 +47,7 @@ impl Default for Options {
             seed_data: None,
             restore: None,
             server_args: Vec::new(),
+            tls: false,
         }
     }
 }
@@ -67,6 +71,23 @@ pub struct Cluster {
     dir: Option<tempfile::TempDir>,
     pub servers: Vec<Server>,
     pub proxies: Proxies,
+    /// With `Options::tls`: where the certificates are, and the harness clients' settings.
+    pub tls_dir: Option<PathBuf>,
+    pub tls: Option<holdfast_client::ClientTls>,
+}
+
+/// Runs `holdfast certs ARGS` and panics with its output if it fails.
+pub fn certs(args: &[&str]) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+        .arg("certs")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "holdfast certs {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
@@ -125,6 +146,21 @@ impl Cluster {
             .tempdir()
             .unwrap();
         let n = options.nodes;
+        let tls_dir = options.tls.then(|| dir.path().join("tls"));
+        let tls = tls_dir.as_ref().map(|d| {
+            let d = d.to_str().unwrap();
+            certs(&["ca", "--dir", d]);
+            for i in 1..=n {
+                certs(&["server", "--dir", d, "--id", &i.to_string()]);
+            }
+            certs(&["client", "--dir", d, "--name", "tester"]);
+            let d = std::path::Path::new(d);
+            holdfast_client::ClientTls::from_files(
+                d.join("ca.pem"),
+                Some((d.join("tester.pem"), d.join("tester.key"))),
+            )
+            .unwrap()
+        });
         let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
         let proxies = Proxies::default();
         let mut servers = Vec::new();
@@ -171,6 +207,13 @@ impl Cluster {
             if options.audit {
                 args.push("--audit-log".into());
             }
+            if let Some(d) = &tls_dir {
+                args.extend([
+                    format!("--tls-ca={}", d.join("ca.pem").display()),
+                    format!("--tls-cert={}", d.join(format!("server-{i}.pem")).display()),
+                    format!("--tls-key={}", d.join(format!("server-{i}.key")).display()),
+                ]);
+            }
             args.extend(options.server_args.iter().cloned());
             let http_port = options.http.then(free_port);
             if let Some(port) = http_port {
@@ -193,6 +236,8 @@ impl Cluster {
             dir: Some(dir),
             servers,
             proxies,
+            tls_dir,
+            tls,
         };
         for i in 1..=n {
             cluster.start_server(i);
@@ -327,6 +372,7 @@ impl Cluster {
     pub async fn client(&self) -> Client {
         let options = ClientOptions {
             request_timeout: Duration::from_secs(20),
+            tls: self.tls.clone(),
             ..ClientOptions::default()
         };
         Client::connect_with(self.endpoints(), options)
@@ -336,29 +382,39 @@ impl Cluster {
 
     /// A raw gRPC client to one server (no redirects, no retries).
     pub async fn raw(&self, id: u64) -> HoldfastClient<tonic::transport::Channel> {
-        let channel =
+        let endpoint =
             tonic::transport::Endpoint::from_shared(format!("http://{}", self.endpoint(id)))
                 .unwrap()
                 .connect_timeout(Duration::from_secs(1))
-                .timeout(Duration::from_secs(5))
-                .connect()
-                .await
-                .unwrap();
-        HoldfastClient::new(channel)
+                .timeout(Duration::from_secs(5));
+        HoldfastClient::new(self.connect(endpoint).await.unwrap())
+    }
+
+    /// Connects to `endpoint` the way the harness's clients do (over TLS if the cluster has it).
+    pub async fn connect(
+        &self,
+        endpoint: tonic::transport::Endpoint,
+    ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+        match &self.tls {
+            Some(tls) => {
+                endpoint
+                    .connect_with_connector(tls.connector().clone())
+                    .await
+            }
+            None => endpoint.connect().await,
+        }
     }
 
     /// One server's view of a group, if it answers.
     pub async fn group_status(&self, id: u64, group: u32) -> Option<GroupStatus> {
         // A stopped server cannot answer.
         self.servers[(id - 1) as usize].child.as_ref()?;
-        let channel =
+        let endpoint =
             tonic::transport::Endpoint::from_shared(format!("http://{}", self.endpoint(id)))
                 .ok()?
                 .connect_timeout(Duration::from_millis(300))
-                .timeout(Duration::from_secs(1))
-                .connect()
-                .await
-                .ok()?;
+                .timeout(Duration::from_secs(1));
+        let channel = self.connect(endpoint).await.ok()?;
         let s = HoldfastClient::new(channel)
             .status(StatusRequest { with_digest: true })
             .await
@@ -474,9 +530,18 @@ impl Cluster {
         let mut c = Command::new(env!("CARGO_BIN_EXE_holdfast"));
         c.env("HOLDFAST_ENDPOINTS", self.endpoints().join(","))
             .kill_on_drop(true);
+        if let Some(d) = &self.tls_dir {
+            c.env("HOLDFAST_CA", d.join("ca.pem"))
+                .env("HOLDFAST_CERT", d.join("tester.pem"))
+                .env("HOLDFAST_KEY", d.join("tester.key"));
+        }
         c
     }
 }
+
+/// A plaintext or TLS stream.
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
 
 impl Cluster {
     /// `GET path` on one server's HTTP port (needs `Options::http`): the status code and the body.
@@ -485,9 +550,25 @@ impl Cluster {
         let port = self.servers[(id - 1) as usize]
             .http_port
             .expect("cluster started with http");
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .unwrap();
+        let mut stream: Box<dyn Io> = match &self.tls_dir {
+            None => Box::new(stream),
+            Some(d) => {
+                let ca = std::fs::read(d.join("ca.pem")).unwrap();
+                let mut config = holdfast_proto::tls::client_config(&ca, None).unwrap();
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                let name =
+                    holdfast_proto::tls::rustls::pki_types::ServerName::try_from("127.0.0.1")
+                        .unwrap();
+                let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+                    .connect(name, stream)
+                    .await
+                    .unwrap();
+                Box::new(tls)
+            }
+        };
         stream
             .write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes())
             .await

@@ -16,4 +16,5 @@ mod operations;
 mod proxy;
 mod secrets;
 mod storage;
+mod tls;
 mod upgrade;

@@ -1,0 +1,255 @@
+//! TLS on every port: who gets in (a client of the cluster CA), who does not (plaintext, a foreign CA,
+//! a client certificate on the peer port), and certificates replaced while clients run.
+
+use crate::harness::{certs, Cluster, Options};
+use holdfast_client::{Client, ClientOptions, ClientTls, Error};
+use holdfast_proto::v1::peer_client::PeerClient;
+use std::path::Path;
+use std::time::Duration;
+use tokio::time::Instant;
+
+fn options(endpoints: Vec<String>, tls: Option<ClientTls>) -> (Vec<String>, ClientOptions) {
+    let options = ClientOptions {
+        request_timeout: Duration::from_secs(3),
+        tls,
+        ..ClientOptions::default()
+    };
+    (endpoints, options)
+}
+
+async fn try_connect(c: &Cluster, tls: Option<ClientTls>) -> Result<Client, Error> {
+    let (endpoints, options) = options(c.endpoints(), tls);
+    let client = Client::connect_with(endpoints, options).await?;
+    client.open_session(Duration::from_secs(10)).await?;
+    Ok(client)
+}
+
+fn pair(dir: &Path, stem: &str) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    Some((
+        dir.join(format!("{stem}.pem")),
+        dir.join(format!("{stem}.key")),
+    ))
+}
+
+/// A peer RPC to server 1's peer port, presenting `identity`.
+async fn vote_as(
+    c: &Cluster,
+    identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+) -> tonic::Status {
+    let dir = c.tls_dir.as_ref().unwrap();
+    let tls = ClientTls::from_files(dir.join("ca.pem"), identity).unwrap();
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", c.peer_endpoint(1)))
+            .unwrap()
+            .timeout(Duration::from_secs(3));
+    match endpoint
+        .connect_with_connector(tls.connector().clone())
+        .await
+    {
+        Err(e) => tonic::Status::unavailable(format!("connect: {e}")),
+        Ok(channel) => PeerClient::new(channel)
+            .vote(holdfast_proto::v1::VoteRequest::default())
+            .await
+            .expect_err("an empty vote request is not a valid one"),
+    }
+}
+
+/// An answer from the Raft service itself, not a connection that failed or was closed under the call
+/// (TLS 1.3 finishes the client's side of the handshake before the server has checked its certificate,
+/// so a refused client sees its first call fail, not its connect).
+fn reached_service(status: &tonic::Status) -> bool {
+    let transport = std::error::Error::source(status)
+        .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some());
+    !transport && status.code() != tonic::Code::Unavailable
+}
+
+/// With `--client-certs=required`: the harness's client (certificate `tester` of the cluster CA) works;
+/// plaintext, no certificate, a certificate of another CA, and trusting another CA all fail to connect.
+/// On the peer port a server certificate reaches the Raft service, a client certificate of the same
+/// CA does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_peer_port() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        tls: true,
+        http: true,
+        server_args: vec!["--client-certs=required".into()],
+        ..Options::default()
+    })
+    .await;
+    let dir = c.tls_dir.clone().unwrap();
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let guard = session.try_acquire("tls/x").await.unwrap();
+
+    let plaintext = try_connect(&c, None).await.err().expect("plaintext got in");
+    assert!(plaintext.to_string().contains("TLS port?"), "{plaintext}");
+
+    let no_cert = ClientTls::from_files(dir.join("ca.pem"), None::<(&str, &str)>).unwrap();
+    try_connect(&c, Some(no_cert))
+        .await
+        .err()
+        .expect("a client without a certificate got in");
+
+    let other = dir.join("other");
+    let o = other.to_str().unwrap();
+    certs(&["ca", "--dir", o]);
+    certs(&["client", "--dir", o, "--name", "mallory"]);
+    let foreign = ClientTls::from_files(dir.join("ca.pem"), pair(&other, "mallory")).unwrap();
+    try_connect(&c, Some(foreign))
+        .await
+        .err()
+        .expect("a foreign client certificate got in");
+    let wrong_ca = ClientTls::from_files(other.join("ca.pem"), pair(&dir, "tester")).unwrap();
+    let e = try_connect(&c, Some(wrong_ca))
+        .await
+        .err()
+        .expect("a server of another CA was trusted");
+    assert!(e.to_string().contains("UnknownIssuer"), "{e}");
+
+    // The CLI reads the same settings from HOLDFAST_CA/CERT/KEY.
+    let out = c
+        .holdfast()
+        .args(["describe", "tls/x"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&guard.token().to_string()));
+
+    // The peer port: a client certificate of the cluster CA is turned away at the handshake; a server
+    // certificate gets as far as the Raft service, which refuses an empty vote for what it is.
+    let as_client = vote_as(&c, pair(&dir, "tester")).await;
+    assert!(!reached_service(&as_client), "{as_client:?}");
+    let as_nobody = vote_as(&c, None).await;
+    assert!(!reached_service(&as_nobody), "{as_nobody:?}");
+    let as_server = vote_as(&c, pair(&dir, "server-2")).await;
+    assert!(reached_service(&as_server), "{as_server:?}");
+    let refused = c.metrics(1).await;
+    assert!(
+        refused["holdfast_tls_handshakes_refused_total{port=\"peer\"}"] >= 2,
+        "{refused:?}"
+    );
+    assert!(refused["holdfast_tls_handshakes_refused_total{port=\"client\"}"] >= 3);
+
+    // Nothing the refused clients did touched the lock.
+    assert!(guard.is_valid());
+    let held = c.client().await.describe("tls/x").await.unwrap().unwrap();
+    assert_eq!(held.token, guard.token());
+}
+
+/// Waits until server `id`'s log has `count` lines containing `text`.
+async fn wait_log(c: &Cluster, id: u64, text: &str, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c.log_text(id).matches(text).count() < count {
+        assert!(
+            Instant::now() < deadline,
+            "server {id} never logged {text:?} {count}×:\n{}",
+            c.log_text(id)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every server's certificate and key are replaced while a client holds a lock and another cycles
+/// acquire+release. A half-done replacement (a key that does not match) is refused and the old pair
+/// stays in use; the full one is picked up without a restart; new connections, client and peer, use
+/// it (a new client connects, and after the leader is killed the others elect one over new
+/// connections). No session is lost and no cycle fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        tls: true,
+        ..Options::default()
+    })
+    .await;
+    let dir = c.tls_dir.clone().unwrap();
+    let client = c.client().await;
+    let holder = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let guard = holder.try_acquire("rotate/held").await.unwrap();
+    let cycler = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cycles = {
+        let (cycler, stop) = (cycler.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let g = cycler
+                    .acquire_timeout("rotate/cycle", Duration::from_secs(10))
+                    .await
+                    .unwrap_or_else(|e| panic!("cycle {n}: {e}"));
+                g.release()
+                    .await
+                    .unwrap_or_else(|e| panic!("release {n}: {e}"));
+                n += 1;
+            }
+            n
+        })
+    };
+
+    // New pairs, made aside and moved in by rename.
+    let new = dir.join("new");
+    let n = new.to_str().unwrap();
+    std::fs::create_dir_all(&new).unwrap();
+    std::fs::copy(dir.join("ca.pem"), new.join("ca.pem")).unwrap();
+    std::fs::copy(dir.join("ca.key"), new.join("ca.key")).unwrap();
+    for i in 1..=3u64 {
+        certs(&["server", "--dir", n, "--id", &i.to_string()]);
+    }
+    // Half done on server 1: its new certificate with its old key.
+    std::fs::rename(new.join("server-1.pem"), dir.join("server-1.pem")).unwrap();
+    wait_log(&c, 1, "do not load", 1).await;
+    let still = c.client().await;
+    still.open_session(Duration::from_secs(10)).await.unwrap();
+    // Finished everywhere.
+    std::fs::rename(new.join("server-1.key"), dir.join("server-1.key")).unwrap();
+    for i in 2..=3u64 {
+        std::fs::rename(
+            new.join(format!("server-{i}.key")),
+            dir.join(format!("server-{i}.key")),
+        )
+        .unwrap();
+        std::fs::rename(
+            new.join(format!("server-{i}.pem")),
+            dir.join(format!("server-{i}.pem")),
+        )
+        .unwrap();
+    }
+    for i in 1..=3 {
+        wait_log(&c, i, "TLS certificates reloaded", 1).await;
+    }
+    // New client connections get the new certificates (and still verify against the CA).
+    let fresh = c.client().await;
+    let s = fresh.open_session(Duration::from_secs(10)).await.unwrap();
+    s.close().await.unwrap();
+
+    // New peer connections too: the leader goes, the others elect one over new connections.
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    c.kill(leader).await;
+    c.wait_for_leader_except(0, leader, Duration::from_secs(20))
+        .await;
+    let after = c.client().await;
+    let described = after.describe("rotate/held").await.unwrap().unwrap();
+    assert_eq!(
+        described.token,
+        guard.token(),
+        "the held lock changed hands"
+    );
+    let g = cycler
+        .acquire_timeout("rotate/after", Duration::from_secs(15))
+        .await
+        .unwrap();
+    g.release().await.unwrap();
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let done = cycles.await.unwrap();
+    assert!(done > 0, "no cycle ran");
+    assert!(holder.is_valid(), "the holder's session was lost");
+    assert!(cycler.is_valid(), "the cycling session was lost");
+    assert!(guard.is_valid());
+}

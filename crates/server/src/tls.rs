@@ -1,0 +1,284 @@
+//! TLS for this server's three ports, from the `[tls]` section of the config: one certificate and key
+//! (this server's, signed by the cluster CA) serve the client, peer and HTTP ports and are presented to
+//! other servers when this one connects to their peer ports.
+//!
+//! - The **peer port** requires a certificate from the cluster CA that is a *server* certificate (its
+//!   extended key usage lists `serverAuth`, which `holdfast certs client` never sets) naming a server
+//!   (`holdfast-server-<id>`). Any other connection is closed after the handshake: a client, even one
+//!   with a valid client certificate, cannot send Raft messages.
+//! - The **client port** verifies a client certificate against the CA when one is presented
+//!   (`client_certs = "optional"`, the default) or refuses clients without one (`"required"`).
+//! - The **HTTP port** (metrics, health) asks for none.
+//!
+//! The files are read again every [`RELOAD_INTERVAL`] and on SIGHUP; when they changed and make a valid
+//! configuration, new connections use it (connections already open keep theirs). A change that does
+//! not load (a key that does not match its certificate, a file half written) keeps the old
+//! configuration, is logged, and counts in `holdfast_tls_reloads_total{result="error"}`; the next
+//! change is tried again.
+
+use holdfast_proto::tls::{self, ClientCerts, ClientConfigCell, ServerConfigCell, TlsConnector};
+use serde::Deserialize;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+/// How often the certificate files are checked for a change.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The prefix of a server certificate's common name; the peer port admits `holdfast-server-<id>`.
+pub const SERVER_NAME_PREFIX: &str = "holdfast-server-";
+
+/// The `[tls]` section of a server's config file.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The cluster CA (PEM; several certificates while a CA is being replaced).
+    pub ca: PathBuf,
+    /// This server's certificate chain (PEM), issued by the CA (`holdfast certs server`).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// Whether the client port requires a client certificate.
+    #[serde(default)]
+    pub client_certs: ClientCertMode,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientCertMode {
+    /// Verified when presented (a client without one has no principal).
+    #[default]
+    Optional,
+    /// A client without a certificate from the CA is refused at the handshake.
+    Required,
+}
+
+impl std::str::FromStr for ClientCertMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "optional" => Ok(ClientCertMode::Optional),
+            "required" => Ok(ClientCertMode::Required),
+            _ => Err(format!(
+                "client certificates must be `optional` or `required`, got {s:?}"
+            )),
+        }
+    }
+}
+
+/// The configurations built from the files, and the cells new connections take them from.
+pub struct Tls {
+    files: TlsConfig,
+    /// The three files' contents the cells were last built from.
+    loaded: Mutex<Vec<u8>>,
+    /// The contents that last failed to load, and why: tried again only once they change.
+    failed: Mutex<Option<(Vec<u8>, String)>>,
+    pub client_port: ServerConfigCell,
+    pub peer_port: ServerConfigCell,
+    pub http_port: ServerConfigCell,
+    /// What this server presents when it connects to other servers' peer ports.
+    pub peer_client: ClientConfigCell,
+    pub reloads: AtomicU64,
+    pub reload_failures: AtomicU64,
+    /// Connections closed because their handshake failed or the peer port does not admit them.
+    pub refused_client: Arc<AtomicU64>,
+    pub refused_peer: Arc<AtomicU64>,
+}
+
+struct Built {
+    client_port: rustls::ServerConfig,
+    peer_port: rustls::ServerConfig,
+    http_port: rustls::ServerConfig,
+    peer_client: rustls::ClientConfig,
+}
+
+use holdfast_proto::tls::rustls;
+
+fn read(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(tls::MAX_PEM_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(bytes)
+}
+
+impl Tls {
+    /// Loads the files; an error names the file and what is wrong with it (the server does not start).
+    pub fn load(files: &TlsConfig) -> Result<Tls, String> {
+        let (bytes, built) = Self::build(files)?;
+        let server = |c| Arc::new(RwLock::new(Arc::new(c)));
+        Ok(Tls {
+            files: files.clone(),
+            loaded: Mutex::new(bytes),
+            failed: Mutex::new(None),
+            client_port: server(built.client_port),
+            peer_port: server(built.peer_port),
+            http_port: server(built.http_port),
+            peer_client: Arc::new(RwLock::new(Arc::new(built.peer_client))),
+            reloads: AtomicU64::new(0),
+            reload_failures: AtomicU64::new(0),
+            refused_client: Default::default(),
+            refused_peer: Default::default(),
+        })
+    }
+
+    fn build(files: &TlsConfig) -> Result<(Vec<u8>, Built), String> {
+        let ca = read(&files.ca)?;
+        let cert = read(&files.cert)?;
+        let key = read(&files.key)?;
+        fn named(what: &std::path::Path) -> impl Fn(tls::TlsError) -> String + '_ {
+            move |e| format!("{}: {e}", what.display())
+        }
+        let pair =
+            |e: tls::TlsError| format!("{} and {}: {e}", files.cert.display(), files.key.display());
+        // Checked one by one first, so the error names the file at fault.
+        tls::certs_from_pem(&ca).map_err(named(&files.ca))?;
+        tls::certs_from_pem(&cert).map_err(named(&files.cert))?;
+        tls::key_from_pem(&key).map_err(named(&files.key))?;
+        tls::verify_chain(&ca, &cert).map_err(|e| {
+            format!(
+                "{} with the CA {}: {e}",
+                files.cert.display(),
+                files.ca.display()
+            )
+        })?;
+        let client_certs = match files.client_certs {
+            ClientCertMode::Optional => ClientCerts::Optional,
+            ClientCertMode::Required => ClientCerts::Required,
+        };
+        let built = Built {
+            client_port: tls::server_config(&ca, &cert, &key, client_certs, true).map_err(pair)?,
+            peer_port: tls::server_config(&ca, &cert, &key, ClientCerts::Required, true)
+                .map_err(pair)?,
+            http_port: tls::server_config(&ca, &cert, &key, ClientCerts::None, false)
+                .map_err(pair)?,
+            peer_client: tls::client_config(&ca, Some((&cert, &key))).map_err(pair)?,
+        };
+        // A server certificate must be usable as one: the peer port of every other server checks it.
+        let names = tls::certs_from_pem(&cert)
+            .ok()
+            .and_then(|c| c.first().and_then(|c| tls::cert_names(c)));
+        match names {
+            Some(n) if admit_peer_names(&n) => {}
+            _ => {
+                return Err(format!(
+                    "{}: not a Holdfast server certificate (want the serverAuth and clientAuth key usages and the common name {SERVER_NAME_PREFIX}<id>; `holdfast certs server` makes one)",
+                    files.cert.display()
+                ))
+            }
+        }
+        let mut bytes = ca;
+        bytes.extend_from_slice(&cert);
+        bytes.extend_from_slice(&key);
+        Ok((bytes, built))
+    }
+
+    /// Rebuilds the configurations if the files changed. Ok(true): the new ones are in use.
+    pub fn reload_if_changed(&self) -> Result<bool, String> {
+        let current = [&self.files.ca, &self.files.cert, &self.files.key]
+            .iter()
+            .map(|p| read(p))
+            .collect::<Result<Vec<_>, _>>();
+        let current = match current {
+            Ok(parts) => parts.concat(),
+            // Unreadable (being replaced, or removed): keep what is loaded until it reads again.
+            Err(e) => return Err(e),
+        };
+        if current == *self.loaded.lock().expect("tls lock") {
+            return Ok(false);
+        }
+        if let Some((bytes, why)) = &*self.failed.lock().expect("tls lock") {
+            if *bytes == current {
+                return Err(why.clone());
+            }
+        }
+        match Self::build(&self.files) {
+            Ok((bytes, built)) => {
+                *self.client_port.write().expect("tls lock") = Arc::new(built.client_port);
+                *self.peer_port.write().expect("tls lock") = Arc::new(built.peer_port);
+                *self.http_port.write().expect("tls lock") = Arc::new(built.http_port);
+                *self.peer_client.write().expect("tls lock") = Arc::new(built.peer_client);
+                *self.loaded.lock().expect("tls lock") = bytes;
+                self.reloads.fetch_add(1, Relaxed);
+                Ok(true)
+            }
+            Err(e) => {
+                self.reload_failures.fetch_add(1, Relaxed);
+                *self.failed.lock().expect("tls lock") = Some((current, e.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// The connector this server's peer channels use.
+    pub fn peer_connector(&self) -> TlsConnector {
+        TlsConnector {
+            config: self.peer_client.clone(),
+            server_name: None,
+        }
+    }
+
+    /// Checks the files every [`RELOAD_INTERVAL`] and on SIGHUP until `shutdown`.
+    pub async fn watch(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        #[cfg(not(holdfast_sim))]
+        let mut hangup =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut tick = tokio::time::interval(RELOAD_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // One report per broken state, not one per second.
+        let mut last_error = None;
+        loop {
+            #[cfg(not(holdfast_sim))]
+            let hup = async {
+                match hangup.as_mut() {
+                    Some(h) => {
+                        h.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            #[cfg(holdfast_sim)]
+            let hup = std::future::pending::<()>();
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = hup => {}
+                _ = shutdown.changed() => return,
+            }
+            match self.reload_if_changed() {
+                Ok(true) => {
+                    last_error = None;
+                    tracing::info!("TLS certificates reloaded");
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    if last_error.as_ref() != Some(&e) {
+                        tracing::error!(%e, "TLS certificates changed but do not load; still using the previous ones");
+                        last_error = Some(e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn admit_peer_names(names: &tls::CertNames) -> bool {
+    names.server_auth
+        && names
+            .common_name
+            .as_deref()
+            .and_then(|cn| cn.strip_prefix(SERVER_NAME_PREFIX))
+            .is_some_and(|id| id.parse::<u64>().is_ok_and(|id| id != 0))
+}
+
+/// The peer port's rule: a verified server certificate of the cluster CA naming a server.
+pub fn admit_peer(info: &tls::TlsConnectInfo) -> bool {
+    info.cert.as_deref().is_some_and(admit_peer_names)
+}
+
+/// The client port admits whoever got through the handshake (its rules are in the verifier).
+pub fn admit_client(_: &tls::TlsConnectInfo) -> bool {
+    true
+}
