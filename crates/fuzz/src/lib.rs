@@ -23,7 +23,27 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("peer_message", peer_message),
     ("fenced_store_log", fenced_store_log),
     ("backup_file", backup_file),
+    ("certificate", certificate),
 ];
+
+/// Certificate loading: PEM as a server or client reads its files, whole configurations built from the
+/// same bytes, and the names read out of a certificate's DER (which reads only the first element, so
+/// trailing bytes change nothing).
+pub fn certificate(bytes: &[u8]) {
+    use holdfast_proto::tls;
+    let names = tls::cert_names(bytes);
+    assert_eq!(tls::cert_names(&[bytes, b"\x30\x00junk"].concat()), names);
+    if let Ok(certs) = tls::certs_from_pem(bytes) {
+        assert!(!certs.is_empty());
+        for c in &certs {
+            let _ = tls::cert_names(c);
+        }
+    }
+    let _ = tls::key_from_pem(bytes);
+    let _ = tls::verify_chain(bytes, bytes);
+    let _ = tls::server_config(bytes, bytes, bytes, tls::ClientCerts::Required, true);
+    let _ = tls::client_config(bytes, Some((bytes, bytes)));
+}
 
 /// A backup file as `holdfast snapshot restore` reads it: whatever decodes re-encodes to the same bytes.
 pub fn backup_file(bytes: &[u8]) {

@@ -495,4 +495,35 @@ mod tests {
         assert_eq!(cert_names(&[]), None);
         assert_eq!(cert_names(&[0x30, 0x00]), None);
     }
+
+    /// Certificates made by `holdfast certs` (the fuzz corpus): a server's, a client's, the CA.
+    #[test]
+    fn names_are_read_from_real_certificates() {
+        let corpus = |f: &str| {
+            std::fs::read(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../fuzz/corpus/certificate")
+                    .join(f),
+            )
+            .unwrap()
+        };
+        let server = cert_names(&corpus("server-1.der")).unwrap();
+        assert_eq!(server.principal(), Some("holdfast-server-1"));
+        assert_eq!(server.dns_names, ["example.internal"]);
+        assert!(server.server_auth);
+        let client = cert_names(&corpus("alice.der")).unwrap();
+        assert_eq!(client.principal(), Some("alice"));
+        assert!(client.dns_names.is_empty());
+        assert!(!client.server_auth);
+        let ca = cert_names(&corpus("ca.der")).unwrap();
+        assert!(
+            ca.principal().unwrap().starts_with("Holdfast cluster CA "),
+            "{ca:?}"
+        );
+        // The PEM file of the same server certificate holds the same DER.
+        let pem = certs_from_pem(&corpus("server-1.pem")).unwrap();
+        assert_eq!(pem[0].as_ref(), &corpus("server-1.der")[..]);
+        assert!(key_from_pem(&corpus("alice.key.pem")).is_ok());
+        assert!(certs_from_pem(&corpus("alice.key.pem")).is_err());
+    }
 }
