@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ClientOptions {
     /// Longest a call may take, all retries included (a waiting acquire adds its wait to this).
     pub request_timeout: Duration,
@@ -45,6 +45,26 @@ pub struct ClientOptions {
     pub client_cancels: bool,
     /// Connect over TLS (see [`crate::ClientTls`]). None, the default: plaintext.
     pub tls: Option<crate::ClientTls>,
+    /// A bearer token sent with every request (`authorization: Bearer TOKEN`): the principal the
+    /// server's access policy knows it by (docs/security.md). Send it over TLS only.
+    pub token: Option<String>,
+}
+
+/// Every field but the token, which must not reach a log.
+impl std::fmt::Debug for ClientOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientOptions")
+            .field("request_timeout", &self.request_timeout)
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("batched_keepalives", &self.batched_keepalives)
+            .field("nonce_seed", &self.nonce_seed.map(|_| "<set>"))
+            .field("discover", &self.discover)
+            .field("client_cancels", &self.client_cancels)
+            .field("tls", &self.tls)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl Default for ClientOptions {
@@ -58,6 +78,7 @@ impl Default for ClientOptions {
             discover: true,
             client_cancels: true,
             tls: None,
+            token: None,
         }
     }
 }
@@ -77,9 +98,40 @@ pub(crate) struct Inner {
     /// The server index believed to lead each group.
     leaders: Mutex<Vec<usize>>,
     options: ClientOptions,
+    auth: Auth,
     /// Opens so far, for [`ClientOptions::nonce_seed`].
     pub(crate) opens: std::sync::atomic::AtomicU64,
 }
+
+/// Adds the bearer token, if any, to every request.
+#[derive(Clone)]
+pub(crate) struct Auth(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl Auth {
+    fn new(token: Option<&str>) -> Result<Auth, Error> {
+        match token {
+            None => Ok(Auth(None)),
+            Some(t) => format!("Bearer {t}")
+                .parse()
+                .map(|v| Auth(Some(v)))
+                .map_err(|_| {
+                    Error::InvalidArgument("the token has characters a header cannot carry".into())
+                }),
+        }
+    }
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut r: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            r.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(r)
+    }
+}
+
+/// A gRPC client on one server's channel, with this client's credentials.
+pub(crate) type Rpc = HoldfastClient<tonic::codegen::InterceptedService<Channel, Auth>>;
 
 struct Server {
     endpoint: String,
@@ -204,7 +256,9 @@ impl Client {
                 })
             })
             .collect::<Result<Vec<_>, Error>>()?;
+        let auth = Auth::new(options.token.as_deref())?;
         let mut inner = Inner {
+            auth: auth.clone(),
             registry: Default::default(),
             servers: RwLock::new(servers),
             groups: 1,
@@ -221,7 +275,7 @@ impl Client {
                 let channel = inner.servers.read().expect("servers lock")[i]
                     .channel
                     .clone();
-                let mut c = HoldfastClient::new(channel);
+                let mut c = HoldfastClient::with_interceptor(channel, auth.clone());
                 match tokio::time::timeout(
                     options.attempt_timeout,
                     c.status(pb::StatusRequest::default()),
@@ -252,6 +306,13 @@ impl Client {
                             .collect();
                         inner.leaders = Mutex::new(leaders);
                         break 'outer;
+                    }
+                    // The access policy refuses this client: every server would say the same.
+                    Ok(Err(status)) if status.code() == tonic::Code::PermissionDenied => {
+                        return Err(Error::PermissionDenied(format!(
+                            "{ep}: {}",
+                            status.message()
+                        )));
                     }
                     Ok(Err(status)) => {
                         not_holdfast += usize::from(status.code() == tonic::Code::Unimplemented);
@@ -338,7 +399,7 @@ impl Client {
         f: F,
     ) -> Result<T, Error>
     where
-        F: Fn(HoldfastClient<Channel>) -> Fut,
+        F: Fn(Rpc) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let deadline = Instant::now() + self.inner.options.request_timeout + extra;
@@ -354,7 +415,7 @@ impl Client {
         f: F,
     ) -> Result<T, Error>
     where
-        F: Fn(HoldfastClient<Channel>) -> Fut,
+        F: Fn(Rpc) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let inner = &self.inner;
@@ -362,7 +423,7 @@ impl Client {
         let mut backoff = Duration::from_millis(20);
         let mut redirects = 0;
         loop {
-            let client = HoldfastClient::new(self.channel(target));
+            let client = self.rpc(target);
             let limit = (inner.options.attempt_timeout + extra)
                 .min(deadline.saturating_duration_since(Instant::now()));
             let attempt = tokio::time::timeout(limit, f(client)).await;
@@ -414,6 +475,11 @@ impl Client {
 
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
+    }
+
+    /// A gRPC client to server `index` that sends this client's credentials.
+    pub(crate) fn rpc(&self, index: usize) -> Rpc {
+        HoldfastClient::with_interceptor(self.channel(index), self.inner.auth.clone())
     }
 
     pub(crate) fn channel(&self, index: usize) -> Channel {
@@ -617,7 +683,7 @@ impl Client {
     /// linearizable.
     pub async fn status_of(&self, index: usize) -> Result<pb::StatusResponse, Error> {
         let endpoint = self.endpoint(index);
-        let mut c = HoldfastClient::new(self.channel(index));
+        let mut c = self.rpc(index);
         match tokio::time::timeout(
             self.inner.options.attempt_timeout,
             c.status(pb::StatusRequest::default()),

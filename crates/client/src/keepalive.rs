@@ -10,7 +10,6 @@ use crate::client::{Client, Inner};
 use crate::error::{classify, Disposition};
 use crate::session::SessionInner;
 use holdfast_proto::v1 as pb;
-use holdfast_proto::v1::holdfast_client::HoldfastClient;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -194,7 +193,7 @@ async fn round(
             None => {
                 let endpoint = client.leader_of(group);
                 let (tx, rx) = mpsc::channel(4);
-                let mut c = HoldfastClient::new(client.channel(endpoint));
+                let mut c = client.rpc(endpoint);
                 let opened =
                     tokio::time::timeout(timeout, c.keep_alive_stream(tokio_stream_from(rx))).await;
                 match opened {

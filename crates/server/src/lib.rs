@@ -15,9 +15,11 @@
 //! - [`backup`]: backup files of every group's table, and seeding a new cluster's data dirs from one.
 //! - [`abandon`]: acquires whose caller went away are abandoned through the log.
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`access`]: principals and the policy file (who may lock, read, administer which names).
 //! - [`tls`]: certificates for all three ports, who the peer port admits, reloading on change.
 
 pub mod abandon;
+pub mod access;
 pub mod backup;
 pub mod config;
 pub mod errors;

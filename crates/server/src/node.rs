@@ -44,6 +44,8 @@ pub struct NodeShared {
     pub secrets: crate::secrets::SecretSource,
     /// TLS on every port, when configured (see `tls`).
     pub tls: Option<Arc<crate::tls::Tls>>,
+    /// The access policy, when configured (see `access`).
+    pub access: Option<Arc<crate::access::Access>>,
 }
 
 impl RaftLookup for NodeShared {
@@ -84,6 +86,15 @@ impl Node {
                 crate::tls::Tls::load(files).map_err(|e| anyhow!("TLS: {e}"))?,
             )),
         };
+        let access = match &config.policy {
+            None => None,
+            Some(path) => Some(Arc::new(
+                crate::access::Access::load(path).map_err(|e| anyhow!("policy: {e}"))?,
+            )),
+        };
+        if access.is_some() && tls.is_none() {
+            tracing::warn!("an access policy without TLS: bearer tokens cross the network in the clear, and anyone who reaches the peer port can still send Raft messages");
+        }
         #[cfg(holdfast_sim)]
         if tls.is_some() {
             anyhow::bail!("TLS is not simulated: the simulation runs plaintext");
@@ -237,6 +248,7 @@ impl Node {
             wal: wal.clone(),
             secrets: crate::secrets::SecretSource::new(rng_seed ^ config.node_id),
             tls: tls.clone(),
+            access: access.clone(),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -364,6 +376,9 @@ impl Node {
 
         if let Some(tls) = &tls {
             tasks.push(tokio::spawn(tls.clone().watch(shutdown_rx.clone())));
+        }
+        if let Some(access) = &access {
+            tasks.push(tokio::spawn(access.clone().watch(shutdown_rx.clone())));
         }
         for group in &shared.groups {
             tasks.push(tokio::spawn(group.clone().run_leadership()));
@@ -671,6 +686,23 @@ impl NodeShared {
                     ("port=\"client\"".to_string(), tls.refused_client.load(Relaxed)),
                     ("port=\"peer\"".to_string(), tls.refused_peer.load(Relaxed)),
                 ],
+            );
+        }
+        if let Some(access) = &self.access {
+            metrics::counter(
+                &mut out,
+                "holdfast_policy_reloads_total",
+                "Changes of the policy file, by whether they loaded (now in use) or not (the previous policy stays).",
+                &[
+                    ("result=\"ok\"".to_string(), access.reloads.load(Relaxed)),
+                    ("result=\"error\"".to_string(), access.reload_failures.load(Relaxed)),
+                ],
+            );
+            metrics::counter(
+                &mut out,
+                "holdfast_permission_denied_total",
+                "Client requests the access policy refused (PERMISSION_DENIED naming the principal).",
+                &[(String::new(), access.denied.load(Relaxed))],
             );
         }
         let (pre_created, created_inline) = self.wal.rotations();

@@ -5,6 +5,7 @@
 //! request id, sizes), so the lock table only ever sees well-formed commands. Protobuf types stop here.
 
 use crate::abandon::{self, Call, OnDrop};
+use crate::access::Need;
 use crate::errors::{self, invalid, limit, not_leader, refusal, session_unknown};
 use crate::group::{Group, ProposeError, WaitEnd};
 use crate::lease::{KeepAlive, KeepAliveRefused};
@@ -54,6 +55,14 @@ type SnapshotStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotGroupChunk, S
 const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 impl ClientService {
+    /// What the access policy says about this request (everything is allowed without one).
+    fn allow<T>(&self, r: &Request<T>, need: Need<'_>) -> Result<(), Status> {
+        match &self.node.access {
+            None => Ok(()),
+            Some(access) => access.check(r, need),
+        }
+    }
+
     fn group(&self, g: u32) -> Result<&Arc<Group>, Status> {
         self.node.groups.get(g as usize).ok_or_else(|| {
             invalid(format!(
@@ -304,6 +313,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        self.allow(&r, Need::LockAny)?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let c = &self.node.config;
@@ -351,6 +361,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::CloseSessionRequest>,
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        self.allow(&r, Need::LockAny)?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
@@ -379,6 +390,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        self.allow(&r, Need::LockAny)?;
         self.keepalive(r.into_inner()).map(Response::new)
     }
 
@@ -388,6 +400,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<tonic::Streaming<pb::KeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStreamStream>, Status> {
+        self.allow(&r, Need::LockAny)?;
         let mut inbound = r.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(KEEPALIVE_STREAM_BUFFER);
         let service = self.clone();
@@ -418,6 +431,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
+        self.allow(&r, Need::Lock(&r.get_ref().name))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
@@ -527,6 +541,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::CancelAcquireRequest>,
     ) -> Result<Response<pb::CancelAcquireResponse>, Status> {
+        self.allow(&r, Need::Lock(&r.get_ref().name))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
@@ -565,6 +580,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        self.allow(&r, Need::Lock(&r.get_ref().name))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
@@ -598,6 +614,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::DescribeRequest>,
     ) -> Result<Response<pb::DescribeResponse>, Status> {
+        self.allow(&r, Need::Read(&r.get_ref().name))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let name = self.lock_name(r.name, r.group)?;
@@ -611,6 +628,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::ListLocksRequest>,
     ) -> Result<Response<pb::ListLocksResponse>, Status> {
+        self.allow(&r, Need::Read(&r.get_ref().prefix))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let page = page_size(r.limit)?;
@@ -631,6 +649,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        self.allow(&r, Need::Read(""))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let page = page_size(r.limit)?;
@@ -662,6 +681,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::TransferLeaderRequest>,
     ) -> Result<Response<pb::TransferLeaderResponse>, Status> {
+        self.allow(&r, Need::Admin)?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         if group.raft_metrics().state != openraft::ServerState::Leader {
@@ -685,6 +705,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::AddMemberRequest>,
     ) -> Result<Response<pb::MembershipResponse>, Status> {
+        self.allow(&r, Need::Admin)?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         if r.node_id == 0 {
@@ -716,6 +737,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::RemoveMemberRequest>,
     ) -> Result<Response<pb::MembershipResponse>, Status> {
+        self.allow(&r, Need::Admin)?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let me = self.node.config.node_id;
@@ -742,6 +764,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::SnapshotGroupRequest>,
     ) -> Result<Response<Self::SnapshotGroupStream>, Status> {
+        self.allow(&r, Need::Admin)?;
         let group = self.group(r.into_inner().group)?;
         group
             .linearizable_read()
@@ -781,6 +804,14 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
+        self.allow(
+            &r,
+            if r.get_ref().with_digest {
+                Need::Admin
+            } else {
+                Need::Any
+            },
+        )?;
         Ok(Response::new(self.node.status(r.into_inner().with_digest)))
     }
 }

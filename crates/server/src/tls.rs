@@ -222,42 +222,53 @@ impl Tls {
     }
 
     /// Checks the files every [`RELOAD_INTERVAL`] and on SIGHUP until `shutdown`.
-    pub async fn watch(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    pub async fn watch(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
+        watch_files("TLS certificates", shutdown, move || {
+            self.reload_if_changed()
+        })
+        .await
+    }
+}
+
+/// Calls `reload` every [`RELOAD_INTERVAL`] and on SIGHUP until `shutdown`, logging what `what` did:
+/// each reload that took, and each distinct error once (not once a second).
+pub async fn watch_files(
+    what: &str,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    reload: impl Fn() -> Result<bool, String>,
+) {
+    #[cfg(not(holdfast_sim))]
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let mut tick = tokio::time::interval(RELOAD_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_error = None;
+    loop {
         #[cfg(not(holdfast_sim))]
-        let mut hangup =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-        let mut tick = tokio::time::interval(RELOAD_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // One report per broken state, not one per second.
-        let mut last_error = None;
-        loop {
-            #[cfg(not(holdfast_sim))]
-            let hup = async {
-                match hangup.as_mut() {
-                    Some(h) => {
-                        h.recv().await;
-                    }
-                    None => std::future::pending().await,
+        let hup = async {
+            match hangup.as_mut() {
+                Some(h) => {
+                    h.recv().await;
                 }
-            };
-            #[cfg(holdfast_sim)]
-            let hup = std::future::pending::<()>();
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = hup => {}
-                _ = shutdown.changed() => return,
+                None => std::future::pending().await,
             }
-            match self.reload_if_changed() {
-                Ok(true) => {
-                    last_error = None;
-                    tracing::info!("TLS certificates reloaded");
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    if last_error.as_ref() != Some(&e) {
-                        tracing::error!(%e, "TLS certificates changed but do not load; still using the previous ones");
-                        last_error = Some(e);
-                    }
+        };
+        #[cfg(holdfast_sim)]
+        let hup = std::future::pending::<()>();
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = hup => {}
+            _ = shutdown.changed() => return,
+        }
+        match reload() {
+            Ok(true) => {
+                last_error = None;
+                tracing::info!("{what} reloaded");
+            }
+            Ok(false) => {}
+            Err(e) => {
+                if last_error.as_ref() != Some(&e) {
+                    tracing::error!(%e, "{what}: changed, but the new version does not load; the previous one stays in use");
+                    last_error = Some(e);
                 }
             }
         }

@@ -77,6 +77,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         .collect();
     let base = ClientOptions {
         tls: args.tls.client_tls()?,
+        token: args.tls.auth_token.clone(),
         ..ClientOptions::default()
     };
     match args.mode {

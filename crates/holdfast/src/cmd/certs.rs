@@ -56,6 +56,13 @@ enum CertsAction {
         #[arg(long, default_value_t = 365)]
         days: u32,
     },
+    /// Make a random bearer token: prints it (for the client, HOLDFAST_AUTH_TOKEN) and the line that
+    /// lists it under a principal in the policy file (only its SHA-256 is kept there).
+    Token {
+        /// The principal the token acts as (printed in the policy line).
+        #[arg(long)]
+        name: String,
+    },
     /// Make a client certificate for principal NAME, signed by DIR/ca.pem: DIR/NAME.pem, DIR/NAME.key.
     Client {
         #[arg(long, default_value = "holdfast-certs")]
@@ -90,6 +97,19 @@ pub async fn run(args: CertsArgs) -> anyhow::Result<ExitCode> {
             let (ca_cert, ca_key) = read_ca(&dir)?;
             let (cert, key) = issue(&ca_cert, &ca_key, &Leaf::Server { id, hosts }, days)?;
             write_pair(&dir, &format!("server-{id}"), &cert, &key)?;
+        }
+        CertsAction::Token { name } => {
+            let mut bytes = [0u8; 32];
+            for chunk in bytes.chunks_mut(4) {
+                chunk.copy_from_slice(&random_u32()?.to_le_bytes());
+            }
+            let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            let hash: String = holdfast_server::access::token_hash(&token)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            println!("token: {token}");
+            println!("policy:\n[principals.{name:?}]\ntokens_sha256 = [\"{hash}\"]");
         }
         CertsAction::Client { dir, name, days } => {
             check_principal(&name)?;

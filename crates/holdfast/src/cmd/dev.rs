@@ -224,6 +224,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
                 }
                 None => println!("  plaintext: anyone who reaches these ports can use them (`--tls` for TLS; see docs/security.md)"),
             }
+            println!("  no access policy: every client that connects may do everything (`holdfast server --policy`, docs/security.md)");
             println!("Failover: `holdfast dev kill N`, then `holdfast dev restart N`. Ctrl-C stops the cluster; the data is kept for the next run.");
         }
         Err(e) => {

@@ -45,7 +45,8 @@ pub struct Conn {
     pub tls: TlsArgs,
 }
 
-/// How a client command connects over TLS (a cluster started with `[tls]` or `holdfast dev --tls`).
+/// How a client command connects over TLS (a cluster started with `[tls]` or `holdfast dev --tls`), and
+/// who it says it is.
 #[derive(Args, Debug, Clone, Default)]
 pub struct TlsArgs {
     /// The cluster CA (PEM): connect over TLS and verify the servers' certificates against it.
@@ -60,6 +61,15 @@ pub struct TlsArgs {
     /// Verify the servers' certificates for this name instead of the endpoint's host.
     #[arg(long, env = "HOLDFAST_TLS_SERVER_NAME", global = true)]
     pub tls_server_name: Option<String>,
+    /// A bearer token the cluster's access policy lists (`holdfast certs token` makes one): act as its
+    /// principal. Use it over TLS only.
+    #[arg(
+        long,
+        env = "HOLDFAST_AUTH_TOKEN",
+        global = true,
+        hide_env_values = true
+    )]
+    pub auth_token: Option<String>,
 }
 
 impl TlsArgs {
@@ -106,6 +116,7 @@ impl Conn {
             attempt_timeout: self.timeout.min(ClientOptions::default().attempt_timeout),
             discover: !self.only_endpoints,
             tls: self.tls.client_tls()?,
+            token: self.tls.auth_token.clone(),
             ..ClientOptions::default()
         })
     }

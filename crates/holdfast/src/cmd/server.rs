@@ -97,6 +97,10 @@ pub struct ServerArgs {
     /// `required`.
     #[arg(long)]
     client_certs: Option<holdfast_server::tls::ClientCertMode>,
+    /// The access policy file (roles on name prefixes, principals, tokens; docs/security.md). Without
+    /// one every caller may do everything.
+    #[arg(long)]
+    policy: Option<std::path::PathBuf>,
     /// TTL for sessions that ask for 0 (default 10000).
     #[arg(long)]
     default_ttl_ms: Option<u64>,
@@ -173,6 +177,9 @@ impl ServerArgs {
                 client_certs: c.tls.as_ref().map(|t| t.client_certs).unwrap_or_default(),
             });
         }
+        if let Some(p) = &self.policy {
+            c.policy = Some(p.clone());
+        }
         if let Some(mode) = self.client_certs {
             match &mut c.tls {
                 Some(tls) => tls.client_certs = mode,
@@ -216,6 +223,10 @@ fn check_config(config: &ServerConfig) -> anyhow::Result<()> {
             files.ca.display(),
             files.client_certs
         );
+    }
+    if let Some(path) = &config.policy {
+        holdfast_server::access::Access::load(path).map_err(|e| anyhow!("policy: {e}"))?;
+        println!("policy OK: {}", path.display());
     }
     let identity = holdfast_server::identity::inspect(config)?;
     println!(

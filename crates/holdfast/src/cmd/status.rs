@@ -28,16 +28,21 @@ async fn status_of(
     with_digest: bool,
     timeout: Duration,
     tls: Option<&holdfast_client::ClientTls>,
+    token: Option<&str>,
 ) -> Result<StatusResponse, String> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(timeout.min(Duration::from_secs(1)))
         .timeout(timeout.min(Duration::from_secs(2)));
     let channel = holdfast_proto::transport::connect_lazy_tls(endpoint, tls.map(|t| t.connector()));
-    match HoldfastClient::new(channel)
-        .status(StatusRequest { with_digest })
-        .await
-    {
+    let mut request = tonic::Request::new(StatusRequest { with_digest });
+    if let Some(t) = token {
+        let value = format!("Bearer {t}")
+            .parse()
+            .map_err(|_| "the token has characters a header cannot carry".to_string())?;
+        request.metadata_mut().insert("authorization", value);
+    }
+    match HoldfastClient::new(channel).status(request).await {
         Ok(r) => Ok(r.into_inner()),
         Err(s) => Err(holdfast_client::client::describe_status(&s)),
     }
@@ -48,7 +53,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut answers: Vec<(String, Result<StatusResponse, String>)> = Vec::new();
     let tls = args.conn.tls.client_tls()?;
     for ep in args.conn.endpoint_list()? {
-        let answer = status_of(&ep, args.json, timeout, tls.as_ref()).await;
+        let answer = status_of(
+            &ep,
+            args.json,
+            timeout,
+            tls.as_ref(),
+            args.conn.tls.auth_token.as_deref(),
+        )
+        .await;
         answers.push((ep, answer));
     }
     // Every member the cluster reports, so a partial endpoint list shows them all.
@@ -60,7 +72,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .collect();
         for ep in members {
             if !answers.iter().any(|(e, _)| *e == ep) {
-                let answer = status_of(&ep, args.json, timeout, tls.as_ref()).await;
+                let answer = status_of(
+                    &ep,
+                    args.json,
+                    timeout,
+                    tls.as_ref(),
+                    args.conn.tls.auth_token.as_deref(),
+                )
+                .await;
                 answers.push((ep, answer));
             }
         }

@@ -122,6 +122,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
     let options = ClientOptions {
         request_timeout: Duration::from_secs(5),
         tls: args.conn.tls.client_tls()?,
+        token: args.conn.tls.auth_token.clone(),
         ..ClientOptions::default()
     };
     let client = holdfast_client::Client::connect_with(args.conn.endpoint_list()?, options).await?;

@@ -1,6 +1,7 @@
 //! Integration tests of the `holdfast` binary: real server processes, real disks, real gRPC.
 
 mod abandon;
+mod access;
 mod backup;
 mod bad_input;
 mod cli;

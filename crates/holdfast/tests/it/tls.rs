@@ -203,7 +203,7 @@ async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
     }
     // Half done on server 1: its new certificate with its old key.
     std::fs::rename(new.join("server-1.pem"), dir.join("server-1.pem")).unwrap();
-    wait_log(&c, 1, "do not load", 1).await;
+    wait_log(&c, 1, "does not load", 1).await;
     let still = c.client().await;
     still.open_session(Duration::from_secs(10)).await.unwrap();
     // Finished everywhere.
