@@ -28,11 +28,13 @@ pub const TARGETS: &[(&str, Target)] = &[
 
 /// Certificate loading: PEM as a server or client reads its files, whole configurations built from the
 /// same bytes, and the names read out of a certificate's DER (which reads only the first element, so
-/// trailing bytes change nothing).
+/// trailing bytes do not change what a certificate that parses says).
 pub fn certificate(bytes: &[u8]) {
     use holdfast_proto::tls;
     let names = tls::cert_names(bytes);
-    assert_eq!(tls::cert_names(&[bytes, b"\x30\x00junk"].concat()), names);
+    if names.is_some() {
+        assert_eq!(tls::cert_names(&[bytes, b"\x30\x00junk"].concat()), names);
+    }
     if let Ok(certs) = tls::certs_from_pem(bytes) {
         assert!(!certs.is_empty());
         for c in &certs {

@@ -417,6 +417,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for TlsConn<S> {
 pub struct TlsConnector {
     pub config: ClientConfigCell,
     pub server_name: Option<String>,
+    /// Also require the server's certificate to have this common name and the `serverAuth` usage
+    /// (a server dialling a peer checks it reached that peer, not any holder of a certificate for the
+    /// same host name).
+    pub expect_common_name: Option<String>,
 }
 
 impl TlsConnector {
@@ -424,6 +428,7 @@ impl TlsConnector {
         TlsConnector {
             config: Arc::new(RwLock::new(Arc::new(config))),
             server_name,
+            expect_common_name: None,
         }
     }
 }
@@ -455,6 +460,7 @@ impl tonic::codegen::Service<tonic::codegen::http::Uri> for TlsConnector {
     fn call(&mut self, uri: tonic::codegen::http::Uri) -> Connecting {
         let config = self.config.read().expect("tls config lock").clone();
         let name = self.server_name.clone();
+        let expect = self.expect_common_name.clone();
         Box::pin(async move {
             let host = uri
                 .host()
@@ -475,6 +481,26 @@ impl tonic::codegen::Service<tonic::codegen::http::Uri> for TlsConnector {
             )
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+            if let Some(expect) = expect {
+                let names = tls
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|chain| chain.first())
+                    .and_then(|c| cert_names(c));
+                let ok = names.as_ref().is_some_and(|n| {
+                    n.server_auth && n.common_name.as_deref() == Some(expect.as_str())
+                });
+                if !ok {
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        format!(
+                            "the server's certificate is not {expect}'s (common name {:?})",
+                            names.and_then(|n| n.common_name)
+                        ),
+                    ));
+                }
+            }
             Ok(hyper_util::rt::TokioIo::new(tls))
         })
     }

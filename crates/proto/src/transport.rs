@@ -13,6 +13,8 @@ use tonic::transport::{Channel, Endpoint};
 
 /// Longest wait for a TCP connection to be set up.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// Longest wait for a TCP connection and its TLS handshake (two more round trips, and signatures).
+pub const TLS_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A channel that connects on first use and reconnects after the connection fails.
 pub fn connect_lazy(endpoint: Endpoint) -> Channel {
@@ -120,7 +122,8 @@ impl Listener {
     > + Send
            + 'static {
         use std::sync::atomic::Ordering::Relaxed;
-        // Connections through their handshake wait here for tonic; a full queue holds up accepting.
+        // Connections through their handshake wait here for tonic. A connection that cannot be queued
+        // within a handshake timeout (tonic not taking connections) is closed, giving its slot back.
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let listener = self.inner;
         tokio::spawn(async move {
@@ -157,7 +160,11 @@ impl Listener {
                     };
                     match crate::tls::accept(&config, stream, Some(remote)).await {
                         Ok(conn) if admit(conn.info()) => {
-                            let _ = tx.send(Ok(conn)).await;
+                            let _ = tokio::time::timeout(
+                                crate::tls::HANDSHAKE_TIMEOUT,
+                                tx.send(Ok(conn)),
+                            )
+                            .await;
                         }
                         _ => {
                             refused.fetch_add(1, Relaxed);

@@ -420,10 +420,17 @@ async fn forward(
         .ok_or_else(|| format!("node {leader} is not a member"))?;
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{client_endpoint}"))
         .map_err(|e| e.to_string())?
-        .connect_timeout(holdfast_proto::transport::CONNECT_TIMEOUT)
+        .connect_timeout(if node.tls.is_some() {
+            holdfast_proto::transport::TLS_CONNECT_TIMEOUT
+        } else {
+            holdfast_proto::transport::CONNECT_TIMEOUT
+        })
         .timeout(FORWARD_TIMEOUT);
-    let mut client =
-        pb::holdfast_client::HoldfastClient::new(holdfast_proto::transport::connect_lazy(endpoint));
+    // Over TLS when the cluster has it: the request carries the session's secret.
+    let mut client = pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(
+        endpoint,
+        node.tls.as_deref(),
+    ));
     let request = pb::CancelAcquireRequest {
         group,
         session_id: session.0,

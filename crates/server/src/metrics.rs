@@ -118,6 +118,8 @@ pub struct ServerMetrics {
     pub keepalive_streams: std::sync::Arc<AtomicU64>,
     /// Client connections closed at accept because `max_client_connections` were open.
     pub client_connections_refused: std::sync::Arc<AtomicU64>,
+    /// Peer connections closed at accept because [`crate::node::MAX_PEER_CONNECTIONS`] were open.
+    pub peer_connections_refused: std::sync::Arc<AtomicU64>,
     /// The client listener's connection slots (set when it starts listening).
     pub client_connection_slots: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>>,
 }
@@ -131,6 +133,7 @@ impl Default for ServerMetrics {
             keepalive_messages: AtomicU64::new(0),
             keepalive_streams: Default::default(),
             client_connections_refused: Default::default(),
+            peer_connections_refused: Default::default(),
             client_connection_slots: Default::default(),
         }
     }

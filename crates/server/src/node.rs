@@ -66,6 +66,11 @@ pub struct Node {
     _dir_lock: Option<std::fs::File>,
 }
 
+/// Most connections open at once on the peer port. A cluster needs a few per peer; the bound keeps a
+/// flood of connections (which may hold a slot for a whole TLS handshake timeout) from taking every
+/// file descriptor the WAL and the client port need.
+pub const MAX_PEER_CONNECTIONS: usize = 256;
+
 fn parse_addr(s: &str) -> anyhow::Result<SocketAddr> {
     s.parse()
         .with_context(|| format!("{s:?} is not an ip:port address"))
@@ -280,6 +285,8 @@ impl Node {
         .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
         let mut rx = shutdown_rx.clone();
         let peer_tls = tls.clone();
+        let peer_slots = Arc::new(tokio::sync::Semaphore::new(MAX_PEER_CONNECTIONS));
+        let peer_refused = shared.metrics.peer_connections_refused.clone();
         tasks.push(tokio::spawn(async move {
             let stop = async move {
                 let _ = rx.changed().await;
@@ -294,13 +301,20 @@ impl Node {
                 Some(tls) => {
                     let incoming = peer_listener.incoming_tls(
                         tls.peer_port.clone(),
-                        None,
+                        Some((peer_slots, peer_refused)),
                         crate::tls::admit_peer,
                         tls.refused_peer.clone(),
                     );
                     server.serve_with_incoming_shutdown(incoming, stop).await
                 }
+                #[cfg(not(holdfast_sim))]
                 _ => {
+                    let incoming = peer_listener.incoming_limited(peer_slots, peer_refused);
+                    server.serve_with_incoming_shutdown(incoming, stop).await
+                }
+                #[cfg(holdfast_sim)]
+                _ => {
+                    let _ = (peer_slots, peer_refused);
                     server
                         .serve_with_incoming_shutdown(peer_listener.incoming(), stop)
                         .await
@@ -596,7 +610,7 @@ impl NodeShared {
         for (leader, groups) in elsewhere {
             let endpoint = self.client_endpoint(leader);
             let answer = match &endpoint {
-                Some(ep) => leader_status(ep).await,
+                Some(ep) => leader_status(ep, self.tls.as_deref()).await,
                 None => Err(format!("node {leader} is not a member")),
             };
             for g in groups {
@@ -662,11 +676,17 @@ impl NodeShared {
         metrics::counter(
             &mut out,
             "holdfast_connections_refused_total",
-            "Client connections closed as soon as they were accepted, because max_client_connections were open.",
-            &[(
-                "port=\"client\"".to_string(),
-                self.metrics.client_connections_refused.load(Relaxed),
-            )],
+            "Connections closed as soon as they were accepted, because max_client_connections (port=\"client\") or MAX_PEER_CONNECTIONS, 256 (port=\"peer\"), were open.",
+            &[
+                (
+                    "port=\"client\"".to_string(),
+                    self.metrics.client_connections_refused.load(Relaxed),
+                ),
+                (
+                    "port=\"peer\"".to_string(),
+                    self.metrics.peer_connections_refused.load(Relaxed),
+                ),
+            ],
         );
         if let Some(tls) = &self.tls {
             metrics::counter(
@@ -831,14 +851,17 @@ impl NodeShared {
 }
 
 /// Asks another server for its status (readiness probes), within a second.
-async fn leader_status(endpoint: &str) -> Result<pb::StatusResponse, String> {
+async fn leader_status(
+    endpoint: &str,
+    tls: Option<&crate::tls::Tls>,
+) -> Result<pb::StatusResponse, String> {
     const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(PROBE_TIMEOUT)
         .timeout(PROBE_TIMEOUT);
     let mut client =
-        pb::holdfast_client::HoldfastClient::new(holdfast_proto::transport::connect_lazy(channel));
+        pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(channel, tls));
     match tokio::time::timeout(PROBE_TIMEOUT, client.status(pb::StatusRequest::default())).await {
         Ok(Ok(r)) => Ok(r.into_inner()),
         Ok(Err(s)) => Err(s.message().to_string()),

@@ -127,7 +127,11 @@ impl Peers {
         }
         let channel = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("bad peer address {addr}: {e}"))?
-            .connect_timeout(holdfast_proto::transport::CONNECT_TIMEOUT)
+            .connect_timeout(if self.tls.is_some() {
+                holdfast_proto::transport::TLS_CONNECT_TIMEOUT
+            } else {
+                holdfast_proto::transport::CONNECT_TIMEOUT
+            })
             .tcp_nodelay(true)
             // A connection that stops answering pings (a half-open socket, a stalled simulated stream)
             // is closed, and the next RPC reconnects instead of timing out on it forever.
@@ -135,7 +139,15 @@ impl Peers {
             // Not too tight: a late ping answer closes the connection and fails every RPC on it.
             .keep_alive_timeout(Duration::from_secs(3))
             .keep_alive_while_idle(true);
-        let channel = holdfast_proto::transport::connect_lazy_tls(channel, self.tls.as_ref());
+        // Over TLS, the answering server must be `target` itself.
+        let connector = self
+            .tls
+            .as_ref()
+            .map(|t| holdfast_proto::tls::TlsConnector {
+                expect_common_name: Some(format!("{}{target}", crate::tls::SERVER_NAME_PREFIX)),
+                ..t.clone()
+            });
+        let channel = holdfast_proto::transport::connect_lazy_tls(channel, connector.as_ref());
         channels.insert((target, addr.to_string()), channel.clone());
         Ok(channel)
     }
@@ -412,10 +424,25 @@ pub struct PeerService<L> {
 
 impl<L: RaftLookup> PeerService<L> {
     /// Checks a request's header and finds its group. Refusals name what did not match.
-    fn raft(&self, header: &Option<pb::PeerHeader>) -> Result<&Raft, tonic::Status> {
+    /// `sender`: over TLS, the node id the sender's certificate names (`sender_id`); the header must
+    /// claim the same one, so that one server's key cannot speak for another.
+    fn raft(
+        &self,
+        header: &Option<pb::PeerHeader>,
+        sender: Option<Option<u64>>,
+    ) -> Result<&Raft, tonic::Status> {
         let h = header
             .as_ref()
             .ok_or_else(|| tonic::Status::invalid_argument("peer message without a header"))?;
+        if let Some(cert) = sender {
+            if cert != Some(h.from_node) {
+                return Err(tonic::Status::permission_denied(format!(
+                    "a message claiming to be from node {} came over a connection whose certificate is {}",
+                    h.from_node,
+                    cert.map_or("no server's".to_string(), |id| format!("node {id}'s"))
+                )));
+            }
+        }
         if h.format != PEER_FORMAT {
             return Err(tonic::Status::failed_precondition(format!(
                 "node {} speaks peer format {}, this server (node {}) format {PEER_FORMAT}: run one holdfast version",
@@ -438,6 +465,15 @@ impl<L: RaftLookup> PeerService<L> {
             tonic::Status::not_found(format!("no raft group {} on this server", h.group))
         })
     }
+}
+
+/// None: not a TLS connection (plaintext cluster, or the simulation). Some(id): the node id the
+/// verified server certificate names (None inside if it names none; the peer port admits no such
+/// connection, so that is a bug's tell).
+fn sender_id<T>(r: &tonic::Request<T>) -> Option<Option<u64>> {
+    r.extensions()
+        .get::<holdfast_proto::tls::TlsConnectInfo>()
+        .map(|info| info.cert.as_deref().and_then(crate::tls::server_id))
 }
 
 fn bad(e: String) -> tonic::Status {
@@ -471,8 +507,9 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         &self,
         r: tonic::Request<pb::AppendEntriesRequest>,
     ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
+        let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header)?;
+        let raft = self.raft(&m.header, sender)?;
         let entries = m
             .entries
             .iter()
@@ -503,8 +540,9 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         &self,
         r: tonic::Request<pb::VoteRequest>,
     ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
+        let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header)?;
+        let raft = self.raft(&m.header, sender)?;
         let req = vote_request_from_pb(&m)?;
         Ok(vote_reply_to_pb(raft.vote(req).await.map_err(raft_error)?))
     }
@@ -513,8 +551,9 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         &self,
         r: tonic::Request<pb::VoteRequest>,
     ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
+        let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header)?;
+        let raft = self.raft(&m.header, sender)?;
         let req = vote_request_from_pb(&m)?;
         Ok(vote_reply_to_pb(
             raft.pre_vote(req).await.map_err(raft_error)?,
@@ -525,8 +564,9 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         &self,
         r: tonic::Request<pb::PeerTransferLeaderRequest>,
     ) -> Result<tonic::Response<pb::PeerTransferLeaderReply>, tonic::Status> {
+        let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header)?;
+        let raft = self.raft(&m.header, sender)?;
         let req = TransferLeaderRequest::new(
             formats::vote_from_pb(required(&m.from_leader, "from_leader").map_err(bad)?),
             m.to_node,
@@ -554,12 +594,13 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         &self,
         r: tonic::Request<tonic::Streaming<pb::SnapshotChunk>>,
     ) -> Result<tonic::Response<pb::SnapshotReply>, tonic::Status> {
+        let sender = sender_id(&r);
         let mut stream = r.into_inner();
         let first = stream
             .message()
             .await?
             .ok_or_else(|| tonic::Status::invalid_argument("empty snapshot stream"))?;
-        let raft = self.raft(&first.header)?;
+        let raft = self.raft(&first.header, sender)?;
         let vote = formats::vote_from_pb(required(&first.vote, "vote").map_err(bad)?);
         let meta =
             formats::snapshot_meta_from_pb(required(&first.meta, "snapshot meta").map_err(bad)?)

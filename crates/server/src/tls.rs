@@ -108,7 +108,9 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, String> {
 impl Tls {
     /// Loads the files; an error names the file and what is wrong with it (the server does not start).
     pub fn load(files: &TlsConfig) -> Result<Tls, String> {
-        let (bytes, built) = Self::build(files)?;
+        let parts = Self::read_all(files)?;
+        let built = Self::build(files, &parts)?;
+        let bytes = parts.concat();
         let server = |c| Arc::new(RwLock::new(Arc::new(c)));
         Ok(Tls {
             files: files.clone(),
@@ -125,20 +127,22 @@ impl Tls {
         })
     }
 
-    fn build(files: &TlsConfig) -> Result<(Vec<u8>, Built), String> {
-        let ca = read(&files.ca)?;
-        let cert = read(&files.cert)?;
-        let key = read(&files.key)?;
+    /// The CA, certificate and key files' contents.
+    fn read_all(files: &TlsConfig) -> Result<[Vec<u8>; 3], String> {
+        Ok([read(&files.ca)?, read(&files.cert)?, read(&files.key)?])
+    }
+
+    fn build(files: &TlsConfig, [ca, cert, key]: &[Vec<u8>; 3]) -> Result<Built, String> {
         fn named(what: &std::path::Path) -> impl Fn(tls::TlsError) -> String + '_ {
             move |e| format!("{}: {e}", what.display())
         }
         let pair =
             |e: tls::TlsError| format!("{} and {}: {e}", files.cert.display(), files.key.display());
         // Checked one by one first, so the error names the file at fault.
-        tls::certs_from_pem(&ca).map_err(named(&files.ca))?;
-        tls::certs_from_pem(&cert).map_err(named(&files.cert))?;
-        tls::key_from_pem(&key).map_err(named(&files.key))?;
-        tls::verify_chain(&ca, &cert).map_err(|e| {
+        tls::certs_from_pem(ca).map_err(named(&files.ca))?;
+        tls::certs_from_pem(cert).map_err(named(&files.cert))?;
+        tls::key_from_pem(key).map_err(named(&files.key))?;
+        tls::verify_chain(ca, cert).map_err(|e| {
             format!(
                 "{} with the CA {}: {e}",
                 files.cert.display(),
@@ -150,15 +154,15 @@ impl Tls {
             ClientCertMode::Required => ClientCerts::Required,
         };
         let built = Built {
-            client_port: tls::server_config(&ca, &cert, &key, client_certs, true).map_err(pair)?,
-            peer_port: tls::server_config(&ca, &cert, &key, ClientCerts::Required, true)
+            client_port: tls::server_config(ca, cert, key, client_certs, true).map_err(pair)?,
+            peer_port: tls::server_config(ca, cert, key, ClientCerts::Required, true)
                 .map_err(pair)?,
-            http_port: tls::server_config(&ca, &cert, &key, ClientCerts::None, false)
+            http_port: tls::server_config(ca, cert, key, ClientCerts::None, false)
                 .map_err(pair)?,
-            peer_client: tls::client_config(&ca, Some((&cert, &key))).map_err(pair)?,
+            peer_client: tls::client_config(ca, Some((cert, key))).map_err(pair)?,
         };
         // A server certificate must be usable as one: the peer port of every other server checks it.
-        let names = tls::certs_from_pem(&cert)
+        let names = tls::certs_from_pem(cert)
             .ok()
             .and_then(|c| c.first().and_then(|c| tls::cert_names(c)));
         match names {
@@ -170,54 +174,48 @@ impl Tls {
                 ))
             }
         }
-        let mut bytes = ca;
-        bytes.extend_from_slice(&cert);
-        bytes.extend_from_slice(&key);
-        Ok((bytes, built))
+        Ok(built)
     }
 
     /// Rebuilds the configurations if the files changed. Ok(true): the new ones are in use.
+    ///
+    /// Contents that failed are tried again on every call (a certificate may fail only because it is
+    /// not valid yet), but counted and reported as a new failure only when they change.
     pub fn reload_if_changed(&self) -> Result<bool, String> {
-        let current = [&self.files.ca, &self.files.cert, &self.files.key]
-            .iter()
-            .map(|p| read(p))
-            .collect::<Result<Vec<_>, _>>();
-        let current = match current {
-            Ok(parts) => parts.concat(),
-            // Unreadable (being replaced, or removed): keep what is loaded until it reads again.
-            Err(e) => return Err(e),
-        };
+        // Unreadable (being replaced, or removed): keep what is loaded until it reads again.
+        let parts = Self::read_all(&self.files)?;
+        let current = parts.concat();
         if current == *self.loaded.lock().expect("tls lock") {
             return Ok(false);
         }
-        if let Some((bytes, why)) = &*self.failed.lock().expect("tls lock") {
-            if *bytes == current {
-                return Err(why.clone());
-            }
-        }
-        match Self::build(&self.files) {
-            Ok((bytes, built)) => {
+        match Self::build(&self.files, &parts) {
+            Ok(built) => {
                 *self.client_port.write().expect("tls lock") = Arc::new(built.client_port);
                 *self.peer_port.write().expect("tls lock") = Arc::new(built.peer_port);
                 *self.http_port.write().expect("tls lock") = Arc::new(built.http_port);
                 *self.peer_client.write().expect("tls lock") = Arc::new(built.peer_client);
-                *self.loaded.lock().expect("tls lock") = bytes;
+                *self.loaded.lock().expect("tls lock") = current;
+                *self.failed.lock().expect("tls lock") = None;
                 self.reloads.fetch_add(1, Relaxed);
                 Ok(true)
             }
             Err(e) => {
-                self.reload_failures.fetch_add(1, Relaxed);
-                *self.failed.lock().expect("tls lock") = Some((current, e.clone()));
+                let mut failed = self.failed.lock().expect("tls lock");
+                if failed.as_ref().map(|(bytes, _)| bytes) != Some(&current) {
+                    self.reload_failures.fetch_add(1, Relaxed);
+                    *failed = Some((current, e.clone()));
+                }
                 Err(e)
             }
         }
     }
 
-    /// The connector this server's peer channels use.
+    /// The connector this server's peer channels use (see [`Tls::peer_connector_to`]).
     pub fn peer_connector(&self) -> TlsConnector {
         TlsConnector {
             config: self.peer_client.clone(),
             server_name: None,
+            expect_common_name: None,
         }
     }
 
@@ -275,13 +273,35 @@ pub async fn watch_files(
     }
 }
 
+/// A channel from this server to another server's client port (abandons forwarded to the leader,
+/// readiness probes): over TLS, presenting this server's certificate, when the cluster has TLS.
+pub fn client_channel(
+    endpoint: tonic::transport::Endpoint,
+    tls: Option<&Tls>,
+) -> tonic::transport::Channel {
+    let connector = tls.map(|t| TlsConnector {
+        config: t.peer_client.clone(),
+        server_name: None,
+        expect_common_name: None,
+    });
+    holdfast_proto::transport::connect_lazy_tls(endpoint, connector.as_ref())
+}
+
+/// The node id a server certificate names, if it is one.
+pub fn server_id(names: &tls::CertNames) -> Option<u64> {
+    if !names.server_auth {
+        return None;
+    }
+    names
+        .common_name
+        .as_deref()
+        .and_then(|cn| cn.strip_prefix(SERVER_NAME_PREFIX))
+        .and_then(|id| id.parse::<u64>().ok())
+        .filter(|&id| id != 0)
+}
+
 fn admit_peer_names(names: &tls::CertNames) -> bool {
-    names.server_auth
-        && names
-            .common_name
-            .as_deref()
-            .and_then(|cn| cn.strip_prefix(SERVER_NAME_PREFIX))
-            .is_some_and(|id| id.parse::<u64>().is_ok_and(|id| id != 0))
+    server_id(names).is_some()
 }
 
 /// The peer port's rule: a verified server certificate of the cluster CA naming a server.

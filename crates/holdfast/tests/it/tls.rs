@@ -136,10 +136,35 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
     );
     assert!(refused["holdfast_tls_handshakes_refused_total{port=\"client\"}"] >= 3);
 
+    // A follower's readiness asks the leader over TLS too.
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let follower = (1..=3).find(|&i| i != leader).unwrap();
+    let (code, body) = c.http_get(follower, "/readyz").await;
+    assert_eq!(code, 200, "{body}");
+
     // Nothing the refused clients did touched the lock.
     assert!(guard.is_valid());
     let held = c.client().await.describe("tls/x").await.unwrap().unwrap();
     assert_eq!(held.token, guard.token());
+}
+
+/// The certificate (DER) a server presents on `port`.
+async fn presented(ca: &Path, port: u16) -> Vec<u8> {
+    let ca = std::fs::read(ca).unwrap();
+    let config = holdfast_proto::tls::client_config(&ca, None).unwrap();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let name = holdfast_proto::tls::rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+fn der_of(pem: &Path) -> Vec<u8> {
+    holdfast_proto::tls::certs_from_pem(&std::fs::read(pem).unwrap()).unwrap()[0].to_vec()
 }
 
 /// Waits until server `id`'s log has `count` lines containing `text`.
@@ -158,8 +183,8 @@ async fn wait_log(c: &Cluster, id: u64, text: &str, count: usize) {
 /// Every server's certificate and key are replaced while a client holds a lock and another cycles
 /// acquire+release. A half-done replacement (a key that does not match) is refused and the old pair
 /// stays in use; the full one is picked up without a restart; new connections, client and peer, use
-/// it (a new client connects, and after the leader is killed the others elect one over new
-/// connections). No session is lost and no cycle fails.
+/// it (every server presents its new certificate; a restarted follower catches up and, after the
+/// leader is killed, the others elect one). No session is lost and no cycle fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
     let mut c = Cluster::start(Options {
@@ -201,9 +226,13 @@ async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
     for i in 1..=3u64 {
         certs(&["server", "--dir", n, "--id", &i.to_string()]);
     }
-    // Half done on server 1: its new certificate with its old key.
+    let ca = dir.join("ca.pem");
+    let old_1 = der_of(&dir.join("server-1.pem"));
+    assert_eq!(presented(&ca, c.servers[0].client_port).await, old_1);
+    // Half done on server 1: its new certificate with its old key. Refused; the old pair serves on.
     std::fs::rename(new.join("server-1.pem"), dir.join("server-1.pem")).unwrap();
     wait_log(&c, 1, "does not load", 1).await;
+    assert_eq!(presented(&ca, c.servers[0].client_port).await, old_1);
     let still = c.client().await;
     still.open_session(Duration::from_secs(10)).await.unwrap();
     // Finished everywhere.
@@ -220,16 +249,43 @@ async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
         )
         .unwrap();
     }
-    for i in 1..=3 {
+    for i in 1..=3u64 {
         wait_log(&c, i, "TLS certificates reloaded", 1).await;
+        let new = der_of(&dir.join(format!("server-{i}.pem")));
+        let s = &c.servers[(i - 1) as usize];
+        assert_eq!(
+            presented(&ca, s.client_port).await,
+            new,
+            "server {i}, client port"
+        );
+        assert_eq!(
+            presented(&ca, s.peer_port).await,
+            new,
+            "server {i}, peer port"
+        );
     }
     // New client connections get the new certificates (and still verify against the CA).
     let fresh = c.client().await;
     let s = fresh.open_session(Duration::from_secs(10)).await.unwrap();
     s.close().await.unwrap();
 
-    // New peer connections too: the leader goes, the others elect one over new connections.
+    // New peer connections too: a restarted follower connects to the others and they to it, all with
+    // new certificates, and it catches up; then the leader goes and the others elect one.
     let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let follower = (1..=3).find(|&i| i != leader).unwrap();
+    c.kill(follower).await;
+    let g = cycler
+        .acquire_timeout("rotate/while-down", Duration::from_secs(15))
+        .await
+        .unwrap();
+    g.release().await.unwrap();
+    c.start_server(follower);
+    let target = c.group_status(leader, 0).await.unwrap().applied_index;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c.group_status(follower, 0).await.map_or(0, |s| s.applied_index) < target {
+        assert!(Instant::now() < deadline, "the restarted follower did not catch up to {target}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     c.kill(leader).await;
     c.wait_for_leader_except(0, leader, Duration::from_secs(20))
         .await;
