@@ -10,19 +10,30 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 const MAX_REQUEST_BYTES: usize = 8 << 10;
+/// Most connections served at once; one accepted beyond them is closed at once (counted in
+/// `holdfast_connections_refused_total{port="http"}`). Each lasts at most 5 s.
+pub const MAX_CONNECTIONS: usize = 64;
 
 pub async fn serve(
     listener: TcpListener,
     node: Arc<NodeShared>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, remote) = tokio::select! {
             accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
             _ = shutdown.changed() => return,
         };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            node.metrics
+                .http_connections_refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            continue;
+        };
         let node = node.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let _ = tokio::time::timeout(Duration::from_secs(5), async {
                 match node.tls.clone() {
                     #[cfg(not(holdfast_sim))]

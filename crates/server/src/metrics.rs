@@ -120,6 +120,8 @@ pub struct ServerMetrics {
     pub client_connections_refused: std::sync::Arc<AtomicU64>,
     /// Peer connections closed at accept because [`crate::node::MAX_PEER_CONNECTIONS`] were open.
     pub peer_connections_refused: std::sync::Arc<AtomicU64>,
+    /// HTTP connections closed at accept because `http::MAX_CONNECTIONS` were being served.
+    pub http_connections_refused: AtomicU64,
     /// The client listener's connection slots (set when it starts listening).
     pub client_connection_slots: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>>,
 }
@@ -134,6 +136,7 @@ impl Default for ServerMetrics {
             keepalive_streams: Default::default(),
             client_connections_refused: Default::default(),
             peer_connections_refused: Default::default(),
+            http_connections_refused: AtomicU64::new(0),
             client_connection_slots: Default::default(),
         }
     }

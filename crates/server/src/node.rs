@@ -46,6 +46,8 @@ pub struct NodeShared {
     pub tls: Option<Arc<crate::tls::Tls>>,
     /// The access policy, when configured (see `access`).
     pub access: Option<Arc<crate::access::Access>>,
+    /// Permits for `SnapshotGroup` streams in progress (`service::MAX_SNAPSHOT_STREAMS`).
+    pub snapshot_streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl RaftLookup for NodeShared {
@@ -254,6 +256,9 @@ impl Node {
             secrets: crate::secrets::SecretSource::new(rng_seed ^ config.node_id),
             tls: tls.clone(),
             access: access.clone(),
+            snapshot_streams: Arc::new(tokio::sync::Semaphore::new(
+                crate::service::MAX_SNAPSHOT_STREAMS,
+            )),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -676,7 +681,7 @@ impl NodeShared {
         metrics::counter(
             &mut out,
             "holdfast_connections_refused_total",
-            "Connections closed as soon as they were accepted, because max_client_connections (port=\"client\") or MAX_PEER_CONNECTIONS, 256 (port=\"peer\"), were open.",
+            "Connections closed as soon as they were accepted, because max_client_connections (port=\"client\") MAX_PEER_CONNECTIONS, 256 (port=\"peer\"), or http::MAX_CONNECTIONS, 64 (port=\"http\"), were open.",
             &[
                 (
                     "port=\"client\"".to_string(),
@@ -685,6 +690,10 @@ impl NodeShared {
                 (
                     "port=\"peer\"".to_string(),
                     self.metrics.peer_connections_refused.load(Relaxed),
+                ),
+                (
+                    "port=\"http\"".to_string(),
+                    self.metrics.http_connections_refused.load(Relaxed),
                 ),
             ],
         );

@@ -51,6 +51,9 @@ pub struct ClientService {
 type KeepAliveStream = Pin<Box<dyn Stream<Item = Result<pb::KeepAliveResponse, Status>> + Send>>;
 type SnapshotStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotGroupChunk, Status>> + Send>>;
 
+/// Most `SnapshotGroup` streams in progress on one server (each holds a copy of its group's table).
+pub const MAX_SNAPSHOT_STREAMS: usize = 2;
+
 /// Table bytes per `SnapshotGroup` chunk.
 const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
@@ -766,6 +769,19 @@ impl Holdfast for ClientService {
     ) -> Result<Response<Self::SnapshotGroupStream>, Status> {
         self.allow(&r, Need::Admin)?;
         let group = self.group(r.into_inner().group)?;
+        // Each stream holds a whole copy of the table until it is read or dropped: bound how many.
+        let permit = self
+            .node
+            .snapshot_streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                limit(
+                    "max_snapshot_streams",
+                    MAX_SNAPSHOT_STREAMS as u64,
+                    format!("{MAX_SNAPSHOT_STREAMS} SnapshotGroup streams are in progress on this server (max_snapshot_streams); try again when one ends"),
+                )
+            })?;
         group
             .linearizable_read()
             .await
@@ -781,23 +797,26 @@ impl Holdfast for ClientService {
         };
         let last = last.ok_or_else(|| errors::unavailable("group has applied nothing yet"))?;
         let total = bytes.len() as u64;
-        let mut chunks: Vec<Result<pb::SnapshotGroupChunk, Status>> = bytes
-            .chunks(SNAPSHOT_CHUNK_BYTES)
-            .map(|c| {
-                Ok(pb::SnapshotGroupChunk {
-                    data: c.to_vec(),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        if let Some(Ok(first)) = chunks.first_mut() {
-            first.index = last.index;
-            first.term = last.leader_id.term;
-            first.leader = last.leader_id.node_id;
-            first.digest = digest;
-            first.total_bytes = total;
-        }
-        Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
+        // Chunks are copied out one at a time as the client reads them, so a stream holds one copy.
+        let count = bytes.len().div_ceil(SNAPSHOT_CHUNK_BYTES).max(1);
+        let chunks = futures::StreamExt::map(futures::stream::iter(0..count), move |i| {
+            let _held = &permit;
+            let start = i * SNAPSHOT_CHUNK_BYTES;
+            let end = (start + SNAPSHOT_CHUNK_BYTES).min(bytes.len());
+            let mut chunk = pb::SnapshotGroupChunk {
+                data: bytes[start.min(end)..end].to_vec(),
+                ..Default::default()
+            };
+            if i == 0 {
+                chunk.index = last.index;
+                chunk.term = last.leader_id.term;
+                chunk.leader = last.leader_id.node_id;
+                chunk.digest = digest;
+                chunk.total_bytes = total;
+            }
+            Ok(chunk)
+        });
+        Ok(Response::new(Box::pin(chunks)))
     }
 
     async fn status(

@@ -157,8 +157,7 @@ impl Tls {
             client_port: tls::server_config(ca, cert, key, client_certs, true).map_err(pair)?,
             peer_port: tls::server_config(ca, cert, key, ClientCerts::Required, true)
                 .map_err(pair)?,
-            http_port: tls::server_config(ca, cert, key, ClientCerts::None, false)
-                .map_err(pair)?,
+            http_port: tls::server_config(ca, cert, key, ClientCerts::None, false).map_err(pair)?,
             peer_client: tls::client_config(ca, Some((cert, key))).map_err(pair)?,
         };
         // A server certificate must be usable as one: the peer port of every other server checks it.

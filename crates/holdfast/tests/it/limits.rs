@@ -144,3 +144,33 @@ async fn floods_of_connections_and_streams_are_capped_and_others_are_served() {
         s.abort();
     }
 }
+
+/// 70 idle connections to the HTTP port: 64 are served (and closed by the 5 s request timeout), the
+/// other 6 are closed at accept and counted; afterwards the port serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_connections_are_capped() {
+    use tokio::io::AsyncReadExt;
+    let c = Cluster::start(Options {
+        nodes: 1,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    let port = c.servers[0].http_port.unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..70 {
+        idle.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        );
+    }
+    // Every one ends: refused at once, or dropped by the server's request timeout.
+    for mut s in idle {
+        let mut buf = [0u8; 16];
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        assert_eq!(n, 0, "an idle connection was answered");
+    }
+    let refused = c.metrics(1).await["holdfast_connections_refused_total{port=\"http\"}"];
+    assert_eq!(refused, 70 - holdfast_server::http::MAX_CONNECTIONS as u64);
+}

@@ -282,8 +282,16 @@ async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
     c.start_server(follower);
     let target = c.group_status(leader, 0).await.unwrap().applied_index;
     let deadline = Instant::now() + Duration::from_secs(20);
-    while c.group_status(follower, 0).await.map_or(0, |s| s.applied_index) < target {
-        assert!(Instant::now() < deadline, "the restarted follower did not catch up to {target}");
+    while c
+        .group_status(follower, 0)
+        .await
+        .map_or(0, |s| s.applied_index)
+        < target
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted follower did not catch up to {target}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     c.kill(leader).await;
