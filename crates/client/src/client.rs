@@ -271,6 +271,7 @@ impl Client {
         let mut errors: Vec<String> = vec![String::new(); endpoints.len()];
         'outer: loop {
             let mut not_holdfast = 0;
+            let mut denied = 0;
             for (i, ep) in endpoints.iter().enumerate() {
                 let channel = inner.servers.read().expect("servers lock")[i]
                     .channel
@@ -307,12 +308,11 @@ impl Client {
                         inner.leaders = Mutex::new(leaders);
                         break 'outer;
                     }
-                    // The access policy refuses this client: every server would say the same.
+                    // The access policy refuses this client. Policies are per server (one may be
+                    // stale during a change), so only every server refusing ends the wait.
                     Ok(Err(status)) if status.code() == tonic::Code::PermissionDenied => {
-                        return Err(Error::PermissionDenied(format!(
-                            "{ep}: {}",
-                            status.message()
-                        )));
+                        denied += 1;
+                        errors[i] = format!("{ep}: {}", status.message());
                     }
                     Ok(Err(status)) => {
                         not_holdfast += usize::from(status.code() == tonic::Code::Unimplemented);
@@ -325,6 +325,9 @@ impl Client {
                         )
                     }
                 }
+            }
+            if denied == endpoints.len() {
+                return Err(Error::PermissionDenied(errors.join("; ")));
             }
             // Every endpoint answered that it is not a Holdfast client port: waiting will not help.
             if not_holdfast == endpoints.len() || Instant::now() > deadline {

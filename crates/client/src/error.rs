@@ -121,7 +121,9 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
         Reason::AlreadyHeld => Disposition::Fail(Error::AlreadyHeld(msg)),
         Reason::RequestIdTooOld => Disposition::Fail(Error::RequestIdTooOld(msg)),
         Reason::RequestIdTooNew => Disposition::Fail(Error::InvalidArgument(msg)),
-        Reason::PermissionDenied => Disposition::Fail(Error::PermissionDenied(msg)),
+        Reason::PermissionDenied | Reason::AccessDenied => {
+            Disposition::Fail(Error::PermissionDenied(msg))
+        }
         Reason::AcquireAbandoned => Disposition::Fail(Error::Abandoned(msg)),
     }
 }

@@ -429,6 +429,7 @@ async fn forward(
     // Over TLS when the cluster has it: the request carries the session's secret.
     let mut client = pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(
         endpoint,
+        leader,
         node.tls.as_deref(),
     ));
     let request = pb::CancelAcquireRequest {
@@ -442,7 +443,9 @@ async fn forward(
     match tokio::time::timeout(FORWARD_TIMEOUT, client.cancel_acquire(request)).await {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(status)) => match holdfast_proto::reason(&status) {
-            // A wrong secret stays wrong: the acquire it was for was refused the same way.
+            // A wrong secret stays wrong: the acquire it was for was refused the same way. (A policy
+            // refusal, ACCESS_DENIED, is retried: servers pass the policy, so it means a misconfiguration
+            // that may be fixed.)
             Some(
                 pb::Reason::NotHolder | pb::Reason::SessionUnknown | pb::Reason::PermissionDenied,
             ) => Ok(()),

@@ -33,6 +33,8 @@ pub const MAX_POLICY_BYTES: usize = 1 << 20;
 pub const MAX_PREFIXES: usize = 1_000;
 pub const MAX_ROLES: usize = 1_000;
 pub const MAX_PRINCIPALS: usize = 100_000;
+/// Most roles one principal names, and prefixes per permission it ends up with once they are merged.
+pub const MAX_ROLES_PER_PRINCIPAL: usize = 100;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Permission {
@@ -56,6 +58,9 @@ impl std::fmt::Display for Permission {
 pub enum Need<'a> {
     /// `lock` on this name.
     Lock(&'a str),
+    /// `lock` on this name, for `CancelAcquire`, which other servers also send (forwarding an acquire
+    /// whose caller went away to the leader).
+    Cancel(&'a str),
     /// `lock` on some prefix (sessions are not tied to names).
     LockAny,
     /// `read` on every name under this prefix (a name is its own prefix).
@@ -109,7 +114,7 @@ impl Grants {
         let under =
             |prefixes: &[String], name: &str| prefixes.iter().any(|p| name.starts_with(p.as_str()));
         match need {
-            Need::Lock(name) => under(&self.lock, name),
+            Need::Lock(name) | Need::Cancel(name) => under(&self.lock, name),
             Need::LockAny => !self.lock.is_empty(),
             Need::Read(prefix) => under(&self.read, prefix),
             Need::Admin => self.admin,
@@ -127,7 +132,7 @@ pub struct Policy {
 }
 
 fn hex32(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64 {
+    if s.len() != 64 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 32];
@@ -163,19 +168,33 @@ impl Policy {
         let mut policy = Policy::default();
         for (name, p) in &file.principals {
             let mut grants = Grants::default();
-            for role in &p.roles {
+            let roles: std::collections::BTreeSet<&String> = p.roles.iter().collect();
+            if roles.len() > MAX_ROLES_PER_PRINCIPAL {
+                return Err(format!(
+                    "principal {name:?}: at most {MAX_ROLES_PER_PRINCIPAL} roles"
+                ));
+            }
+            let (mut lock, mut read) = (
+                std::collections::BTreeSet::new(),
+                std::collections::BTreeSet::new(),
+            );
+            for role in roles {
                 let r = file.roles.get(role).ok_or_else(|| {
                     format!("principal {name:?}: role {role:?} is not defined under [roles]")
                 })?;
-                grants.lock.extend(r.lock.iter().cloned());
-                grants.read.extend(r.read.iter().cloned());
+                lock.extend(r.lock.iter().cloned());
+                read.extend(r.read.iter().cloned());
                 grants.admin |= r.admin;
             }
-            grants.lock.sort();
-            grants.lock.dedup();
-            grants.read.sort();
-            grants.read.dedup();
-            for t in &p.tokens_sha256 {
+            if lock.len() > MAX_PREFIXES || read.len() > MAX_PREFIXES {
+                return Err(format!(
+                    "principal {name:?}: its roles grant more than {MAX_PREFIXES} prefixes for one permission"
+                ));
+            }
+            grants.lock = lock.into_iter().collect();
+            grants.read = read.into_iter().collect();
+            let tokens: std::collections::BTreeSet<&String> = p.tokens_sha256.iter().collect();
+            for t in tokens {
                 let hash = hex32(t).ok_or_else(|| {
                     format!("principal {name:?}: token hash {t:?} is not 64 hex digits (sha256)")
                 })?;
@@ -196,25 +215,27 @@ impl Policy {
 
     /// The caller's principal: a listed token, else the TLS client certificate, else anonymous.
     pub fn principal<T>(&self, r: &Request<T>) -> Result<String, Status> {
-        if let Some(value) = r.metadata().get("authorization") {
-            let token = value
-                .to_str()
-                .ok()
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .ok_or_else(|| {
-                    denied("the authorization header is not `Bearer TOKEN`".to_string())
-                })?;
-            return self
+        self.principal_of(&Caller::of(r))
+    }
+
+    /// [`Policy::principal`] of a caller kept from its request ([`Caller`]).
+    pub fn principal_of(&self, caller: &Caller) -> Result<String, Status> {
+        match &caller.token {
+            Some(Err(())) => Err(denied(
+                "the authorization header is not `Bearer TOKEN`".to_string(),
+            )),
+            Some(Ok(hash)) => self
                 .tokens
-                .get(&token_hash(token.trim()))
+                .get(hash)
                 .cloned()
-                .ok_or_else(|| denied("the bearer token is not in the policy".to_string()));
+                .ok_or_else(|| denied("the bearer token is not in the policy".to_string())),
+            None => Ok(caller
+                .cert
+                .as_deref()
+                .and_then(holdfast_proto::tls::CertNames::principal)
+                .unwrap_or(ANONYMOUS)
+                .to_string()),
         }
-        let cert = r
-            .extensions()
-            .get::<holdfast_proto::tls::TlsConnectInfo>()
-            .and_then(|i| i.principal().map(str::to_string));
-        Ok(cert.unwrap_or_else(|| ANONYMOUS.to_string()))
     }
 
     /// Whether `principal` may do what `need` says; the refusal names the principal, the permission and
@@ -224,10 +245,24 @@ impl Policy {
         if grants.is_some_and(|g| g.allows(need)) {
             return Ok(());
         }
+        // Names reach here before they are validated: show at most a lock name's worth.
+        let short = |n: &str| -> String {
+            let mut end = n.len().min(holdfast_lock_table::limits::MAX_NAME_BYTES);
+            while !n.is_char_boundary(end) {
+                end -= 1;
+            }
+            n[..end].to_string()
+        };
         let (perm, on) = match need {
-            Need::Lock(name) => (Permission::Lock.to_string(), format!(" on {name:?}")),
+            Need::Lock(name) | Need::Cancel(name) => (
+                Permission::Lock.to_string(),
+                format!(" on {:?}", short(name)),
+            ),
             Need::LockAny => (Permission::Lock.to_string(), " on any prefix".to_string()),
-            Need::Read(prefix) => (Permission::Read.to_string(), format!(" on {prefix:?}")),
+            Need::Read(prefix) => (
+                Permission::Read.to_string(),
+                format!(" on {:?}", short(prefix)),
+            ),
             Need::Admin => (Permission::Admin.to_string(), String::new()),
             Need::Any => ("any permission".to_string(), String::new()),
         };
@@ -245,10 +280,49 @@ impl Policy {
 fn denied(message: String) -> Status {
     crate::errors::status(
         tonic::Code::PermissionDenied,
-        holdfast_proto::v1::Reason::PermissionDenied,
+        holdfast_proto::v1::Reason::AccessDenied,
         message,
         holdfast_proto::v1::ErrorDetail::default(),
     )
+}
+
+/// Who made a request, kept apart from it (a keepalive stream checks every message against the policy
+/// of the moment, long after the request that opened it).
+#[derive(Clone, Debug)]
+pub struct Caller {
+    /// The bearer token's SHA-256, or Err if the authorization header was malformed.
+    token: Option<Result<[u8; 32], ()>>,
+    cert: Option<Arc<holdfast_proto::tls::CertNames>>,
+}
+
+impl Caller {
+    pub fn of<T>(r: &Request<T>) -> Caller {
+        let token = r.metadata().get("authorization").map(|v| {
+            let v = v.to_str().map_err(|_| ())?;
+            // The scheme is case-insensitive (RFC 7235).
+            match v.split_once(' ') {
+                Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => {
+                    Ok(token_hash(token.trim()))
+                }
+                _ => Err(()),
+            }
+        });
+        let cert = r
+            .extensions()
+            .get::<holdfast_proto::tls::TlsConnectInfo>()
+            .and_then(|i| i.cert.clone());
+        Caller { token, cert }
+    }
+
+    /// A caller presenting a server certificate of the cluster (and no token).
+    fn server(&self) -> bool {
+        self.token.is_none()
+            && self
+                .cert
+                .as_deref()
+                .and_then(crate::tls::server_id)
+                .is_some()
+    }
 }
 
 /// The policy file and the policy loaded from it, swapped when the file changes.
@@ -302,20 +376,21 @@ impl Access {
         self.current.read().expect("policy lock").clone()
     }
 
-    /// Checks `r` against the current policy, counting refusals. A caller with a server certificate
-    /// of the cluster (another server forwarding an abandoned acquire, or probing readiness) is the
-    /// cluster itself and passes.
+    /// Checks `r` against the current policy, counting refusals.
     pub fn check<T>(&self, r: &Request<T>, need: Need<'_>) -> Result<(), Status> {
-        let server = r
-            .extensions()
-            .get::<holdfast_proto::tls::TlsConnectInfo>()
-            .and_then(|i| i.cert.as_deref().and_then(crate::tls::server_id));
-        if server.is_some() && r.metadata().get("authorization").is_none() {
+        self.check_caller(&Caller::of(r), need)
+    }
+
+    /// [`Access::check`] for a caller kept from its request. A caller with a server certificate of the
+    /// cluster passes the two calls servers make to each other's client ports: `CancelAcquire`
+    /// (forwarding an abandoned acquire) and `Status` without the digest (readiness); nothing else.
+    pub fn check_caller(&self, caller: &Caller, need: Need<'_>) -> Result<(), Status> {
+        if caller.server() && matches!(need, Need::Cancel(_) | Need::Any) {
             return Ok(());
         }
         let policy = self.policy();
         let result = policy
-            .principal(r)
+            .principal_of(caller)
             .and_then(|principal| policy.check(&principal, need));
         if result.is_err() {
             self.denied.fetch_add(1, Relaxed);
@@ -407,6 +482,37 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         );
     }
 
+    /// Another server (a server certificate, no token) passes only what servers send each other.
+    #[test]
+    fn servers_pass_only_cancel_and_status() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.toml");
+        std::fs::write(&path, POLICY).unwrap();
+        let access = Access::load(&path).unwrap();
+        let server = |cn: &str, server_auth: bool| {
+            let mut r = Request::new(());
+            r.extensions_mut().insert(holdfast_proto::tls::TlsConnectInfo {
+                remote_addr: None,
+                cert: Some(Arc::new(holdfast_proto::tls::CertNames {
+                    common_name: Some(cn.into()),
+                    server_auth,
+                    ..Default::default()
+                })),
+            });
+            Caller::of(&r)
+        };
+        let s2 = server("holdfast-server-2", true);
+        assert!(access.check_caller(&s2, Need::Cancel("b/x")).is_ok());
+        assert!(access.check_caller(&s2, Need::Any).is_ok());
+        for need in [Need::Admin, Need::Lock("b/x"), Need::Read(""), Need::LockAny] {
+            assert!(access.check_caller(&s2, need).is_err(), "{need:?}");
+        }
+        // A client certificate with a server's name but without serverAuth is just a principal.
+        let fake = server("holdfast-server-2", false);
+        assert!(access.check_caller(&fake, Need::Cancel("b/x")).is_err());
+        assert_eq!(access.denied.load(Relaxed), 5);
+    }
+
     #[test]
     fn bad_policies_are_refused_with_the_reason() {
         let unknown_role = "[principals.a]\nroles = [\"nope\"]\n";
@@ -424,6 +530,11 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
             "[principals.a]\ntokens_sha256 = [\"{h}\"]\n[principals.b]\ntokens_sha256 = [\"{h}\"]\n"
         );
         assert!(Policy::parse(&shared).unwrap_err().contains("same token"));
+        let plus = "+f".repeat(32);
+        let signed = format!("[principals.a]\ntokens_sha256 = [\"{plus}\"]\n");
+        assert!(Policy::parse(&signed).unwrap_err().contains("64 hex digits"));
+        let twice = format!("[principals.a]\ntokens_sha256 = [\"{h}\", \"{h}\"]\n");
+        assert!(Policy::parse(&twice).is_ok(), "the same token twice for one principal is one token");
     }
 
     #[test]

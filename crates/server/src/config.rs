@@ -222,6 +222,11 @@ impl ServerConfig {
                 "max_client_connections and max_streams_per_connection must be at least 1".into(),
             );
         }
+        // Without TLS a policy could not tell servers from clients (they call each other's client ports),
+        // and bearer tokens would cross the network in the clear.
+        if self.policy.is_some() && self.tls.is_none() {
+            return Err("an access policy needs TLS ([tls] or --tls-ca/--tls-cert/--tls-key): without it servers cannot be told from clients and tokens travel in the clear".into());
+        }
         if self.snapshot_every_bytes != 0 && self.snapshot_every_bytes < 64 << 10 {
             return Err("snapshot_every_bytes must be 0 (off) or at least 65536".into());
         }

@@ -90,7 +90,7 @@ impl Node {
         let tls = match &config.tls {
             None => None,
             Some(files) => Some(Arc::new(
-                crate::tls::Tls::load(files).map_err(|e| anyhow!("TLS: {e}"))?,
+                crate::tls::Tls::load(files, config.node_id).map_err(|e| anyhow!("TLS: {e}"))?,
             )),
         };
         let access = match &config.policy {
@@ -99,9 +99,6 @@ impl Node {
                 crate::access::Access::load(path).map_err(|e| anyhow!("policy: {e}"))?,
             )),
         };
-        if access.is_some() && tls.is_none() {
-            tracing::warn!("an access policy without TLS: bearer tokens cross the network in the clear, and anyone who reaches the peer port can still send Raft messages");
-        }
         #[cfg(holdfast_sim)]
         if tls.is_some() {
             anyhow::bail!("TLS is not simulated: the simulation runs plaintext");
@@ -615,7 +612,7 @@ impl NodeShared {
         for (leader, groups) in elsewhere {
             let endpoint = self.client_endpoint(leader);
             let answer = match &endpoint {
-                Some(ep) => leader_status(ep, self.tls.as_deref()).await,
+                Some(ep) => leader_status(ep, leader, self.tls.as_deref()).await,
                 None => Err(format!("node {leader} is not a member")),
             };
             for g in groups {
@@ -862,6 +859,7 @@ impl NodeShared {
 /// Asks another server for its status (readiness probes), within a second.
 async fn leader_status(
     endpoint: &str,
+    leader: u64,
     tls: Option<&crate::tls::Tls>,
 ) -> Result<pb::StatusResponse, String> {
     const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -870,7 +868,7 @@ async fn leader_status(
         .connect_timeout(PROBE_TIMEOUT)
         .timeout(PROBE_TIMEOUT);
     let mut client =
-        pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(channel, tls));
+        pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(channel, leader, tls));
     match tokio::time::timeout(PROBE_TIMEOUT, client.status(pb::StatusRequest::default())).await {
         Ok(Ok(r)) => Ok(r.into_inner()),
         Ok(Err(s)) => Err(s.message().to_string()),

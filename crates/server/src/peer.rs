@@ -426,10 +426,13 @@ impl<L: RaftLookup> PeerService<L> {
     /// Checks a request's header and finds its group. Refusals name what did not match.
     /// `sender`: over TLS, the node id the sender's certificate names (`sender_id`); the header must
     /// claim the same one, so that one server's key cannot speak for another.
+    /// `vote`: the Raft vote the message carries (a leader's or candidate's own); over TLS its node must
+    /// be the sender too, or one server could send entries or votes in another's name.
     fn raft(
         &self,
         header: &Option<pb::PeerHeader>,
         sender: Option<Option<u64>>,
+        vote: Option<&pb::Vote>,
     ) -> Result<&Raft, tonic::Status> {
         let h = header
             .as_ref()
@@ -441,6 +444,14 @@ impl<L: RaftLookup> PeerService<L> {
                     h.from_node,
                     cert.map_or("no server's".to_string(), |id| format!("node {id}'s"))
                 )));
+            }
+            if let Some(v) = vote {
+                if v.node != h.from_node {
+                    return Err(tonic::Status::permission_denied(format!(
+                        "node {} sent a message carrying node {}'s vote",
+                        h.from_node, v.node
+                    )));
+                }
             }
         }
         if h.format != PEER_FORMAT {
@@ -509,7 +520,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
     ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
         let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header, sender)?;
+        let raft = self.raft(&m.header, sender, m.vote.as_ref())?;
         let entries = m
             .entries
             .iter()
@@ -542,7 +553,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
     ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
         let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header, sender)?;
+        let raft = self.raft(&m.header, sender, m.vote.as_ref())?;
         let req = vote_request_from_pb(&m)?;
         Ok(vote_reply_to_pb(raft.vote(req).await.map_err(raft_error)?))
     }
@@ -553,7 +564,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
     ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
         let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header, sender)?;
+        let raft = self.raft(&m.header, sender, m.vote.as_ref())?;
         let req = vote_request_from_pb(&m)?;
         Ok(vote_reply_to_pb(
             raft.pre_vote(req).await.map_err(raft_error)?,
@@ -566,7 +577,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
     ) -> Result<tonic::Response<pb::PeerTransferLeaderReply>, tonic::Status> {
         let sender = sender_id(&r);
         let m = r.into_inner();
-        let raft = self.raft(&m.header, sender)?;
+        let raft = self.raft(&m.header, sender, m.from_leader.as_ref())?;
         let req = TransferLeaderRequest::new(
             formats::vote_from_pb(required(&m.from_leader, "from_leader").map_err(bad)?),
             m.to_node,
@@ -600,7 +611,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
             .message()
             .await?
             .ok_or_else(|| tonic::Status::invalid_argument("empty snapshot stream"))?;
-        let raft = self.raft(&first.header, sender)?;
+        let raft = self.raft(&first.header, sender, first.vote.as_ref())?;
         let vote = formats::vote_from_pb(required(&first.vote, "vote").map_err(bad)?);
         let meta =
             formats::snapshot_meta_from_pb(required(&first.meta, "snapshot meta").map_err(bad)?)

@@ -404,6 +404,9 @@ impl Holdfast for ClientService {
         r: Request<tonic::Streaming<pb::KeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStreamStream>, Status> {
         self.allow(&r, Need::LockAny)?;
+        // Checked again on every message, against the policy of the moment: a principal whose `lock`
+        // was revoked stops renewing at once, not when its stream happens to break.
+        let caller = crate::access::Caller::of(&r);
         let mut inbound = r.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(KEEPALIVE_STREAM_BUFFER);
         let service = self.clone();
@@ -418,7 +421,12 @@ impl Holdfast for ClientService {
             }
             let _open = Open(streams);
             while let Ok(Some(req)) = inbound.message().await {
-                let reply = service.keepalive(req);
+                let reply = match &service.node.access {
+                    Some(access) => access
+                        .check_caller(&caller, Need::LockAny)
+                        .and_then(|()| service.keepalive(req)),
+                    None => service.keepalive(req),
+                };
                 let stop = reply.is_err();
                 if tx.send(reply).await.is_err() || stop {
                     return;
@@ -544,7 +552,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::CancelAcquireRequest>,
     ) -> Result<Response<pb::CancelAcquireResponse>, Status> {
-        self.allow(&r, Need::Lock(&r.get_ref().name))?;
+        self.allow(&r, Need::Cancel(&r.get_ref().name))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);

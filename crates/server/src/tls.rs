@@ -70,6 +70,8 @@ impl std::str::FromStr for ClientCertMode {
 /// The configurations built from the files, and the cells new connections take them from.
 pub struct Tls {
     files: TlsConfig,
+    /// This server's node id: its certificate must name it.
+    node_id: u64,
     /// The three files' contents the cells were last built from.
     loaded: Mutex<Vec<u8>>,
     /// The contents that last failed to load, and why: tried again only once they change.
@@ -107,13 +109,14 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, String> {
 
 impl Tls {
     /// Loads the files; an error names the file and what is wrong with it (the server does not start).
-    pub fn load(files: &TlsConfig) -> Result<Tls, String> {
+    pub fn load(files: &TlsConfig, node_id: u64) -> Result<Tls, String> {
         let parts = Self::read_all(files)?;
-        let built = Self::build(files, &parts)?;
+        let built = Self::build(files, node_id, &parts)?;
         let bytes = parts.concat();
         let server = |c| Arc::new(RwLock::new(Arc::new(c)));
         Ok(Tls {
             files: files.clone(),
+            node_id,
             loaded: Mutex::new(bytes),
             failed: Mutex::new(None),
             client_port: server(built.client_port),
@@ -132,7 +135,11 @@ impl Tls {
         Ok([read(&files.ca)?, read(&files.cert)?, read(&files.key)?])
     }
 
-    fn build(files: &TlsConfig, [ca, cert, key]: &[Vec<u8>; 3]) -> Result<Built, String> {
+    fn build(
+        files: &TlsConfig,
+        node_id: u64,
+        [ca, cert, key]: &[Vec<u8>; 3],
+    ) -> Result<Built, String> {
         fn named(what: &std::path::Path) -> impl Fn(tls::TlsError) -> String + '_ {
             move |e| format!("{}: {e}", what.display())
         }
@@ -164,11 +171,17 @@ impl Tls {
         let names = tls::certs_from_pem(cert)
             .ok()
             .and_then(|c| c.first().and_then(|c| tls::cert_names(c)));
-        match names {
-            Some(n) if admit_peer_names(&n) => {}
-            _ => {
+        match names.as_ref().and_then(server_id) {
+            Some(id) if id == node_id => {}
+            Some(id) => {
                 return Err(format!(
-                    "{}: not a Holdfast server certificate (want the serverAuth and clientAuth key usages and the common name {SERVER_NAME_PREFIX}<id>; `holdfast certs server` makes one)",
+                    "{}: the certificate of node {id}, but this is node {node_id} (every peer would refuse it)",
+                    files.cert.display()
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "{}: not a Holdfast server certificate (want the serverAuth and clientAuth key usages and the common name {SERVER_NAME_PREFIX}{node_id}; `holdfast certs server --id {node_id}` makes one)",
                     files.cert.display()
                 ))
             }
@@ -187,7 +200,7 @@ impl Tls {
         if current == *self.loaded.lock().expect("tls lock") {
             return Ok(false);
         }
-        match Self::build(&self.files, &parts) {
+        match Self::build(&self.files, self.node_id, &parts) {
             Ok(built) => {
                 *self.client_port.write().expect("tls lock") = Arc::new(built.client_port);
                 *self.peer_port.write().expect("tls lock") = Arc::new(built.peer_port);
@@ -276,12 +289,14 @@ pub async fn watch_files(
 /// readiness probes): over TLS, presenting this server's certificate, when the cluster has TLS.
 pub fn client_channel(
     endpoint: tonic::transport::Endpoint,
+    target: u64,
     tls: Option<&Tls>,
 ) -> tonic::transport::Channel {
+    // The request may carry a session's secret: it must reach `target` itself.
     let connector = tls.map(|t| TlsConnector {
         config: t.peer_client.clone(),
         server_name: None,
-        expect_common_name: None,
+        expect_common_name: Some(format!("{SERVER_NAME_PREFIX}{target}")),
     });
     holdfast_proto::transport::connect_lazy_tls(endpoint, connector.as_ref())
 }

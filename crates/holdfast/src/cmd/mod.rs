@@ -47,7 +47,7 @@ pub struct Conn {
 
 /// How a client command connects over TLS (a cluster started with `[tls]` or `holdfast dev --tls`), and
 /// who it says it is.
-#[derive(Args, Debug, Clone, Default)]
+#[derive(Args, Clone, Default)]
 pub struct TlsArgs {
     /// The cluster CA (PEM): connect over TLS and verify the servers' certificates against it.
     #[arg(long, env = "HOLDFAST_CA", global = true)]
@@ -62,7 +62,7 @@ pub struct TlsArgs {
     #[arg(long, env = "HOLDFAST_TLS_SERVER_NAME", global = true)]
     pub tls_server_name: Option<String>,
     /// A bearer token the cluster's access policy lists (`holdfast certs token` makes one): act as its
-    /// principal. Use it over TLS only.
+    /// principal. Prefer the environment variable: a flag shows in `ps`.
     #[arg(
         long,
         env = "HOLDFAST_AUTH_TOKEN",
@@ -70,6 +70,22 @@ pub struct TlsArgs {
         hide_env_values = true
     )]
     pub auth_token: Option<String>,
+}
+
+/// Every field but the token, which must not reach a log.
+impl std::fmt::Debug for TlsArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsArgs")
+            .field("ca", &self.ca)
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .field("tls_server_name", &self.tls_server_name)
+            .field(
+                "auth_token",
+                &self.auth_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
 }
 
 impl TlsArgs {

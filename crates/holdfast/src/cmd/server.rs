@@ -216,7 +216,7 @@ fn check_config(config: &ServerConfig) -> anyhow::Result<()> {
             .map_err(|_| anyhow!("this member's {what} listen address {addr:?} is not ip:port (give --{what}-listen)"))?;
     }
     if let Some(files) = &config.tls {
-        holdfast_server::tls::Tls::load(files).map_err(|e| anyhow!("TLS: {e}"))?;
+        holdfast_server::tls::Tls::load(files, config.node_id).map_err(|e| anyhow!("TLS: {e}"))?;
         println!(
             "TLS OK: {} signed by a CA in {}; client certificates {:?}",
             files.cert.display(),

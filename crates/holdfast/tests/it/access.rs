@@ -160,7 +160,7 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     // A broken policy: refused, the old one stays.
     std::fs::write(&policy_path, "[roles.x]\nlocks = []\n").unwrap();
     for i in 1..=3 {
-        wait_log(&c, i, "does not load", 1).await;
+        wait_log(&c, i, "policy: changed", 1).await;
     }
     denied(session.try_acquire("b/x").await, &["\"alice\"", "\"b/x\""]);
     assert!(session.try_acquire("a/y").await.is_ok());

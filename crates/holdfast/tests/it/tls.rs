@@ -136,8 +136,14 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
     );
     assert!(refused["holdfast_tls_handshakes_refused_total{port=\"client\"}"] >= 3);
 
-    // A follower's readiness asks the leader over TLS too.
-    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    // Leadership moves over the peer port (the transfer message carries the leader's vote, which must
+    // be its sender's), and a follower's readiness asks the leader over TLS too.
+    let old = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let new = client.transfer_leader(0, None).await.unwrap();
+    assert_ne!(new, old);
+    let leader = c
+        .wait_for_leader_except(0, old, Duration::from_secs(10))
+        .await;
     let follower = (1..=3).find(|&i| i != leader).unwrap();
     let (code, body) = c.http_get(follower, "/readyz").await;
     assert_eq!(code, 200, "{body}");
