@@ -104,6 +104,47 @@ pub enum Command {
     /// opened before secrets existed have secret 0. `command` is one of `CloseSession`, `Acquire`,
     /// `Release`, `CancelWait` and `AbandonAcquire`; anything else is refused.
     Authorized { secret: u128, command: Box<Command> },
+    /// `command` on behalf of `principal`, within `quota` (the proposing server's access policy for
+    /// that principal when it proposed this entry: the table never reads a policy). Around an open
+    /// (`OpenSession`, `OpenSessionWithSecret`), the session is refused with
+    /// [`Refusal::QuotaExceeded`] if the principal already owns `quota.sessions` sessions, and otherwise
+    /// belongs to `principal` from then on. Around an [`Command::Authorized`] `Acquire` of a session
+    /// some principal owns, a new grant or wait is refused when the owner's sessions already hold or
+    /// wait for `quota.locks` locks, or a new wait when they wait for `quota.waiting`. Around anything
+    /// else, or a session no principal owns, it is `command` unchanged.
+    Quota {
+        principal: Box<str>,
+        quota: QuotaLimits,
+        command: Box<Command>,
+    },
+}
+
+/// Per-principal bounds carried by [`Command::Quota`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaLimits {
+    pub sessions: u64,
+    /// Locks held and waited for, together.
+    pub locks: u64,
+    pub waiting: u64,
+}
+
+/// Which per-principal quota a refusal is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QuotaKind {
+    Sessions,
+    Locks,
+    Waiting,
+}
+
+impl QuotaKind {
+    /// The name used in the policy file, error messages and docs.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuotaKind::Sessions => "max_sessions",
+            QuotaKind::Locks => "max_locks",
+            QuotaKind::Waiting => "max_waiting",
+        }
+    }
 }
 
 impl Command {
@@ -123,6 +164,15 @@ impl Command {
                 now_ms: *now_ms,
             },
             Command::Authorized { command, .. } => command.without_secrets(),
+            Command::Quota {
+                principal,
+                quota,
+                command,
+            } => Command::Quota {
+                principal: principal.clone(),
+                quota: *quota,
+                command: Box::new(command.without_secrets()),
+            },
             other => other.clone(),
         }
     }
@@ -138,7 +188,9 @@ impl Command {
             | Command::CancelWait { now_ms, .. }
             | Command::AbandonAcquire { now_ms, .. }
             | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
-            Command::Authorized { command, .. } => command.now_ms(),
+            Command::Authorized { command, .. } | Command::Quota { command, .. } => {
+                command.now_ms()
+            }
         }
     }
 }
@@ -208,6 +260,11 @@ pub enum Refusal {
     /// The request id is more than [`crate::limits::MAX_REQUEST_ID_AHEAD`] above the session's highest.
     RequestIdTooNew {
         highest: u64,
+    },
+    /// The owning principal is at its quota ([`Command::Quota`]): `value` is the quota it was held to.
+    QuotaExceeded {
+        quota: QuotaKind,
+        value: u64,
     },
 }
 

@@ -4,14 +4,15 @@
 //! little-endian CRC-32 of everything before it. Ordered maps make the encoding canonical, so equal tables
 //! have equal bytes and the digest (FNV-1a 64 of the bytes) can be compared across replicas (property P2).
 //!
-//! Versions: 4 (written now) adds each session's secret; 3 added each wait's and grant's acquire attempt.
-//! 3 and 2 are still read: their sessions get secret 0 (none), and version 2's waits and grants attempt
+//! Versions: 5 (written now) adds the principal that owns each session opened under a quota; 4 added
+//! each session's secret; 3 added each wait's and grant's acquire attempt.
+//! 4, 3 and 2 are still read: their sessions have no owner, 3's and 2's get secret 0 (none), and version 2's waits and grants attempt
 //! 0, which no server's abandon matches, so a data directory written by an older release still starts.
 
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 4;
+const VERSION: u16 = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -62,6 +63,9 @@ impl LockTable {
         let decode = |e: postcard::Error| SnapshotError::Decode(e.to_string());
         let mut table: LockTable = match version {
             VERSION => postcard::from_bytes(&body[6..]).map_err(decode)?,
+            4 => postcard::from_bytes::<v4::LockTable>(&body[6..])
+                .map_err(decode)?
+                .into(),
             3 => postcard::from_bytes::<v3::LockTable>(&body[6..])
                 .map_err(decode)?
                 .into(),
@@ -85,6 +89,38 @@ impl LockTable {
     fn validate_decoded(&self) -> Result<(), String> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check_invariants()))
             .map_err(|_| "snapshot breaks a lock table invariant".to_string())
+    }
+}
+
+/// Format version 4: no session owners.
+mod v4 {
+    use crate::table;
+    use crate::types::{LockName, SessionId};
+    use serde::Deserialize;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Deserialize)]
+    pub(super) struct LockTable {
+        sessions: BTreeMap<SessionId, table::Session>,
+        locks: BTreeMap<LockName, table::Lock>,
+        open_nonces: BTreeMap<u128, (SessionId, u64)>,
+        open_nonce_order: VecDeque<u128>,
+        waiter_count: u64,
+    }
+
+    impl From<LockTable> for table::LockTable {
+        fn from(t: LockTable) -> Self {
+            table::LockTable {
+                sessions: t.sessions,
+                locks: t.locks,
+                open_nonces: t.open_nonces,
+                open_nonce_order: t.open_nonce_order,
+                waiter_count: t.waiter_count,
+                owners: BTreeMap::new(),
+                usage: BTreeMap::new(),
+                events: Vec::new(),
+            }
+        }
     }
 }
 
@@ -138,6 +174,8 @@ mod v3 {
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
+                owners: BTreeMap::new(),
+                usage: BTreeMap::new(),
                 events: Vec::new(),
             }
         }
@@ -223,6 +261,8 @@ mod v2 {
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
+                owners: BTreeMap::new(),
+                usage: BTreeMap::new(),
                 events: Vec::new(),
             }
         }

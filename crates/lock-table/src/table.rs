@@ -3,7 +3,9 @@
 //! Ordered maps (`BTreeMap`) everywhere, so iteration order, snapshots and digests are identical on every
 //! replica and listings by prefix are range scans.
 
-use crate::command::{AcquireMode, Command, Event, Limit, Outcome, Refusal};
+use crate::command::{
+    AcquireMode, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits, Refusal,
+};
 use crate::limits::{
     DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS,
     MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
@@ -70,8 +72,22 @@ pub struct LockTable {
     pub(crate) open_nonces: BTreeMap<u128, (SessionId, u64)>,
     pub(crate) open_nonce_order: VecDeque<u128>,
     pub(crate) waiter_count: u64,
+    /// The principal each session opened under a [`Command::Quota`] belongs to.
+    pub(crate) owners: BTreeMap<SessionId, Box<str>>,
+    /// What each principal's sessions hold and wait for. Derived from `owners` and the sessions (not in
+    /// snapshots; rebuilt on decode).
+    #[serde(skip)]
+    pub(crate) usage: BTreeMap<Box<str>, Usage>,
     #[serde(skip)]
     pub(crate) events: Vec<Event>,
+}
+
+/// One principal's sessions, and the locks they hold and wait for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub sessions: u64,
+    pub held: u64,
+    pub waiting: u64,
 }
 
 /// Read-only view of a lock's holder.
@@ -134,6 +150,11 @@ impl LockTable {
                 now_ms,
             } => self.open_session(index, *nonce, *ttl_ms, *secret, *now_ms),
             Command::Authorized { secret, command } => self.authorized(index, *secret, command),
+            Command::Quota {
+                principal,
+                quota,
+                command,
+            } => self.quota(index, principal, quota, command),
             Command::CloseSession { session, now_ms }
             | Command::ExpireSession { session, now_ms } => {
                 self.end_session(index, *session, *now_ms)
@@ -187,6 +208,14 @@ impl LockTable {
 
     /// [`Command::Authorized`]: the secret and request-id checks, then the command.
     fn authorized(&mut self, index: u64, secret: u128, command: &Command) -> Outcome {
+        match self.authorization(secret, command) {
+            Ok(()) => self.apply(index, command),
+            Err(refused) => refused,
+        }
+    }
+
+    /// The checks of [`Command::Authorized`]: Err is the refusal.
+    fn authorization(&self, secret: u128, command: &Command) -> Result<(), Outcome> {
         let (session, request) = match command {
             Command::CloseSession { session, .. } => (*session, None),
             Command::Acquire {
@@ -201,11 +230,11 @@ impl LockTable {
             | Command::AbandonAcquire {
                 session, request, ..
             } => (*session, Some(*request)),
-            _ => return Outcome::Refused(Refusal::PermissionDenied),
+            _ => return Err(Outcome::Refused(Refusal::PermissionDenied)),
         };
         if let Some(s) = self.sessions.get(&session) {
             if s.secret != secret {
-                return Outcome::Refused(Refusal::PermissionDenied);
+                return Err(Outcome::Refused(Refusal::PermissionDenied));
             }
             let highest = s
                 .dedup
@@ -213,10 +242,131 @@ impl LockTable {
                 .map(|(r, _)| r.0)
                 .fold(s.dedup_evicted_max, u64::max);
             if request.is_some_and(|r| r.0 > highest.saturating_add(MAX_REQUEST_ID_AHEAD)) {
-                return Outcome::Refused(Refusal::RequestIdTooNew { highest });
+                return Err(Outcome::Refused(Refusal::RequestIdTooNew { highest }));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Command::Quota`].
+    fn quota(
+        &mut self,
+        index: u64,
+        principal: &str,
+        quota: &QuotaLimits,
+        command: &Command,
+    ) -> Outcome {
+        match command {
+            Command::OpenSession { nonce, .. } | Command::OpenSessionWithSecret { nonce, .. } => {
+                // A retried open returns its session whatever the quota says now.
+                let retry = self.open_nonces.contains_key(nonce);
+                let owned = self.usage.get(principal).map_or(0, |u| u.sessions);
+                if !retry && owned >= quota.sessions {
+                    return Outcome::Refused(Refusal::QuotaExceeded {
+                        quota: QuotaKind::Sessions,
+                        value: quota.sessions,
+                    });
+                }
+                let outcome = self.apply(index, command);
+                if let Outcome::SessionOpened { session, .. } = outcome {
+                    if !retry {
+                        self.owners.insert(session, principal.into());
+                        self.usage.entry(principal.into()).or_default().sessions += 1;
+                    }
+                }
+                outcome
+            }
+            Command::Authorized {
+                secret,
+                command: inner,
+            } => {
+                if let Err(refused) = self.authorization(*secret, inner) {
+                    return refused;
+                }
+                self.quota_acquire(index, quota, inner)
+            }
+            // As audit lines show it (`Command::without_secrets`).
+            acquire @ Command::Acquire { .. } => self.quota_acquire(index, quota, acquire),
+            other => self.apply(index, other),
+        }
+    }
+
+    /// An acquire held to `quota` (anything else is applied as it is).
+    fn quota_acquire(&mut self, index: u64, quota: &QuotaLimits, command: &Command) -> Outcome {
+        if let Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            ..
+        } = command
+        {
+            if let Some(refusal) = self.over_quota(*session, *request, name, *mode, quota) {
+                let outcome = Outcome::Refused(refusal);
+                self.remember(*session, *request, &outcome);
+                return outcome;
             }
         }
         self.apply(index, command)
+    }
+
+    /// Whether an acquire would give the session's owner one lock more than `quota` allows (a new grant
+    /// or wait), or one wait more. None when it would not, or when the acquire changes nothing anyway
+    /// (a retry, a lock it already holds or waits for, a refused try) and should get its own outcome.
+    fn over_quota(
+        &self,
+        session_id: SessionId,
+        request: RequestId,
+        name: &LockName,
+        mode: AcquireMode,
+        quota: &QuotaLimits,
+    ) -> Option<Refusal> {
+        let session = self.sessions.get(&session_id)?;
+        let owner = self.owners.get(&session_id)?;
+        if self.replay(session, request).is_some() || session.waiting.contains_key(name) {
+            return None;
+        }
+        let usage = self.usage.get(owner).copied().unwrap_or_default();
+        let locks = Refusal::QuotaExceeded {
+            quota: QuotaKind::Locks,
+            value: quota.locks,
+        };
+        match self.locks.get(name) {
+            Some(lock) if lock.holder.session == session_id => None,
+            None if usage.held + usage.waiting >= quota.locks => Some(locks),
+            None => None,
+            Some(_) if mode == AcquireMode::Try => None,
+            Some(_) if usage.held + usage.waiting >= quota.locks => Some(locks),
+            Some(_) if usage.waiting >= quota.waiting => Some(Refusal::QuotaExceeded {
+                quota: QuotaKind::Waiting,
+                value: quota.waiting,
+            }),
+            Some(_) => None,
+        }
+    }
+
+    /// Counts a change in what `session` holds (`held`) and waits for (`waiting`) against its owner.
+    fn count(&mut self, session: SessionId, held: i64, waiting: i64) {
+        if self.owners.is_empty() {
+            return;
+        }
+        let Some(owner) = self.owners.get(&session) else {
+            return;
+        };
+        let u = self.usage.get_mut(owner).expect("an owner has usage");
+        u.held = u
+            .held
+            .checked_add_signed(held)
+            .expect("held count stays >= 0");
+        u.waiting = u
+            .waiting
+            .checked_add_signed(waiting)
+            .expect("waiting count stays >= 0");
+    }
+
+    /// What `principal`'s sessions use now.
+    pub fn usage(&self, principal: &str) -> Usage {
+        self.usage.get(principal).copied().unwrap_or_default()
     }
 
     /// The secret a request must show to act on `session` (0: none), if the session exists.
@@ -270,6 +420,15 @@ impl LockTable {
         let Some(ended) = self.sessions.remove(&session) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
+        if let Some(owner) = self.owners.remove(&session) {
+            let u = self.usage.get_mut(&owner).expect("an owner has usage");
+            u.sessions -= 1;
+            u.held -= ended.held.len() as u64;
+            u.waiting -= ended.waiting.len() as u64;
+            if *u == Usage::default() {
+                self.usage.remove(&owner);
+            }
+        }
         // Waits go first, so a lock this session holds is never handed to this same session's waiter.
         for (name, request) in &ended.waiting {
             let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
@@ -381,6 +540,7 @@ impl LockTable {
                     },
                 );
                 self.session_mut(session_id).held.insert(name.clone());
+                self.count(session_id, 1, 0);
                 Outcome::Granted { token }
             }
             Some(lock) if mode == AcquireMode::Try => Outcome::Refused(Refusal::Held {
@@ -404,6 +564,7 @@ impl LockTable {
                 self.session_mut(session_id)
                     .waiting
                     .insert(name.clone(), request);
+                self.count(session_id, 0, 1);
                 Outcome::Queued { position }
             }
         };
@@ -429,6 +590,7 @@ impl LockTable {
         let outcome = match self.locks.get(name) {
             Some(lock) if lock.holder.session == session_id && lock.holder.token == token => {
                 self.session_mut(session_id).held.remove(name);
+                self.count(session_id, -1, 0);
                 self.hand_over(index, name, now_ms);
                 Outcome::Released
             }
@@ -510,6 +672,7 @@ impl LockTable {
                 token,
             });
             self.session_mut(session_id).held.remove(name);
+            self.count(session_id, -1, 0);
             self.hand_over(index, name, now_ms);
             self.update_remembered(session_id, request, Outcome::Abandoned);
             return Outcome::Abandoned;
@@ -543,6 +706,7 @@ impl LockTable {
     fn remove_waiter(&mut self, session_id: SessionId, request: RequestId, name: &LockName) {
         let removed = self.session_mut(session_id).waiting.remove(name);
         assert_eq!(removed, Some(request), "the session records this wait");
+        self.count(session_id, 0, -1);
         let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
         lock.waiters.retain(|w| w.session != session_id);
         self.waiter_count -= 1;
@@ -583,6 +747,7 @@ impl LockTable {
             "a waiter's session records its wait"
         );
         session.held.insert(name.clone());
+        self.count(next.session, 1, -1);
         self.update_remembered(next.session, next.request, Outcome::Granted { token });
         self.events.push(Event::Granted {
             name: name.clone(),
@@ -720,6 +885,25 @@ impl LockTable {
             }
             assert!(s.dedup.len() <= DEDUP_WINDOW);
         }
+        assert_eq!(self.usage, self.recount_usage(), "per-principal usage");
+        for id in self.owners.keys() {
+            assert!(self.sessions.contains_key(id), "owned session {id} exists");
+        }
+    }
+
+    /// Per-principal usage counted from scratch.
+    fn recount_usage(&self) -> BTreeMap<Box<str>, Usage> {
+        let mut usage: BTreeMap<Box<str>, Usage> = BTreeMap::new();
+        for (id, owner) in &self.owners {
+            let Some(s) = self.sessions.get(id) else {
+                continue;
+            };
+            let u = usage.entry(owner.clone()).or_default();
+            u.sessions += 1;
+            u.held += s.held.len() as u64;
+            u.waiting += s.waiting.len() as u64;
+        }
+        usage
     }
 }
 
@@ -833,6 +1017,14 @@ impl LockTable {
                 }
             }
         }
+        if let Some(id) = self
+            .owners
+            .keys()
+            .find(|id| !self.sessions.contains_key(id))
+        {
+            return Err(format!("owned session {id} does not exist"));
+        }
+        self.usage = self.recount_usage();
         Ok(())
     }
 }

@@ -1,6 +1,8 @@
 //! Lock table tests: spec cases as data, then a property test against a simple reference model.
 
-use crate::command::{AcquireMode::*, Command, Event, Limit, Outcome, Outcome::*, Refusal};
+use crate::command::{
+    AcquireMode::*, Command, Event, Limit, Outcome, Outcome::*, QuotaLimits, Refusal,
+};
 use crate::limits::*;
 use crate::{FencingToken, LockName, LockTable, RequestId, SessionId};
 use proptest::prelude::*;
@@ -685,6 +687,9 @@ proptest! {
             let index = i as u64 + 1;
             let sess = |k: usize| opened.get(k % opened.len().max(1)).copied().unwrap_or(999);
             let command = match op {
+                // Every other session belongs to a principal with a quota it never reaches, so the
+                // per-principal counts run through every path (check_invariants recounts them).
+                Op::Open if index.is_multiple_of(2) => in_quota("p", BIG, open(index as u128)),
                 Op::Open => open(index as u128),
                 Op::Close(k) => close(sess(k)),
                 Op::Expire(k) => expire(sess(k)),
@@ -748,7 +753,7 @@ proptest! {
             }
             // Step the model.
             match &command {
-                Command::OpenSession { .. } => {
+                Command::OpenSession { .. } | Command::Quota { .. } => {
                     if let SessionOpened { session, .. } = got { if !opened.contains(&session.0) { opened.push(session.0); model.sessions.insert(session.0); } }
                 }
                 Command::CloseSession { session, .. } | Command::ExpireSession { session, .. } => {
@@ -1048,4 +1053,199 @@ fn audit_lines_show_what_a_command_does_without_its_secret() {
     assert_eq!(open_secret(5, 77).without_secrets(), open(5));
     assert_eq!(auth(77, close(3)).without_secrets(), close(3));
     assert_eq!(rel(1, 2, "x", 3).without_secrets(), rel(1, 2, "x", 3));
+}
+
+const BIG: QuotaLimits = QuotaLimits {
+    sessions: u64::MAX,
+    locks: u64::MAX,
+    waiting: u64::MAX,
+};
+
+fn in_quota(principal: &str, quota: QuotaLimits, command: Command) -> Command {
+    Command::Quota {
+        principal: principal.into(),
+        quota,
+        command: Box::new(command),
+    }
+}
+
+fn quota_exceeded(quota: crate::QuotaKind, value: u64) -> Outcome {
+    refused(Refusal::QuotaExceeded { quota, value })
+}
+
+/// A principal's sessions, locks (held and waited for together) and waits are bounded by the quota its
+/// commands carry; a retry gets its first outcome whatever the count is now; other principals and
+/// sessions without an owner are not counted; ending a session gives its share back.
+#[test]
+fn quotas_bound_what_a_principal_opens_holds_and_waits_for() {
+    use crate::QuotaKind::{Locks, Sessions, Waiting};
+    let q = QuotaLimits {
+        sessions: 2,
+        locks: 3,
+        waiting: 1,
+    };
+    let mut t = LockTable::new();
+    let a = |c| in_quota("alice", q, auth(0, c));
+    assert_eq!(t.apply(1, &in_quota("alice", q, open(1))), opened(1));
+    assert_eq!(t.apply(2, &in_quota("alice", q, open(2))), opened(2));
+    assert_eq!(
+        t.apply(3, &in_quota("alice", q, open(3))),
+        quota_exceeded(Sessions, 2)
+    );
+    // A retried open is its session, not a third one.
+    assert_eq!(t.apply(4, &in_quota("alice", q, open(2))), opened(2));
+    assert_eq!(t.apply(5, &in_quota("bob", q, open(5))), opened(5));
+    assert_eq!(t.apply(6, &open(6)), opened(6));
+    assert_eq!(t.usage("alice").sessions, 2);
+
+    // Locks: 3 across both of alice's sessions, waits included.
+    assert!(matches!(
+        t.apply(7, &a(acq(1, 1, "x", Wait))),
+        Granted { .. }
+    ));
+    assert!(matches!(
+        t.apply(8, &a(acq(2, 1, "y", Wait))),
+        Granted { .. }
+    ));
+    assert!(matches!(
+        t.apply(9, &auth(0, acq(5, 1, "z", Wait))),
+        Granted { .. }
+    ));
+    assert!(matches!(
+        t.apply(10, &a(acq(1, 2, "z", Wait))),
+        Queued { .. }
+    ));
+    assert_eq!(
+        t.usage("alice"),
+        crate::table::Usage {
+            sessions: 2,
+            held: 2,
+            waiting: 1
+        }
+    );
+    assert_eq!(
+        t.apply(11, &a(acq(2, 2, "w", Wait))),
+        quota_exceeded(Locks, 3)
+    );
+    // Remembered: the same request is refused the same way even once there is room.
+    // A try that would be refused anyway, and a lock the session holds, get their own outcomes.
+    assert!(matches!(
+        t.apply(12, &a(acq(2, 3, "z", Try))),
+        Outcome::Refused(Refusal::Held { .. })
+    ));
+    assert!(matches!(
+        t.apply(13, &a(acq(1, 4, "x", Wait))),
+        Outcome::Refused(Refusal::AlreadyHolder { .. })
+    ));
+    // A retry of the queued request is still queued.
+    assert!(matches!(
+        t.apply(14, &a(acq(1, 2, "z", Wait))),
+        Queued { .. }
+    ));
+
+    // Waits: one. Free a lock so that the lock count is not what refuses.
+    assert_eq!(t.apply(15, &a(rel(2, 5, "y", 8))), Released);
+    assert_eq!(
+        t.apply(16, &a(acq(2, 6, "z", Wait))),
+        quota_exceeded(Waiting, 1)
+    );
+    assert_eq!(
+        t.apply(17, &a(acq(2, 2, "w", Wait))),
+        quota_exceeded(Locks, 3),
+        "remembered"
+    );
+    assert!(matches!(
+        t.apply(18, &a(acq(2, 7, "v", Wait))),
+        Granted { .. }
+    ));
+
+    // Bob's lock counts for bob, not alice.
+    assert_eq!(
+        t.usage("bob"),
+        crate::table::Usage {
+            sessions: 1,
+            held: 1,
+            waiting: 0
+        }
+    );
+    // Session 5 releases z: alice's wait becomes a hold (one lock either way).
+    assert_eq!(t.apply(19, &auth(0, rel(5, 2, "z", 9))), Released);
+    assert_eq!(
+        t.usage("alice"),
+        crate::table::Usage {
+            sessions: 2,
+            held: 3,
+            waiting: 0
+        }
+    );
+    assert_eq!(
+        t.usage("bob"),
+        crate::table::Usage {
+            sessions: 1,
+            held: 0,
+            waiting: 0
+        }
+    );
+    t.check_invariants();
+    // Ending a session gives its share back, and a snapshot keeps the owners.
+    assert_eq!(
+        t.apply(20, &auth(0, close(1))),
+        SessionClosed { released: 2 }
+    );
+    assert_eq!(
+        t.usage("alice"),
+        crate::table::Usage {
+            sessions: 1,
+            held: 1,
+            waiting: 0
+        }
+    );
+    assert_eq!(t.apply(21, &in_quota("alice", q, open(21))), opened(21));
+    let restored = LockTable::decode_snapshot(&t.encode_snapshot()).unwrap();
+    assert_eq!(restored.usage("alice"), t.usage("alice"));
+    assert_eq!(restored.digest(), t.digest());
+    t.check_invariants();
+}
+
+/// An audit line shows a quota'd acquire without its secret; replayed, it is held to the same quota.
+#[test]
+fn a_quota_holds_without_the_secret_wrapper_as_audit_lines_show_it() {
+    let q = QuotaLimits {
+        sessions: 1,
+        locks: 1,
+        waiting: 1,
+    };
+    let mut t = LockTable::new();
+    t.apply(1, &in_quota("a", q, open(1)));
+    let first = in_quota("a", q, auth(0, acq(1, 1, "x", Wait)));
+    let second = in_quota("a", q, auth(0, acq(1, 2, "y", Wait)));
+    assert!(matches!(
+        t.apply(2, &first.without_secrets()),
+        Granted { .. }
+    ));
+    assert_eq!(
+        t.apply(3, &second.without_secrets()),
+        quota_exceeded(crate::QuotaKind::Locks, 1)
+    );
+}
+
+/// A version 4 snapshot (every snapshot before quotas) decodes with no session owned by anyone.
+#[test]
+fn a_version_4_snapshot_decodes_without_owners() {
+    let mut t = LockTable::new();
+    t.apply(1, &open(1));
+    t.apply(2, &acq(1, 1, "a", Wait));
+    let mut v4 = t.encode_snapshot();
+    // The same table in format 4 is the format 5 encoding without the (empty) owners map: one byte.
+    v4.truncate(v4.len() - 4);
+    assert_eq!(v4.pop(), Some(0), "an empty map is one zero byte");
+    v4[4..6].copy_from_slice(&4u16.to_le_bytes());
+    let crc = crc32fast::hash(&v4);
+    v4.extend_from_slice(&crc.to_le_bytes());
+    let decoded = LockTable::decode_snapshot(&v4).unwrap();
+    assert_eq!(
+        decoded.describe(&name("a")).unwrap().holder.session,
+        SessionId(1)
+    );
+    assert_eq!(decoded.usage("anyone"), crate::table::Usage::default());
 }

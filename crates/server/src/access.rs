@@ -99,6 +99,10 @@ struct PrincipalFile {
     /// SHA-256 (hex) of bearer tokens that act as this principal.
     #[serde(default)]
     tokens_sha256: Vec<String>,
+    /// Quotas (unlimited when absent): sessions open at once, locks held or waited for, waits.
+    max_sessions: Option<u64>,
+    max_locks: Option<u64>,
+    max_waiting: Option<u64>,
 }
 
 /// What one principal may do: its roles merged.
@@ -107,6 +111,8 @@ pub struct Grants {
     pub lock: Vec<String>,
     pub read: Vec<String>,
     pub admin: bool,
+    /// None: no quota at all.
+    pub quota: Option<holdfast_lock_table::QuotaLimits>,
 }
 
 impl Grants {
@@ -190,6 +196,13 @@ impl Policy {
                 return Err(format!(
                     "principal {name:?}: its roles grant more than {MAX_PREFIXES} prefixes for one permission"
                 ));
+            }
+            if p.max_sessions.is_some() || p.max_locks.is_some() || p.max_waiting.is_some() {
+                grants.quota = Some(holdfast_lock_table::QuotaLimits {
+                    sessions: p.max_sessions.unwrap_or(u64::MAX),
+                    locks: p.max_locks.unwrap_or(u64::MAX),
+                    waiting: p.max_waiting.unwrap_or(u64::MAX),
+                });
             }
             grants.lock = lock.into_iter().collect();
             grants.read = read.into_iter().collect();
@@ -398,6 +411,15 @@ impl Access {
         result
     }
 
+    /// The principal and quota a session-opening or acquiring request is held to, if the policy gives
+    /// its principal one (the request passed [`Access::check`] already).
+    pub fn quota<T>(&self, r: &Request<T>) -> Option<(String, holdfast_lock_table::QuotaLimits)> {
+        let policy = self.policy();
+        let principal = policy.principal(r).ok()?;
+        let quota = policy.grants(&principal)?.quota?;
+        Some((principal, quota))
+    }
+
     /// Reloads the file if it changed. Ok(true): the new policy is in use.
     pub fn reload_if_changed(&self) -> Result<bool, String> {
         let bytes = read(&self.path)?;
@@ -491,20 +513,26 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         let access = Access::load(&path).unwrap();
         let server = |cn: &str, server_auth: bool| {
             let mut r = Request::new(());
-            r.extensions_mut().insert(holdfast_proto::tls::TlsConnectInfo {
-                remote_addr: None,
-                cert: Some(Arc::new(holdfast_proto::tls::CertNames {
-                    common_name: Some(cn.into()),
-                    server_auth,
-                    ..Default::default()
-                })),
-            });
+            r.extensions_mut()
+                .insert(holdfast_proto::tls::TlsConnectInfo {
+                    remote_addr: None,
+                    cert: Some(Arc::new(holdfast_proto::tls::CertNames {
+                        common_name: Some(cn.into()),
+                        server_auth,
+                        ..Default::default()
+                    })),
+                });
             Caller::of(&r)
         };
         let s2 = server("holdfast-server-2", true);
         assert!(access.check_caller(&s2, Need::Cancel("b/x")).is_ok());
         assert!(access.check_caller(&s2, Need::Any).is_ok());
-        for need in [Need::Admin, Need::Lock("b/x"), Need::Read(""), Need::LockAny] {
+        for need in [
+            Need::Admin,
+            Need::Lock("b/x"),
+            Need::Read(""),
+            Need::LockAny,
+        ] {
             assert!(access.check_caller(&s2, need).is_err(), "{need:?}");
         }
         // A client certificate with a server's name but without serverAuth is just a principal.
@@ -532,9 +560,14 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         assert!(Policy::parse(&shared).unwrap_err().contains("same token"));
         let plus = "+f".repeat(32);
         let signed = format!("[principals.a]\ntokens_sha256 = [\"{plus}\"]\n");
-        assert!(Policy::parse(&signed).unwrap_err().contains("64 hex digits"));
+        assert!(Policy::parse(&signed)
+            .unwrap_err()
+            .contains("64 hex digits"));
         let twice = format!("[principals.a]\ntokens_sha256 = [\"{h}\", \"{h}\"]\n");
-        assert!(Policy::parse(&twice).is_ok(), "the same token twice for one principal is one token");
+        assert!(
+            Policy::parse(&twice).is_ok(),
+            "the same token twice for one principal is one token"
+        );
     }
 
     #[test]

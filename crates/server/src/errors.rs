@@ -144,6 +144,24 @@ pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
         ),
         Refusal::InvalidTtl { ttl_ms } => invalid(format!("ttl {ttl_ms} ms is outside the allowed range")),
         Refusal::LimitExceeded(l) => limit_exceeded(l),
+        Refusal::QuotaExceeded { quota, value } => limit(
+            quota.name(),
+            value,
+            match quota {
+                holdfast_lock_table::QuotaKind::Sessions => format!(
+                    "the principal's quota of {value} sessions is used up ({}, in the access policy)",
+                    quota.name()
+                ),
+                holdfast_lock_table::QuotaKind::Locks => format!(
+                    "the principal's sessions already hold or wait for {value} locks, its quota ({}, in the access policy)",
+                    quota.name()
+                ),
+                holdfast_lock_table::QuotaKind::Waiting => format!(
+                    "the principal's sessions already wait for {value} locks, its quota ({}, in the access policy)",
+                    quota.name()
+                ),
+            },
+        ),
         Refusal::RequestIdTooOld => status(
             Code::FailedPrecondition,
             Reason::RequestIdTooOld,

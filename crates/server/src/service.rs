@@ -66,6 +66,11 @@ impl ClientService {
         }
     }
 
+    /// The principal and quota the policy holds this request to, if any.
+    fn quota<T>(&self, r: &Request<T>) -> Option<(String, holdfast_lock_table::QuotaLimits)> {
+        self.node.access.as_ref().and_then(|a| a.quota(r))
+    }
+
     fn group(&self, g: u32) -> Result<&Arc<Group>, Status> {
         self.node.groups.get(g as usize).ok_or_else(|| {
             invalid(format!(
@@ -281,6 +286,18 @@ fn check_secret(group: &Group, session: SessionId, secret: u128) -> Result<(), S
     }
 }
 
+/// `command` held to a principal's quota, if the policy gives it one (see `Command::Quota`).
+fn within(quota: Option<(String, holdfast_lock_table::QuotaLimits)>, command: Command) -> Command {
+    match quota {
+        None => command,
+        Some((principal, quota)) => Command::Quota {
+            principal: principal.into(),
+            quota,
+            command: Box::new(command),
+        },
+    }
+}
+
 /// `command` on behalf of a caller that showed `secret`.
 fn authorized(secret: u128, command: Command) -> Command {
     Command::Authorized {
@@ -317,6 +334,7 @@ impl Holdfast for ClientService {
         r: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
         self.allow(&r, Need::LockAny)?;
+        let quota = self.quota(&r);
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let c = &self.node.config;
@@ -335,12 +353,15 @@ impl Holdfast for ClientService {
         if nonce == 0 {
             return Err(invalid("nonce must be random and non-zero"));
         }
-        let command = Command::OpenSessionWithSecret {
-            nonce,
-            ttl_ms,
-            secret: self.node.secrets.next(),
-            now_ms: now_ms(),
-        };
+        let command = within(
+            quota,
+            Command::OpenSessionWithSecret {
+                nonce,
+                ttl_ms,
+                secret: self.node.secrets.next(),
+                now_ms: now_ms(),
+            },
+        );
         match group
             .propose_open(command)
             .await
@@ -443,6 +464,7 @@ impl Holdfast for ClientService {
         r: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
         self.allow(&r, Need::Lock(&r.get_ref().name))?;
+        let quota = self.quota(&r);
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);
@@ -497,17 +519,20 @@ impl Holdfast for ClientService {
         };
         // Register before proposing, so a grant applied right after the Queued outcome is not missed.
         let wait = (mode == AcquireMode::Wait).then(|| group.waiters.register(session, request));
-        let command = authorized(
-            secret,
-            Command::Acquire {
-                session,
-                request,
-                name: name.clone(),
-                mode,
-                value: r.value.into(),
-                attempt,
-                now_ms: now_ms(),
-            },
+        let command = within(
+            quota,
+            authorized(
+                secret,
+                Command::Acquire {
+                    session,
+                    request,
+                    name: name.clone(),
+                    mode,
+                    value: r.value.into(),
+                    attempt,
+                    now_ms: now_ms(),
+                },
+            ),
         );
         let outcome = group
             .propose(command)

@@ -223,7 +223,11 @@ fn apply_one(s: &mut SmState, entry: Entry) -> Response {
         EntryPayload::Blank => Response::None,
         EntryPayload::Normal(Request(command)) => {
             let outcome = s.table.apply(log_id.index, &command);
-            match (&command, &outcome) {
+            let opened = match &command {
+                holdfast_lock_table::Command::Quota { command, .. } => &**command,
+                other => other,
+            };
+            match (opened, &outcome) {
                 (
                     holdfast_lock_table::Command::OpenSessionWithSecret { .. },
                     holdfast_lock_table::Outcome::SessionOpened { session, .. },

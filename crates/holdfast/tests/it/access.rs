@@ -173,3 +173,59 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     b.release().await.unwrap();
     assert!(session.is_valid());
 }
+
+/// Per-principal quotas: alice may have 2 sessions and 3 locks (held or waited for) across them; past
+/// them she gets a clear LIMIT_EXCEEDED naming the quota, and another principal is unaffected. Closing
+/// a session gives its share back. The counts are replicated: a new leader enforces the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_is_held_to_its_quotas_and_others_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy_path = dir.path().join("policy.toml");
+    let text = policy(r#""""#).replace(
+        "[principals.alice]\nroles = [\"alice\"]\n",
+        "[principals.alice]\nroles = [\"alice\"]\nmax_sessions = 2\nmax_locks = 3\n",
+    );
+    assert!(text.contains("max_locks"), "{text}");
+    std::fs::write(&policy_path, text).unwrap();
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        tls: true,
+        server_args: vec![format!("--policy={}", policy_path.display())],
+        ..Options::default()
+    })
+    .await;
+    let tls_dir = c.tls_dir.clone().unwrap();
+    certs(&["client", "--dir", tls_dir.to_str().unwrap(), "--name", "alice"]);
+    let alice = client_as(&c, Some("alice"), None).await.unwrap();
+    let one = alice.open_session(Duration::from_secs(10)).await.unwrap();
+    let two = alice.open_session(Duration::from_secs(10)).await.unwrap();
+    let over = |r: Result<_, Error>, quota: &str| match r {
+        Err(Error::LimitExceeded { limit, message, .. }) => {
+            assert_eq!(limit, quota, "{message}");
+            assert!(message.contains(quota), "{message}");
+        }
+        Err(e) => panic!("expected {quota}, got {e:?}"),
+        Ok(_) => panic!("expected {quota}, but it was allowed"),
+    };
+    over(alice.open_session(Duration::from_secs(10)).await.map(|_| ()), "max_sessions");
+    // Another principal is not held to alice's quota.
+    let tester = c.client().await;
+    let theirs = tester.open_session(Duration::from_secs(10)).await.unwrap();
+    let _t = theirs.try_acquire("q/t").await.unwrap();
+
+    let _a = one.try_acquire("q/a").await.unwrap();
+    let _b = two.try_acquire("q/b").await.unwrap();
+    let _c = one.try_acquire("q/c").await.unwrap();
+    over(two.try_acquire("q/d").await.map(|_| ()), "max_locks");
+
+    // The counts live in the replicated table: after a failover the new leader refuses the same.
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    c.kill(leader).await;
+    c.wait_for_leader_except(0, leader, Duration::from_secs(20)).await;
+    over(two.try_acquire("q/e").await.map(|_| ()), "max_locks");
+    // Closing a session gives back its session and its two locks.
+    one.close().await.unwrap();
+    let _d = two.try_acquire("q/d").await.unwrap();
+    let three = alice.open_session(Duration::from_secs(10)).await.unwrap();
+    assert!(three.is_valid() && two.is_valid());
+}
