@@ -31,6 +31,21 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
         ops: history.len(),
         ..Report::default()
     };
+    // The properties read what each entry did: quota and secret wrappers only gate it.
+    let audits: Vec<(u64, Vec<AuditLine>)> = audits
+        .iter()
+        .map(|(node, lines)| {
+            let lines = lines
+                .iter()
+                .map(|l| AuditLine {
+                    command: l.command.effective().clone(),
+                    ..l.clone()
+                })
+                .collect();
+            (*node, lines)
+        })
+        .collect();
+    let audits = &audits[..];
     let merged = p2_replicas_agree::check(audits, &mut r.violations);
     r.applied_entries = merged.len();
     let (grants, timelines) = p1_one_holder::check(&merged, &mut r.violations);

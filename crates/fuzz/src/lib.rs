@@ -91,14 +91,17 @@ pub fn lock_table_snapshot(bytes: &[u8]) {
 }
 
 /// The lock table decoder past its checksum: `bytes` is a snapshot body, wrapped with a valid header and
-/// CRC so that decoding and invariant validation are reached.
+/// CRC, once for every format version this build reads, so that each version's decoding and the
+/// invariant validation are reached.
 pub fn lock_table_body(bytes: &[u8]) {
-    let mut framed = b"HFLT".to_vec();
-    framed.extend_from_slice(&1u16.to_le_bytes());
-    framed.extend_from_slice(bytes);
-    let crc = crc32(&framed);
-    framed.extend_from_slice(&crc.to_le_bytes());
-    lock_table_snapshot(&framed);
+    for version in 2u16..=5 {
+        let mut framed = b"HFLT".to_vec();
+        framed.extend_from_slice(&version.to_le_bytes());
+        framed.extend_from_slice(bytes);
+        let crc = crc32(&framed);
+        framed.extend_from_slice(&crc.to_le_bytes());
+        lock_table_snapshot(&framed);
+    }
 }
 
 /// The WAL record decoder past its checksum: `bytes` is a frame body, wrapped in a segment header and a

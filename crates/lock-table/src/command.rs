@@ -111,7 +111,9 @@ pub enum Command {
     /// belongs to `principal` from then on. Around an [`Command::Authorized`] `Acquire` of a session
     /// some principal owns, a new grant or wait is refused when the owner's sessions already hold or
     /// wait for `quota.locks` locks, or a new wait when they wait for `quota.waiting`. Around anything
-    /// else, or a session no principal owns, it is `command` unchanged.
+    /// else, or a session no principal owns, it is `command` unchanged. A bare `Acquire` (as audit
+    /// lines show an authorized one) is held to the quota too. A retried open of a session another
+    /// principal owns is [`Refusal::PermissionDenied`].
     Quota {
         principal: Box<str>,
         quota: QuotaLimits,
@@ -137,12 +139,13 @@ pub enum QuotaKind {
 }
 
 impl QuotaKind {
-    /// The name used in the policy file, error messages and docs.
+    /// The name in error messages and docs (`principal_` and the policy file's key), distinct from the
+    /// group-wide limits `max_sessions` and `max_locks`.
     pub fn name(self) -> &'static str {
         match self {
-            QuotaKind::Sessions => "max_sessions",
-            QuotaKind::Locks => "max_locks",
-            QuotaKind::Waiting => "max_waiting",
+            QuotaKind::Sessions => "principal_max_sessions",
+            QuotaKind::Locks => "principal_max_locks",
+            QuotaKind::Waiting => "principal_max_waiting",
         }
     }
 }
@@ -174,6 +177,17 @@ impl Command {
                 command: Box::new(command.without_secrets()),
             },
             other => other.clone(),
+        }
+    }
+
+    /// The command inside any `Authorized` and `Quota` wrappers: what it does to the table when the
+    /// wrappers' checks pass.
+    pub fn effective(&self) -> &Command {
+        match self {
+            Command::Authorized { command, .. } | Command::Quota { command, .. } => {
+                command.effective()
+            }
+            other => other,
         }
     }
 

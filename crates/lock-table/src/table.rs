@@ -257,11 +257,23 @@ impl LockTable {
         command: &Command,
     ) -> Outcome {
         match command {
-            Command::OpenSession { nonce, .. } | Command::OpenSessionWithSecret { nonce, .. } => {
-                // A retried open returns its session whatever the quota says now.
-                let retry = self.open_nonces.contains_key(nonce);
+            Command::OpenSession { nonce, ttl_ms, .. }
+            | Command::OpenSessionWithSecret { nonce, ttl_ms, .. } => {
+                // A retried open returns its session whatever the quota says now, but only to the
+                // principal that opened it (the answer carries the session's secret).
+                let retry = self.open_nonces.get(nonce).map(|(s, _)| *s);
+                if let Some(session) = retry {
+                    let owner = self.owners.get(&session).map(|o| &**o);
+                    if self.sessions.contains_key(&session) && owner.is_some_and(|o| o != principal)
+                    {
+                        return Outcome::Refused(Refusal::PermissionDenied);
+                    }
+                }
+                let retry = retry.is_some();
                 let owned = self.usage.get(principal).map_or(0, |u| u.sessions);
-                if !retry && owned >= quota.sessions {
+                // A TTL out of range gets its own refusal first.
+                let valid_ttl = (MIN_TTL_MS..=MAX_TTL_MS).contains(ttl_ms);
+                if !retry && valid_ttl && owned >= quota.sessions {
                     return Outcome::Refused(Refusal::QuotaExceeded {
                         quota: QuotaKind::Sessions,
                         value: quota.sessions,
@@ -353,15 +365,12 @@ impl LockTable {
         let Some(owner) = self.owners.get(&session) else {
             return;
         };
-        let u = self.usage.get_mut(owner).expect("an owner has usage");
-        u.held = u
-            .held
-            .checked_add_signed(held)
-            .expect("held count stays >= 0");
-        u.waiting = u
-            .waiting
-            .checked_add_signed(waiting)
-            .expect("waiting count stays >= 0");
+        // Derived counters: `check_invariants` recounts them; never stop a replica over them.
+        let u = self.usage.entry(owner.clone()).or_default();
+        debug_assert!(u.held.checked_add_signed(held).is_some());
+        debug_assert!(u.waiting.checked_add_signed(waiting).is_some());
+        u.held = u.held.saturating_add_signed(held);
+        u.waiting = u.waiting.saturating_add_signed(waiting);
     }
 
     /// What `principal`'s sessions use now.
@@ -421,11 +430,13 @@ impl LockTable {
             return Outcome::Refused(Refusal::UnknownSession);
         };
         if let Some(owner) = self.owners.remove(&session) {
-            let u = self.usage.get_mut(&owner).expect("an owner has usage");
-            u.sessions -= 1;
-            u.held -= ended.held.len() as u64;
-            u.waiting -= ended.waiting.len() as u64;
-            if *u == Usage::default() {
+            // Derived counters: `check_invariants` recounts them; never stop a replica over them.
+            let u = self.usage.entry(owner.clone()).or_default();
+            debug_assert!(u.sessions >= 1 && u.held >= ended.held.len() as u64);
+            u.sessions = u.sessions.saturating_sub(1);
+            u.held = u.held.saturating_sub(ended.held.len() as u64);
+            u.waiting = u.waiting.saturating_sub(ended.waiting.len() as u64);
+            if u.sessions == 0 {
                 self.usage.remove(&owner);
             }
         }

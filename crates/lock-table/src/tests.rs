@@ -687,13 +687,15 @@ proptest! {
             let index = i as u64 + 1;
             let sess = |k: usize| opened.get(k % opened.len().max(1)).copied().unwrap_or(999);
             let command = match op {
-                // Every other session belongs to a principal with a quota it never reaches, so the
-                // per-principal counts run through every path (check_invariants recounts them).
-                Op::Open if index.is_multiple_of(2) => in_quota("p", BIG, open(index as u128)),
+                // Two sessions in three belong to one of two principals with quotas they never reach
+                // (and every acquire is held to one), so the per-principal counts run through every
+                // path, locks passing between principals included (check_invariants recounts them).
+                Op::Open if index % 3 == 0 => in_quota("p", BIG, open(index as u128)),
+                Op::Open if index % 3 == 1 => in_quota("q", BIG, open(index as u128)),
                 Op::Open => open(index as u128),
                 Op::Close(k) => close(sess(k)),
                 Op::Expire(k) => expire(sess(k)),
-                Op::Acquire(k, n, wait) => { next_request += 1; acq(sess(k), next_request, names[n], if wait { Wait } else { Try }) }
+                Op::Acquire(k, n, wait) => { next_request += 1; in_quota("p", BIG, acq(sess(k), next_request, names[n], if wait { Wait } else { Try })) }
                 Op::Release(k, n, stale) => {
                     next_request += 1;
                     let token = model.holders.get(names[n]).map_or(1, |h| h.1) - u64::from(stale);
@@ -738,7 +740,7 @@ proptest! {
             // Retrying an acquire, release or open returns the first outcome, unless the state moved on
             // (a queued acquire that was granted or cancelled meanwhile reports that).
             if let (Op::Retry, Some((_, first))) = (&op, &last) {
-                match (&command, first, &got) {
+                match (command.effective(), first, &got) {
                     (Command::Acquire { .. }, Queued { .. }, Granted { .. } | Cancelled | Abandoned) => {}
                     (Command::Acquire { .. }, Granted { .. }, Abandoned) => {}
                     (Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. } | Command::AbandonAcquire { .. }, _, _) => {}
@@ -747,13 +749,13 @@ proptest! {
                 }
                 last = None;
                 // The model ignores retries of deduplicated requests; ends and cancels are recomputed.
-                if !matches!(command, Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. } | Command::AbandonAcquire { .. }) {
+                if !matches!(command.effective(), Command::CloseSession { .. } | Command::ExpireSession { .. } | Command::CancelWait { .. } | Command::AbandonAcquire { .. }) {
                     continue;
                 }
             }
             // Step the model.
-            match &command {
-                Command::OpenSession { .. } | Command::Quota { .. } => {
+            match command.effective() {
+                Command::OpenSession { .. } => {
                     if let SessionOpened { session, .. } = got { if !opened.contains(&session.0) { opened.push(session.0); model.sessions.insert(session.0); } }
                 }
                 Command::CloseSession { session, .. } | Command::ExpireSession { session, .. } => {
@@ -854,7 +856,7 @@ proptest! {
                         }
                     }
                 }
-                Command::OpenSessionWithSecret { .. } | Command::Authorized { .. } => {
+                Command::OpenSessionWithSecret { .. } | Command::Authorized { .. } | Command::Quota { .. } => {
                     unreachable!("the model sends neither (their own tests are below)")
                 }
             }
@@ -1092,8 +1094,12 @@ fn quotas_bound_what_a_principal_opens_holds_and_waits_for() {
         t.apply(3, &in_quota("alice", q, open(3))),
         quota_exceeded(Sessions, 2)
     );
-    // A retried open is its session, not a third one.
+    // A retried open is its session, not a third one; but not to another principal.
     assert_eq!(t.apply(4, &in_quota("alice", q, open(2))), opened(2));
+    assert_eq!(
+        t.apply(4, &in_quota("bob", q, open(2))),
+        refused(Refusal::PermissionDenied)
+    );
     assert_eq!(t.apply(5, &in_quota("bob", q, open(5))), opened(5));
     assert_eq!(t.apply(6, &open(6)), opened(6));
     assert_eq!(t.usage("alice").sessions, 2);
@@ -1229,23 +1235,34 @@ fn a_quota_holds_without_the_secret_wrapper_as_audit_lines_show_it() {
     );
 }
 
-/// A version 4 snapshot (every snapshot before quotas) decodes with no session owned by anyone.
+/// A version 4 snapshot (`testdata/snapshot-v4.bin`, made by the build before quotas: sessions 1 and 2
+/// with secrets 0x1111 and 0x2222; 1 holds `a`, 2 waits for it and holds `dir/b`) decodes with no
+/// session owned by anyone, and its sessions keep their secrets.
 #[test]
 fn a_version_4_snapshot_decodes_without_owners() {
-    let mut t = LockTable::new();
-    t.apply(1, &open(1));
-    t.apply(2, &acq(1, 1, "a", Wait));
-    let mut v4 = t.encode_snapshot();
-    // The same table in format 4 is the format 5 encoding without the (empty) owners map: one byte.
-    v4.truncate(v4.len() - 4);
-    assert_eq!(v4.pop(), Some(0), "an empty map is one zero byte");
-    v4[4..6].copy_from_slice(&4u16.to_le_bytes());
-    let crc = crc32fast::hash(&v4);
-    v4.extend_from_slice(&crc.to_le_bytes());
-    let decoded = LockTable::decode_snapshot(&v4).unwrap();
+    let mut t = LockTable::decode_snapshot(include_bytes!("../testdata/snapshot-v4.bin")).unwrap();
+    t.check_invariants();
+    assert_eq!(t.session_secret(SessionId(2)), Some(0x2222));
+    assert_eq!(t.describe(&name("a")).unwrap().holder.session, SessionId(1));
     assert_eq!(
-        decoded.describe(&name("a")).unwrap().holder.session,
-        SessionId(1)
+        t.describe(&name("dir/b")).unwrap().holder.session,
+        SessionId(2)
     );
-    assert_eq!(decoded.usage("anyone"), crate::table::Usage::default());
+    assert_eq!(t.usage("anyone"), crate::table::Usage::default());
+    // Unowned sessions are not held to a quota, and a new owned one is counted.
+    let none = QuotaLimits {
+        sessions: 0,
+        locks: 0,
+        waiting: 0,
+    };
+    assert!(matches!(
+        t.apply(6, &in_quota("p", none, auth(0x1111, acq(1, 2, "c", Wait)))),
+        Granted { .. }
+    ));
+    assert_eq!(
+        t.apply(7, &in_quota("p", none, open(7))),
+        quota_exceeded(crate::QuotaKind::Sessions, 0)
+    );
+    let again = LockTable::decode_snapshot(&t.encode_snapshot()).unwrap();
+    assert_eq!(again.digest(), t.digest());
 }

@@ -411,12 +411,20 @@ impl Access {
         result
     }
 
-    /// The principal and quota a session-opening or acquiring request is held to, if the policy gives
-    /// its principal one (the request passed [`Access::check`] already).
+    /// The principal and quota a session-opening or acquiring request is held to (the request passed
+    /// [`Access::check`] already). Every such request is wrapped while a policy is loaded, unlimited
+    /// for a principal without quotas, so that every session opened under a policy has an owner and
+    /// counts, whatever quotas are added later.
     pub fn quota<T>(&self, r: &Request<T>) -> Option<(String, holdfast_lock_table::QuotaLimits)> {
         let policy = self.policy();
         let principal = policy.principal(r).ok()?;
-        let quota = policy.grants(&principal)?.quota?;
+        let quota = policy.grants(&principal).and_then(|g| g.quota).unwrap_or(
+            holdfast_lock_table::QuotaLimits {
+                sessions: u64::MAX,
+                locks: u64::MAX,
+                waiting: u64::MAX,
+            },
+        );
         Some((principal, quota))
     }
 

@@ -195,7 +195,13 @@ async fn a_principal_is_held_to_its_quotas_and_others_are_not() {
     })
     .await;
     let tls_dir = c.tls_dir.clone().unwrap();
-    certs(&["client", "--dir", tls_dir.to_str().unwrap(), "--name", "alice"]);
+    certs(&[
+        "client",
+        "--dir",
+        tls_dir.to_str().unwrap(),
+        "--name",
+        "alice",
+    ]);
     let alice = client_as(&c, Some("alice"), None).await.unwrap();
     let one = alice.open_session(Duration::from_secs(10)).await.unwrap();
     let two = alice.open_session(Duration::from_secs(10)).await.unwrap();
@@ -207,7 +213,13 @@ async fn a_principal_is_held_to_its_quotas_and_others_are_not() {
         Err(e) => panic!("expected {quota}, got {e:?}"),
         Ok(_) => panic!("expected {quota}, but it was allowed"),
     };
-    over(alice.open_session(Duration::from_secs(10)).await.map(|_| ()), "max_sessions");
+    over(
+        alice
+            .open_session(Duration::from_secs(10))
+            .await
+            .map(|_| ()),
+        "principal_max_sessions",
+    );
     // Another principal is not held to alice's quota.
     let tester = c.client().await;
     let theirs = tester.open_session(Duration::from_secs(10)).await.unwrap();
@@ -216,13 +228,20 @@ async fn a_principal_is_held_to_its_quotas_and_others_are_not() {
     let _a = one.try_acquire("q/a").await.unwrap();
     let _b = two.try_acquire("q/b").await.unwrap();
     let _c = one.try_acquire("q/c").await.unwrap();
-    over(two.try_acquire("q/d").await.map(|_| ()), "max_locks");
+    over(
+        two.try_acquire("q/d").await.map(|_| ()),
+        "principal_max_locks",
+    );
 
     // The counts live in the replicated table: after a failover the new leader refuses the same.
     let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
     c.kill(leader).await;
-    c.wait_for_leader_except(0, leader, Duration::from_secs(20)).await;
-    over(two.try_acquire("q/e").await.map(|_| ()), "max_locks");
+    c.wait_for_leader_except(0, leader, Duration::from_secs(20))
+        .await;
+    over(
+        two.try_acquire("q/e").await.map(|_| ()),
+        "principal_max_locks",
+    );
     // Closing a session gives back its session and its two locks.
     one.close().await.unwrap();
     let _d = two.try_acquire("q/d").await.unwrap();
