@@ -24,7 +24,42 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("fenced_store_log", fenced_store_log),
     ("backup_file", backup_file),
     ("certificate", certificate),
+    ("policy_file", policy_file),
 ];
+
+/// An access policy file as a server reads it: whatever parses answers every check without panicking,
+/// the same way twice, and grants nothing to a principal it does not name.
+pub fn policy_file(bytes: &[u8]) {
+    use holdfast_server::access::{Need, Policy};
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return;
+    };
+    let Ok(policy) = Policy::parse(text) else {
+        return;
+    };
+    let names = ["", "a", "a/b", "billing/x", "anonymous", "\u{0}", "ci"];
+    for principal in names.iter().chain(["nobody-listed-this-\u{1}"].iter()) {
+        for name in names {
+            for need in [
+                Need::Lock(name),
+                Need::Cancel(name),
+                Need::LockAny,
+                Need::Read(name),
+                Need::Admin,
+                Need::Any,
+            ] {
+                let first = policy.check(principal, need).is_ok();
+                assert_eq!(first, policy.check(principal, need).is_ok());
+                if policy.grants(principal).is_none() {
+                    assert!(
+                        !first,
+                        "{principal:?} is not in the policy but may {need:?}"
+                    );
+                }
+            }
+        }
+    }
+}
 
 /// Certificate loading: PEM as a server or client reads its files, whole configurations built from the
 /// same bytes, and the names read out of a certificate's DER (which reads only the first element, so

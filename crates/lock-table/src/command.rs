@@ -289,6 +289,7 @@ pub enum Limit {
     WaitersPerLock,
     Sessions,
     Locks,
+    PayloadBytes,
 }
 
 impl Limit {
@@ -299,6 +300,7 @@ impl Limit {
             Limit::WaitersPerLock => "max_waiters_per_lock",
             Limit::Sessions => "max_sessions",
             Limit::Locks => "max_locks",
+            Limit::PayloadBytes => "max_payload_bytes",
         }
     }
 
@@ -309,6 +311,7 @@ impl Limit {
             Limit::WaitersPerLock => MAX_WAITERS_PER_LOCK,
             Limit::Sessions => MAX_SESSIONS,
             Limit::Locks => MAX_LOCKS,
+            Limit::PayloadBytes => MAX_PAYLOAD_BYTES,
         }
     }
 }

@@ -118,6 +118,7 @@ mod v4 {
                 waiter_count: t.waiter_count,
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
+                payload_bytes: 0,
                 events: Vec::new(),
             }
         }
@@ -176,6 +177,7 @@ mod v3 {
                 waiter_count: t.waiter_count,
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
+                payload_bytes: 0,
                 events: Vec::new(),
             }
         }
@@ -263,6 +265,7 @@ mod v2 {
                 waiter_count: t.waiter_count,
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
+                payload_bytes: 0,
                 events: Vec::new(),
             }
         }

@@ -1266,3 +1266,96 @@ fn a_version_4_snapshot_decodes_without_owners() {
     let again = LockTable::decode_snapshot(&t.encode_snapshot()).unwrap();
     assert_eq!(again.digest(), t.digest());
 }
+
+/// Names and values together are bounded per group (`max_payload_bytes`): long names with full values
+/// fill it before `max_locks`; a wait whose value would not fit is refused too; a release makes room.
+#[test]
+fn names_and_values_are_bounded_by_the_payload_budget() {
+    let mut t = LockTable::new();
+    let value = vec![7u8; MAX_VALUE_BYTES];
+    let mut index = 0;
+    let mut next = || {
+        index += 1;
+        index
+    };
+    let sessions: Vec<u64> = (0..25)
+        .map(|_| {
+            let i = next();
+            t.apply(i, &open(i as u128));
+            i
+        })
+        .collect();
+    let mut granted = 0usize;
+    let mut refused_at = None;
+    'fill: for &s in &sessions {
+        for k in 0..MAX_LOCKS_PER_SESSION {
+            let n = format!("{s:05}-{k:05}-{}", "x".repeat(MAX_NAME_BYTES - 12));
+            let cmd = Command::Acquire {
+                session: SessionId(s),
+                request: RequestId(k as u64 + 1),
+                name: name(&n),
+                mode: Try,
+                value: value.clone().into(),
+                attempt: 1,
+                now_ms: 0,
+            };
+            match t.apply(next(), &cmd) {
+                Granted { .. } => granted += 1,
+                other => {
+                    refused_at = Some((s, other));
+                    break 'fill;
+                }
+            }
+        }
+    }
+    let (s, refusal) = refused_at.expect("the budget ran out before the sessions did");
+    assert_eq!(
+        refusal,
+        refused(Refusal::LimitExceeded(Limit::PayloadBytes))
+    );
+    let per_lock = (MAX_NAME_BYTES + MAX_VALUE_BYTES) as u64;
+    assert_eq!(granted as u64, MAX_PAYLOAD_BYTES as u64 / per_lock);
+    assert!(t.lock_count() < MAX_LOCKS);
+    // A wait for a held lock, with a value, does not fit either.
+    let held = format!(
+        "{:05}-{:05}-{}",
+        sessions[0],
+        0,
+        "x".repeat(MAX_NAME_BYTES - 12)
+    );
+    let wait = Command::Acquire {
+        session: SessionId(s),
+        request: RequestId(1_000_000),
+        name: name(&held),
+        mode: Wait,
+        value: value.clone().into(),
+        attempt: 1,
+        now_ms: 0,
+    };
+    assert_eq!(
+        t.apply(next(), &wait),
+        refused(Refusal::LimitExceeded(Limit::PayloadBytes))
+    );
+    // Released, the first lock makes room for one more.
+    let token = t.describe(&name(&held)).unwrap().holder.token.0;
+    assert_eq!(
+        t.apply(next(), &rel(sessions[0], 2_000_001, &held, token)),
+        Released
+    );
+    assert!(matches!(
+        t.apply(
+            next(),
+            &Command::Acquire {
+                session: SessionId(s),
+                request: RequestId(1_000_001),
+                name: name("room"),
+                mode: Try,
+                value: value.into(),
+                attempt: 1,
+                now_ms: 0,
+            }
+        ),
+        Granted { .. }
+    ));
+    t.check_invariants();
+}
