@@ -172,6 +172,18 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     let b = session.try_acquire("b/x").await.unwrap();
     b.release().await.unwrap();
     assert!(session.is_valid());
+
+    // Revoked: alice loses lock altogether. Her keepalive stream is checked on every message, so her
+    // session stops being renewed and is lost within its TTL, though its stream stays open.
+    std::fs::write(&policy_path, policy("")).unwrap();
+    for i in 1..=3 {
+        wait_log(&c, i, "policy reloaded", 2).await;
+    }
+    let lost = tokio::time::timeout(Duration::from_secs(15), session.lost()).await;
+    assert!(
+        lost.is_ok(),
+        "a revoked principal's session was still renewed"
+    );
 }
 
 /// Per-principal quotas: alice may have 2 sessions and 3 locks (held or waited for) across them; past

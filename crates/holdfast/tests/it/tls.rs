@@ -36,6 +36,22 @@ async fn vote_as(
     c: &Cluster,
     identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
 ) -> tonic::Status {
+    vote_claiming(c, identity, None).await
+}
+
+/// A vote request to server 1's peer port presenting `identity`, with a header claiming `from_node`.
+async fn vote_claiming(
+    c: &Cluster,
+    identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    from_node: Option<u64>,
+) -> tonic::Status {
+    let request = holdfast_proto::v1::VoteRequest {
+        header: from_node.map(|from_node| holdfast_proto::v1::PeerHeader {
+            from_node,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
     let dir = c.tls_dir.as_ref().unwrap();
     let tls = ClientTls::from_files(dir.join("ca.pem"), identity).unwrap();
     let endpoint =
@@ -48,7 +64,7 @@ async fn vote_as(
     {
         Err(e) => tonic::Status::unavailable(format!("connect: {e}")),
         Ok(channel) => PeerClient::new(channel)
-            .vote(holdfast_proto::v1::VoteRequest::default())
+            .vote(request)
             .await
             .expect_err("an empty vote request is not a valid one"),
     }
@@ -129,6 +145,20 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
     assert!(!reached_service(&as_nobody), "{as_nobody:?}");
     let as_server = vote_as(&c, pair(&dir, "server-2")).await;
     assert!(reached_service(&as_server), "{as_server:?}");
+    // A server's key speaks only for that server: server 2's certificate claiming node 3 is refused
+    // for that; claiming node 2 it gets past the check (and is refused later, for its empty header).
+    let impostor = vote_claiming(&c, pair(&dir, "server-2"), Some(3)).await;
+    assert_eq!(
+        impostor.code(),
+        tonic::Code::PermissionDenied,
+        "{impostor:?}"
+    );
+    assert!(impostor.message().contains("node 2's"), "{impostor:?}");
+    let itself = vote_claiming(&c, pair(&dir, "server-2"), Some(2)).await;
+    assert!(
+        reached_service(&itself) && itself.code() != tonic::Code::PermissionDenied,
+        "{itself:?}"
+    );
     let refused = c.metrics(1).await;
     assert!(
         refused["holdfast_tls_handshakes_refused_total{port=\"peer\"}"] >= 2,
