@@ -289,7 +289,6 @@ pub enum Limit {
     WaitersPerLock,
     Sessions,
     Locks,
-    PayloadBytes,
 }
 
 impl Limit {
@@ -300,7 +299,6 @@ impl Limit {
             Limit::WaitersPerLock => "max_waiters_per_lock",
             Limit::Sessions => "max_sessions",
             Limit::Locks => "max_locks",
-            Limit::PayloadBytes => "max_payload_bytes",
         }
     }
 
@@ -311,7 +309,6 @@ impl Limit {
             Limit::WaitersPerLock => MAX_WAITERS_PER_LOCK,
             Limit::Sessions => MAX_SESSIONS,
             Limit::Locks => MAX_LOCKS,
-            Limit::PayloadBytes => MAX_PAYLOAD_BYTES,
         }
     }
 }

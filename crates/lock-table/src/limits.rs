@@ -29,14 +29,8 @@ pub const MAX_WAITERS_PER_LOCK: usize = 1_000;
 pub const MAX_SESSIONS: usize = 200_000;
 
 /// Locks (held or with waiters) per group. The design holds 1,000,000 at ~100 B each; four times that is
-/// ~400 MB of lock entries (names and values are bounded apart, by [`MAX_PAYLOAD_BYTES`]).
+/// still under 1 GiB of memory per server.
 pub const MAX_LOCKS: usize = 4_000_000;
-
-/// Bytes of lock names and values (holders' and waiters') per group. Without it `MAX_LOCKS` long names
-/// with full values could reach 5 GB; with it a group's table stays under ~0.8 GB: ~400 MB of lock
-/// entries at `MAX_LOCKS`, this much payload, and ~150 MB of sessions at `MAX_SESSIONS`. The design's
-/// million locks with 20-byte names and no values use 20 MB of it.
-pub const MAX_PAYLOAD_BYTES: usize = 256 << 20;
 
 /// Outcomes remembered per session for request-id deduplication. A client with at most this many
 /// requests in flight per session always gets its first outcome back on retry. 16 keeps the memory of

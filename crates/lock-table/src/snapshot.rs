@@ -118,7 +118,6 @@ mod v4 {
                 waiter_count: t.waiter_count,
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
-                payload_bytes: 0,
                 events: Vec::new(),
             }
         }
@@ -177,7 +176,6 @@ mod v3 {
                 waiter_count: t.waiter_count,
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
-                payload_bytes: 0,
                 events: Vec::new(),
             }
         }
@@ -265,7 +263,6 @@ mod v2 {
                 waiter_count: t.waiter_count,
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
-                payload_bytes: 0,
                 events: Vec::new(),
             }
         }

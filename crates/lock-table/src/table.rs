@@ -7,8 +7,8 @@ use crate::command::{
     AcquireMode, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits, Refusal,
 };
 use crate::limits::{
-    DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_PAYLOAD_BYTES, MAX_REQUEST_ID_AHEAD,
-    MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
+    DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS,
+    MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
 };
 use crate::types::{FencingToken, LockName, RequestId, SessionId};
 use serde::{Deserialize, Serialize};
@@ -78,10 +78,6 @@ pub struct LockTable {
     /// snapshots; rebuilt on decode).
     #[serde(skip)]
     pub(crate) usage: BTreeMap<Box<str>, Usage>,
-    /// Bytes of lock names and of holders' and waiters' values ([`MAX_PAYLOAD_BYTES`]). Derived (not
-    /// in snapshots; rebuilt on decode).
-    #[serde(skip)]
-    pub(crate) payload_bytes: u64,
     #[serde(skip)]
     pub(crate) events: Vec<Event>,
 }
@@ -447,12 +443,6 @@ impl LockTable {
         // Waits go first, so a lock this session holds is never handed to this same session's waiter.
         for (name, request) in &ended.waiting {
             let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-            let value = lock
-                .waiters
-                .iter()
-                .find(|w| w.session == session)
-                .map_or(0, |w| w.value.len() as u64);
-            self.payload_bytes = self.payload_bytes.saturating_sub(value);
             let before = lock.waiters.len();
             lock.waiters.retain(|w| w.session != session);
             assert_eq!(
@@ -543,11 +533,6 @@ impl LockTable {
             None if self.locks.len() >= MAX_LOCKS => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::Locks))
             }
-            None if self.payload_bytes + (name.as_str().len() + value.len()) as u64
-                > MAX_PAYLOAD_BYTES as u64 =>
-            {
-                Outcome::Refused(Refusal::LimitExceeded(Limit::PayloadBytes))
-            }
             None => {
                 let token = FencingToken(index);
                 let holder = Holder {
@@ -567,7 +552,6 @@ impl LockTable {
                 );
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
-                self.payload_bytes += (name.as_str().len() + value.len()) as u64;
                 Outcome::Granted { token }
             }
             Some(lock) if mode == AcquireMode::Try => Outcome::Refused(Refusal::Held {
@@ -576,9 +560,6 @@ impl LockTable {
             }),
             Some(lock) if lock.waiters.len() >= MAX_WAITERS_PER_LOCK => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::WaitersPerLock))
-            }
-            Some(_) if self.payload_bytes + value.len() as u64 > MAX_PAYLOAD_BYTES as u64 => {
-                Outcome::Refused(Refusal::LimitExceeded(Limit::PayloadBytes))
             }
             Some(_) => {
                 let lock = self.locks.get_mut(name).expect("matched above");
@@ -595,7 +576,6 @@ impl LockTable {
                     .waiting
                     .insert(name.clone(), request);
                 self.count(session_id, 0, 1);
-                self.payload_bytes += value.len() as u64;
                 Outcome::Queued { position }
             }
         };
@@ -739,13 +719,7 @@ impl LockTable {
         assert_eq!(removed, Some(request), "the session records this wait");
         self.count(session_id, 0, -1);
         let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-        let value = lock
-            .waiters
-            .iter()
-            .find(|w| w.session == session_id)
-            .map_or(0, |w| w.value.len() as u64);
         lock.waiters.retain(|w| w.session != session_id);
-        self.payload_bytes = self.payload_bytes.saturating_sub(value);
         self.waiter_count -= 1;
         self.events.push(Event::WaiterRemoved {
             name: name.clone(),
@@ -758,14 +732,7 @@ impl LockTable {
     /// `index`, or delete the lock.
     fn hand_over(&mut self, index: u64, name: &LockName, now_ms: u64) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
-        // The old holder's value goes; the next waiter's stays, now as the holder's.
-        self.payload_bytes = self
-            .payload_bytes
-            .saturating_sub(lock.holder.value.len() as u64);
         let Some(next) = lock.waiters.pop_front() else {
-            self.payload_bytes = self
-                .payload_bytes
-                .saturating_sub(name.as_str().len() as u64);
             self.locks.remove(name);
             return;
         };
@@ -838,11 +805,6 @@ impl LockTable {
 
     pub fn waiter_count(&self) -> u64 {
         self.waiter_count
-    }
-
-    /// Bytes of lock names and values held and queued (bounded by `limits::MAX_PAYLOAD_BYTES`).
-    pub fn payload_bytes(&self) -> u64 {
-        self.payload_bytes
     }
 
     /// Every live session and its TTL, for a new leader to start its timers.
@@ -935,21 +897,9 @@ impl LockTable {
             assert!(s.dedup.len() <= DEDUP_WINDOW);
         }
         assert_eq!(self.usage, self.recount_usage(), "per-principal usage");
-        assert_eq!(self.payload_bytes, self.recount_payload(), "payload bytes");
         for id in self.owners.keys() {
             assert!(self.sessions.contains_key(id), "owned session {id} exists");
         }
-    }
-
-    /// Names and values counted from scratch.
-    fn recount_payload(&self) -> u64 {
-        self.locks
-            .iter()
-            .map(|(name, lock)| {
-                let waiting: usize = lock.waiters.iter().map(|w| w.value.len()).sum();
-                (name.as_str().len() + lock.holder.value.len() + waiting) as u64
-            })
-            .sum()
     }
 
     /// Per-principal usage counted from scratch.
@@ -1086,7 +1036,6 @@ impl LockTable {
             return Err(format!("owned session {id} does not exist"));
         }
         self.usage = self.recount_usage();
-        self.payload_bytes = self.recount_payload();
         Ok(())
     }
 }

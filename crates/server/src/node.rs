@@ -822,7 +822,7 @@ impl NodeShared {
             "Acquires abandoned through the log by this server as leader: their caller went away before the answer, or sent CancelAcquire.",
             &per_group(&|g| g.metrics.abandons.load(Relaxed)),
         );
-        let gauges: Vec<(String, [u64; 7])> = self
+        let gauges: Vec<(String, [u64; 6])> = self
             .groups
             .iter()
             .map(|g| {
@@ -835,7 +835,6 @@ impl NodeShared {
                     m.current_term,
                     s.last_applied.map_or(0, |l| l.index),
                     u64::from(m.state == ServerState::Leader),
-                    s.table.payload_bytes(),
                 ];
                 (label(g), values)
             })
@@ -847,10 +846,6 @@ impl NodeShared {
             ("holdfast_raft_term", "Current Raft term."),
             ("holdfast_applied_index", "Last applied log index."),
             ("holdfast_is_leader", "1 if this server leads the group."),
-            (
-                "holdfast_table_payload_bytes",
-                "Bytes of lock names and values in the table (at most max_payload_bytes, 256 MiB, per group).",
-            ),
         ];
         for (i, (name, help)) in names.iter().enumerate() {
             let values: Vec<(String, u64)> =
