@@ -37,8 +37,23 @@ pub fn policy_file(bytes: &[u8]) {
     let Ok(policy) = Policy::parse(text) else {
         return;
     };
-    let names = ["", "a", "a/b", "billing/x", "anonymous", "\u{0}", "ci"];
+    // A name longer than a lock name, with a multibyte character where a refusal message cuts it.
+    let long = format!("{}é{}", "n".repeat(255), "x".repeat(300));
+    let names = [
+        "",
+        "a",
+        "a/b",
+        "billing/x",
+        "anonymous",
+        "\u{0}",
+        "ci",
+        long.as_str(),
+    ];
     for principal in names.iter().chain(["nobody-listed-this-\u{1}"].iter()) {
+        fn allowed(policy: &Policy, principal: &str, need: Need<'_>) -> bool {
+            policy.check(principal, need).is_ok()
+        }
+        let may = |need: Need<'_>| allowed(&policy, principal, need);
         for name in names {
             for need in [
                 Need::Lock(name),
@@ -48,14 +63,27 @@ pub fn policy_file(bytes: &[u8]) {
                 Need::Admin,
                 Need::Any,
             ] {
-                let first = policy.check(principal, need).is_ok();
-                assert_eq!(first, policy.check(principal, need).is_ok());
+                let first = may(need);
+                assert_eq!(first, may(need));
                 if policy.grants(principal).is_none() {
                     assert!(
                         !first,
                         "{principal:?} is not in the policy but may {need:?}"
                     );
                 }
+            }
+            if may(Need::Lock(name)) {
+                assert!(may(Need::LockAny) && may(Need::Cancel(name)));
+            }
+            if may(Need::LockAny) || may(Need::Admin) || may(Need::Read(name)) {
+                assert!(may(Need::Any));
+            }
+            if may(Need::Read(name)) {
+                let longer = format!("{name}/more");
+                assert!(
+                    may(Need::Read(&longer)),
+                    "read on {name:?} covers longer names"
+                );
             }
         }
     }

@@ -96,6 +96,8 @@ pub struct ServerConfig {
     pub tls: Option<crate::tls::TlsConfig>,
     /// The access policy file (see `crate::access`). None: every caller may do everything.
     pub policy: Option<PathBuf>,
+    /// Spread group leaderships over the servers by leader transfer (see `node::balance_leaders`).
+    pub balance_leaders: bool,
     /// Session TTL used when a client asks for 0.
     pub default_ttl_ms: u64,
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
@@ -134,6 +136,7 @@ impl Default for ServerConfig {
             max_client_connections: 4_096,
             max_streams_per_connection: 1_024,
             tls: None,
+            balance_leaders: false,
             policy: None,
             default_ttl_ms: holdfast_lock_table::limits::DEFAULT_TTL_MS,
             min_ttl_ms: holdfast_lock_table::limits::MIN_TTL_MS,

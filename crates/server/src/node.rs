@@ -400,6 +400,12 @@ impl Node {
             tasks.push(tokio::spawn(group.clone().run_leadership()));
             tasks.push(tokio::spawn(group.clone().run_expiry(shutdown_rx.clone())));
         }
+        if config.balance_leaders && shared.groups.len() > 1 {
+            tasks.push(tokio::spawn(balance_leaders(
+                shared.clone(),
+                shutdown_rx.clone(),
+            )));
+        }
         tasks.push(tokio::spawn(compact_pinning_groups(
             wal.clone(),
             shared.clone(),
@@ -999,5 +1005,79 @@ fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<Option<std::fs::File>>
             "data dir {} is in use by another holdfast server",
             config.data_dir.display()
         ),
+    }
+}
+
+/// How often a server checks whether it leads more than its share of the groups.
+const BALANCE_EVERY: Duration = Duration::from_secs(2);
+
+/// Spreads group leaderships over the voters (`balance_leaders`). Each server only ever gives away its
+/// own leaderships, one at a time: when, in its own view of every group's leader, it leads more than
+/// its share (`ceil(groups / voters)`) and at least two more than the voter that leads the fewest, it
+/// hands one group to that voter, choosing a group whose log that voter already has in full. The
+/// two-apart rule is the hysteresis: a move never makes the receiver lead more than the giver, so
+/// leaderships do not flap between two servers. A hand-over stops this leader's keepalive answers
+/// until the target takes over (tens of ms; see `Group::hand_over`).
+async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool>) {
+    let me = node.config.node_id;
+    let mut tick = tokio::time::interval(BALANCE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        // Only with a settled view: every group has a leader this server knows.
+        let leaders: Vec<Option<u64>> = node.groups.iter().map(|g| g.current_leader()).collect();
+        if leaders.iter().any(Option::is_none) {
+            continue;
+        }
+        let mut led: BTreeMap<u64, usize> = BTreeMap::new();
+        for g in &node.groups {
+            for v in g.raft_metrics().membership_config.membership().voter_ids() {
+                led.entry(v).or_default();
+            }
+        }
+        for l in leaders.iter().flatten() {
+            *led.entry(*l).or_default() += 1;
+        }
+        let mine = led.get(&me).copied().unwrap_or(0);
+        let share = node.groups.len().div_ceil(led.len().max(1));
+        if mine <= share {
+            continue;
+        }
+        let candidate = node.groups.iter().find_map(|g| {
+            if !g.quorum_confirmed() {
+                return None;
+            }
+            let m = g.raft_metrics();
+            let last = m.last_log_index.unwrap_or(0);
+            // The voter of this group that leads the fewest groups, among those with the whole log.
+            m.membership_config
+                .membership()
+                .voter_ids()
+                .filter(|&v| v != me)
+                .filter(|v| {
+                    m.replication
+                        .as_ref()
+                        .and_then(|r| r.get(v).cloned().flatten())
+                        .is_some_and(|l| l.index >= last)
+                })
+                .map(|v| (led.get(&v).copied().unwrap_or(0), v))
+                .min()
+                .filter(|(count, _)| mine >= count + 2)
+                .map(|(_, v)| (g.clone(), v))
+        });
+        let Some((group, to)) = candidate else {
+            continue;
+        };
+        match group.hand_over(Some(to), Duration::from_secs(2)).await {
+            Ok(leader) => tracing::info!(
+                group = group.id,
+                to = leader,
+                "leadership moved to spread groups ({mine} led here, share {share})"
+            ),
+            Err(e) => tracing::debug!(group = group.id, to, %e, "leadership move failed"),
+        }
     }
 }

@@ -86,6 +86,8 @@ impl Plan {
             .arg(self.data_dir.join(format!("node{n}")))
             .args(["--http-listen", &format!("127.0.0.1:{}", self.port(n, 200))])
             .args(["--groups", &self.groups.to_string()])
+            // Several groups: spread their leaders over the servers.
+            .args((self.groups > 1).then_some("--balance-leaders"))
             .args(self.tls.iter().flat_map(|dir| {
                 [
                     "--tls-ca".into(),

@@ -101,6 +101,9 @@ pub struct ServerArgs {
     /// one every caller may do everything.
     #[arg(long)]
     policy: Option<std::path::PathBuf>,
+    /// Spread the groups' leaderships over the servers by leader transfer (with several groups).
+    #[arg(long)]
+    balance_leaders: bool,
     /// TTL for sessions that ask for 0 (default 10000).
     #[arg(long)]
     default_ttl_ms: Option<u64>,
@@ -176,6 +179,9 @@ impl ServerArgs {
                 key: key.clone(),
                 client_certs: c.tls.as_ref().map(|t| t.client_certs).unwrap_or_default(),
             });
+        }
+        if self.balance_leaders {
+            c.balance_leaders = true;
         }
         if let Some(p) = &self.policy {
             c.policy = Some(p.clone());

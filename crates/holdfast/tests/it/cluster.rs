@@ -355,3 +355,53 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
     let lock = client.describe("iso/held").await.unwrap().unwrap();
     assert_eq!(lock.token, held.token());
 }
+
+/// With `--balance-leaders`, four groups on three servers end up led by all three (at most two each),
+/// wherever the elections put them first, and then stay put: the hysteresis stops flapping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        groups: 4,
+        server_args: vec!["--balance-leaders".into()],
+        ..Options::default()
+    })
+    .await;
+    let leaders = || async {
+        let mut out = Vec::new();
+        for g in 0..4 {
+            out.push(c.wait_for_leader(g, Duration::from_secs(10)).await);
+        }
+        out
+    };
+    let spread =
+        |l: &[u64]| (1..=3).all(|n| (1..=2).contains(&l.iter().filter(|&&x| x == n).count()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut now = leaders().await;
+    while !spread(&now) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leaders did not spread: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        now = leaders().await;
+    }
+    // Three balancing rounds (2 s each) later, nothing moved.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        leaders().await,
+        now,
+        "leaderships kept moving after they were spread"
+    );
+    // Locks work in every group meanwhile.
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    for i in 0..16 {
+        s.try_acquire(&format!("spread/{i}"))
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+}
