@@ -243,7 +243,17 @@ impl Group {
                     })?
             }
         };
-        self.handing_over.store(true, Relaxed);
+        // One hand-over at a time (the balancer, an operator's transfer and shutdown may overlap).
+        if self
+            .handing_over
+            .compare_exchange(false, true, Relaxed, Relaxed)
+            .is_err()
+        {
+            return Err(format!(
+                "group {} is already handing its leadership over",
+                self.id
+            ));
+        }
         self.leases.stop_leading();
         let result = async {
             self.raft
@@ -276,6 +286,11 @@ impl Group {
         // Leading again (the transfer failed) restarts session timers after a barrier, as any new term.
         self.handing_over.store(false, Relaxed);
         result
+    }
+
+    /// True while [`Group::hand_over`] runs.
+    pub fn is_handing_over(&self) -> bool {
+        self.handing_over.load(Relaxed)
     }
 
     pub fn raft_metrics(&self) -> RaftMetrics<TypeConfig> {

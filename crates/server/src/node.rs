@@ -1010,26 +1010,46 @@ fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<Option<std::fs::File>>
 
 /// How often a server checks whether it leads more than its share of the groups.
 const BALANCE_EVERY: Duration = Duration::from_secs(2);
+/// After a move that failed, how long a server leaves leaderships where they are.
+const BALANCE_BACKOFF: Duration = Duration::from_secs(30);
+/// After a leadership change this server did not make (an operator's transfer, an election, another
+/// server's move), how long it waits for things to settle before it moves anything.
+const BALANCE_SETTLE: Duration = Duration::from_secs(10);
 
 /// Spreads group leaderships over the voters (`balance_leaders`). Each server only ever gives away its
 /// own leaderships, one at a time: when, in its own view of every group's leader, it leads more than
-/// its share (`ceil(groups / voters)`) and at least two more than the voter that leads the fewest, it
-/// hands one group to that voter, choosing a group whose log that voter already has in full. The
-/// two-apart rule is the hysteresis: a move never makes the receiver lead more than the giver, so
-/// leaderships do not flap between two servers. A hand-over stops this leader's keepalive answers
-/// until the target takes over (tens of ms; see `Group::hand_over`).
+/// its share (`ceil(groups / voters)`) and at least two more than the live voter that leads the fewest,
+/// it hands one group to that voter. The target must have acknowledged this leader within the last
+/// election timeout (a dead voter leads nothing and would otherwise be chosen again and again) and
+/// have the group's log up to the commit index; groups in a membership change, or already handing
+/// over, are left alone. After a failed move it waits [`BALANCE_BACKOFF`], and after any change of
+/// leaders it did not make, [`BALANCE_SETTLE`]. The two-apart rule is the hysteresis. A move stops that group's keepalive answers until the target takes over (tens of ms; a
+/// failed move costs an election, ~1 s) and gives every session of the group a fresh TTL.
 async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool>) {
     let me = node.config.node_id;
+    let live_within = Duration::from_millis(node.config.election_timeout_min_ms);
     let mut tick = tokio::time::interval(BALANCE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut quiet_until = tokio::time::Instant::now();
+    // The leaders seen at the last tick (None: not comparable, after this server's own move).
+    let mut last_seen: Option<Vec<Option<u64>>> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = shutdown.changed() => return,
         }
+        if tokio::time::Instant::now() < quiet_until || *shutdown.borrow() {
+            continue;
+        }
         // Only with a settled view: every group has a leader this server knows.
         let leaders: Vec<Option<u64>> = node.groups.iter().map(|g| g.current_leader()).collect();
         if leaders.iter().any(Option::is_none) {
+            continue;
+        }
+        let changed = last_seen.as_ref().is_some_and(|seen| *seen != leaders);
+        last_seen = Some(leaders.clone());
+        if changed {
+            quiet_until = tokio::time::Instant::now() + BALANCE_SETTLE;
             continue;
         }
         let mut led: BTreeMap<u64, usize> = BTreeMap::new();
@@ -1047,22 +1067,33 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
             continue;
         }
         let candidate = node.groups.iter().find_map(|g| {
-            if !g.quorum_confirmed() {
+            if !g.quorum_confirmed() || g.is_handing_over() {
                 return None;
             }
             let m = g.raft_metrics();
-            let last = m.last_log_index.unwrap_or(0);
-            // The voter of this group that leads the fewest groups, among those with the whole log.
+            let settled = m.membership_config.log_id() == m.committed_membership_config.log_id()
+                && m.membership_config.membership().get_joint_config().len() == 1;
+            if !settled {
+                return None;
+            }
+            let committed = m.local_committed.map_or(0, |l| l.index);
+            let live = |v: &u64| {
+                m.heartbeat
+                    .as_ref()
+                    .and_then(|h| h.get(v).cloned().flatten())
+                    .is_some_and(|at| openraft::Instant::elapsed(&*at) < live_within)
+            };
+            let caught_up = |v: &u64| {
+                m.replication
+                    .as_ref()
+                    .and_then(|r| r.get(v).cloned().flatten())
+                    .is_some_and(|l| l.index >= committed)
+            };
             m.membership_config
                 .membership()
                 .voter_ids()
                 .filter(|&v| v != me)
-                .filter(|v| {
-                    m.replication
-                        .as_ref()
-                        .and_then(|r| r.get(v).cloned().flatten())
-                        .is_some_and(|l| l.index >= last)
-                })
+                .filter(|v| live(v) && caught_up(v))
                 .map(|v| (led.get(&v).copied().unwrap_or(0), v))
                 .min()
                 .filter(|(count, _)| mine >= count + 2)
@@ -1071,13 +1102,17 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
         let Some((group, to)) = candidate else {
             continue;
         };
+        last_seen = None;
         match group.hand_over(Some(to), Duration::from_secs(2)).await {
             Ok(leader) => tracing::info!(
                 group = group.id,
                 to = leader,
                 "leadership moved to spread groups ({mine} led here, share {share})"
             ),
-            Err(e) => tracing::debug!(group = group.id, to, %e, "leadership move failed"),
+            Err(e) => {
+                tracing::info!(group = group.id, to, %e, "leadership move failed; leaving leaderships alone for {BALANCE_BACKOFF:?}");
+                quiet_until = tokio::time::Instant::now() + BALANCE_BACKOFF;
+            }
         }
     }
 }

@@ -728,6 +728,12 @@ impl Holdfast for ClientService {
             ));
         }
         let to = (r.to != 0).then_some(r.to);
+        // Asked to move leadership where it already is: nothing to do.
+        if to == Some(self.node.config.node_id) {
+            return Ok(Response::new(pb::TransferLeaderResponse {
+                leader_id: self.node.config.node_id,
+            }));
+        }
         match group.hand_over(to, TRANSFER_TIMEOUT).await {
             Ok(leader_id) => Ok(Response::new(pb::TransferLeaderResponse { leader_id })),
             Err(e) if e.contains("not a voter") || e.contains("no other voter") => Err(invalid(e)),

@@ -356,41 +356,64 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
     assert_eq!(lock.token, held.token());
 }
 
-/// With `--balance-leaders`, four groups on three servers end up led by all three (at most two each),
-/// wherever the elections put them first, and then stay put: the hysteresis stops flapping.
+/// With `--balance-leaders`, four groups all led by node 1 (moved there by an operator's transfers)
+/// end up led by all three servers (at most two each) through the balancer's own moves, and then stay
+/// put. With a server killed and every group moved to node 1 again, they are balanced between the two
+/// servers left, and nothing is handed to the dead one (which leads nothing and would otherwise look
+/// like the best target).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
-    let c = Cluster::start(Options {
+    let mut c = Cluster::start(Options {
         nodes: 3,
         groups: 4,
         server_args: vec!["--balance-leaders".into()],
         ..Options::default()
     })
     .await;
-    let leaders = || async {
+    async fn leaders(c: &Cluster) -> Vec<u64> {
         let mut out = Vec::new();
         for g in 0..4 {
             out.push(c.wait_for_leader(g, Duration::from_secs(10)).await);
         }
         out
-    };
-    let spread =
-        |l: &[u64]| (1..=3).all(|n| (1..=2).contains(&l.iter().filter(|&&x| x == n).count()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut now = leaders().await;
-    while !spread(&now) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "leaders did not spread: {now:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        now = leaders().await;
     }
+    async fn wait_until(c: &Cluster, what: &str, ok: impl Fn(&[u64]) -> bool) -> Vec<u64> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let now = leaders(c).await;
+            if ok(&now) {
+                return now;
+            }
+            assert!(Instant::now() < deadline, "{what}: leaders {now:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let count = |l: &[u64], n: u64| l.iter().filter(|&&x| x == n).count();
+    let out = c
+        .holdfast()
+        .args(["leader", "transfer", "--to", "1"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until(&c, "all on node 1", |l| count(l, 1) == 4).await;
+    let spread = wait_until(&c, "spread", |l| {
+        (1..=3).all(|n| (1..=2).contains(&count(l, n)))
+    })
+    .await;
+    assert!(
+        c.log_text(1).contains("leadership moved to spread groups"),
+        "the balancer did not move anything"
+    );
     // Three balancing rounds (2 s each) later, nothing moved.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
-        leaders().await,
-        now,
+        leaders(&c).await,
+        spread,
         "leaderships kept moving after they were spread"
     );
     // Locks work in every group meanwhile.
@@ -404,4 +427,33 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
             .await
             .unwrap();
     }
+    // A server goes, and an operator moves every group to node 1 again. Node 2 is down and leads
+    // nothing: by count (and by its lower id) it is the first candidate, so a balancer that did not
+    // check who is alive would hand it a group, fail, and back off. Node 3 gets two instead.
+    c.kill(2).await;
+    let out = c
+        .holdfast()
+        .args(["leader", "transfer", "--to", "1"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let two = wait_until(&c, "two each on the live servers", |l| {
+        count(l, 1) == 2 && count(l, 3) == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        leaders(&c).await,
+        two,
+        "leaderships kept moving with a server down"
+    );
+    assert!(
+        !c.log_text(1).contains("move failed"),
+        "a move to the dead server was tried"
+    );
 }
