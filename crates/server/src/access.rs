@@ -350,18 +350,7 @@ pub struct Access {
 }
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, String> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_POLICY_BYTES as u64 + 1).read_to_end(&mut bytes))
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    if bytes.len() > MAX_POLICY_BYTES {
-        return Err(format!(
-            "{}: larger than {MAX_POLICY_BYTES} bytes",
-            path.display()
-        ));
-    }
-    Ok(bytes)
+    crate::tls::read_capped(path, MAX_POLICY_BYTES)
 }
 
 fn parse(path: &std::path::Path, bytes: &[u8]) -> Result<Policy, String> {

@@ -98,12 +98,19 @@ struct Built {
 use holdfast_proto::tls::rustls;
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    read_capped(path, tls::MAX_PEM_BYTES)
+}
+
+/// A file watched by [`watch_files`], read whole if it is at most `max` bytes; an error names it.
+pub(crate) fn read_capped(path: &std::path::Path, max: usize) -> Result<Vec<u8>, String> {
     use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut bytes = Vec::new();
-    file.take(tls::MAX_PEM_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max as u64 + 1).read_to_end(&mut bytes))
         .map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.len() > max {
+        return Err(format!("{}: larger than {max} bytes", path.display()));
+    }
     Ok(bytes)
 }
 

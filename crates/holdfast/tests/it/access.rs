@@ -4,7 +4,6 @@
 use crate::harness::{certs, Cluster, Options};
 use holdfast_client::{Client, ClientOptions, ClientTls, Error};
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// sha256("ci-token") (the `ci` principal's bearer token).
 const CI_TOKEN: &str = "ci-token";
@@ -64,17 +63,6 @@ fn denied<T>(result: Result<T, Error>, words: &[&str]) {
 async fn digest(c: &Cluster) -> (u64, u64) {
     let digest = c.wait_converged(0, Duration::from_secs(10)).await;
     (c.group_status(1, 0).await.unwrap().applied_index, digest)
-}
-
-async fn wait_log(c: &Cluster, id: u64, text: &str, count: usize) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while c.log_text(id).matches(text).count() < count {
-        assert!(
-            Instant::now() < deadline,
-            "server {id} never logged {text:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// `alice` (a client certificate) may lock `a/` only and read nothing; `ci` (a bearer token) may read
@@ -160,14 +148,14 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     // A broken policy: refused, the old one stays.
     std::fs::write(&policy_path, "[roles.x]\nlocks = []\n").unwrap();
     for i in 1..=3 {
-        wait_log(&c, i, "policy: changed", 1).await;
+        c.wait_for_log(i, "policy: changed", 1).await;
     }
     denied(session.try_acquire("b/x").await, &["\"alice\"", "\"b/x\""]);
     assert!(session.try_acquire("a/y").await.is_ok());
     // A valid one: alice may lock b/ too, at once, on the sessions she has.
     std::fs::write(&policy_path, policy(r#""a/", "b/""#)).unwrap();
     for i in 1..=3 {
-        wait_log(&c, i, "policy reloaded", 1).await;
+        c.wait_for_log(i, "policy reloaded", 1).await;
     }
     let b = session.try_acquire("b/x").await.unwrap();
     b.release().await.unwrap();
@@ -177,7 +165,7 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     // session stops being renewed and is lost within its TTL, though its stream stays open.
     std::fs::write(&policy_path, policy("")).unwrap();
     for i in 1..=3 {
-        wait_log(&c, i, "policy reloaded", 2).await;
+        c.wait_for_log(i, "policy reloaded", 2).await;
     }
     let lost = tokio::time::timeout(Duration::from_secs(15), session.lost()).await;
     assert!(

@@ -389,17 +389,7 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
         }
     }
     let count = |l: &[u64], n: u64| l.iter().filter(|&&x| x == n).count();
-    let out = c
-        .holdfast()
-        .args(["leader", "transfer", "--to", "1"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
     wait_until(&c, "all on node 1", |l| count(l, 1) == 4).await;
     let spread = wait_until(&c, "spread", |l| {
         (1..=3).all(|n| (1..=2).contains(&count(l, n)))
@@ -431,17 +421,7 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
     // nothing: by count (and by its lower id) it is the first candidate, so a balancer that did not
     // check who is alive would hand it a group, fail, and back off. Node 3 gets two instead.
     c.kill(2).await;
-    let out = c
-        .holdfast()
-        .args(["leader", "transfer", "--to", "1"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
     let two = wait_until(&c, "two each on the live servers", |l| {
         count(l, 1) == 2 && count(l, 3) == 2
     })

@@ -525,6 +525,17 @@ impl Cluster {
         endpoints
     }
 
+    /// Runs `holdfast ARGS` as a client of this cluster and panics with its stderr if it fails.
+    pub async fn holdfast_ok(&self, args: &[&str]) -> std::process::Output {
+        let out = self.holdfast().args(args).output().await.unwrap();
+        assert!(
+            out.status.success(),
+            "holdfast {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
     /// The `holdfast` binary as a client of this cluster.
     pub fn holdfast(&self) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_holdfast"));
@@ -615,6 +626,19 @@ impl Cluster {
 
     pub fn log_text(&self, id: u64) -> String {
         std::fs::read_to_string(&self.servers[(id - 1) as usize].log).unwrap_or_default()
+    }
+
+    /// Waits (up to 30 s) until server `id`'s log has `count` lines containing `text`.
+    pub async fn wait_for_log(&self, id: u64, text: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.log_text(id).matches(text).count() < count {
+            assert!(
+                Instant::now() < deadline,
+                "server {id} never logged {text:?} {count}×:\n{}",
+                self.log_text(id)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 

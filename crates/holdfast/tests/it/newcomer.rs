@@ -335,7 +335,8 @@ async fn a_down_follower_is_summarised_in_the_log_not_repeated() {
     // Only what the leader logs from here on counts (start-up elections warn about peers not yet up).
     let before = c.log_text(leader).len();
     c.kill(down).await;
-    wait_for_log(&c, leader, &format!("node {down} unreachable for")).await;
+    c.wait_for_log(leader, &format!("node {down} unreachable for"), 1)
+        .await;
     let log = c.log_text(leader)[before..].to_string();
     let warnings = log.lines().filter(|l| l.contains("WARN")).count();
     let failed: u64 = log
@@ -350,16 +351,8 @@ async fn a_down_follower_is_summarised_in_the_log_not_repeated() {
         "{failed} failed messages took {warnings} warnings:\n{log}"
     );
     c.start_server(down);
-    wait_for_log(&c, leader, &format!("node {down} reachable again after")).await;
-}
-
-/// Waits until server `id`'s log contains `text` (or 30 s pass).
-async fn wait_for_log(c: &Cluster, id: u64, text: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !c.log_text(id).contains(text) {
-        assert!(Instant::now() < deadline, "node {id} never logged {text:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    c.wait_for_log(leader, &format!("node {down} reachable again after"), 1)
+        .await;
 }
 
 /// Every metric a server exports is documented in docs/operations.md, and the exposition has no float

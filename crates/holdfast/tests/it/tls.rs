@@ -124,17 +124,7 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
     assert!(e.to_string().contains("UnknownIssuer"), "{e}");
 
     // The CLI reads the same settings from HOLDFAST_CA/CERT/KEY.
-    let out = c
-        .holdfast()
-        .args(["describe", "tls/x"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = c.holdfast_ok(&["describe", "tls/x"]).await;
     assert!(String::from_utf8_lossy(&out.stdout).contains(&guard.token().to_string()));
 
     // The peer port: a client certificate of the cluster CA is turned away at the handshake; a server
@@ -203,19 +193,6 @@ fn der_of(pem: &Path) -> Vec<u8> {
     holdfast_proto::tls::certs_from_pem(&std::fs::read(pem).unwrap()).unwrap()[0].to_vec()
 }
 
-/// Waits until server `id`'s log has `count` lines containing `text`.
-async fn wait_log(c: &Cluster, id: u64, text: &str, count: usize) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while c.log_text(id).matches(text).count() < count {
-        assert!(
-            Instant::now() < deadline,
-            "server {id} never logged {text:?} {count}×:\n{}",
-            c.log_text(id)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Every server's certificate and key are replaced while a client holds a lock and another cycles
 /// acquire+release. A half-done replacement (a key that does not match) is refused and the old pair
 /// stays in use; the full one is picked up without a restart; new connections, client and peer, use
@@ -267,7 +244,7 @@ async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
     assert_eq!(presented(&ca, c.servers[0].client_port).await, old_1);
     // Half done on server 1: its new certificate with its old key. Refused; the old pair serves on.
     std::fs::rename(new.join("server-1.pem"), dir.join("server-1.pem")).unwrap();
-    wait_log(&c, 1, "does not load", 1).await;
+    c.wait_for_log(1, "does not load", 1).await;
     assert_eq!(presented(&ca, c.servers[0].client_port).await, old_1);
     let still = c.client().await;
     still.open_session(Duration::from_secs(10)).await.unwrap();
@@ -286,7 +263,7 @@ async fn certificates_are_rotated_without_a_restart_and_no_session_is_lost() {
         .unwrap();
     }
     for i in 1..=3u64 {
-        wait_log(&c, i, "TLS certificates reloaded", 1).await;
+        c.wait_for_log(i, "TLS certificates reloaded", 1).await;
         let new = der_of(&dir.join(format!("server-{i}.pem")));
         let s = &c.servers[(i - 1) as usize];
         assert_eq!(
