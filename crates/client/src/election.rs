@@ -89,22 +89,27 @@ impl Client {
         Observer {
             client: self.clone(),
             role: role.to_string(),
+            watch: None,
+            now: None,
             last: None,
             first: true,
-            interval: Duration::from_millis(200),
         }
     }
 }
 
-/// Reports each change of a role's leader (see [`Client::observe`]). Changes are found by linearizable
-/// reads every 200 ms, so a leader that comes and goes within one interval may be missed; epochs of the
-/// leaders reported always increase.
+/// Reports each change of a role's leader (see [`Client::observe`]), from a watch of the role's lock:
+/// every leader that held it is reported, in order, with increasing epochs. Only if the watch's position
+/// is lost (the servers no longer keep its events, [`Error::Compacted`]) does the observer start over
+/// from the current leader, and leaders in between are skipped.
 pub struct Observer {
     client: Client,
     role: String,
+    watch: Option<crate::watch::Watch>,
+    /// The leader as of the events seen so far.
+    now: Option<Leader>,
+    /// The last one reported.
     last: Option<Leader>,
     first: bool,
-    interval: Duration,
 }
 
 impl Observer {
@@ -112,13 +117,45 @@ impl Observer {
     /// the role has no leader.
     pub async fn next(&mut self) -> Result<Option<Leader>, Error> {
         loop {
-            let now = self.client.leader(&self.role).await?;
-            if self.first || now != self.last {
+            if self.first || self.now != self.last {
                 self.first = false;
-                self.last = now.clone();
-                return Ok(now);
+                self.last = self.now.clone();
+                return Ok(self.now.clone());
             }
-            tokio::time::sleep(self.interval).await;
+            let watch = match &mut self.watch {
+                Some(w) => w,
+                None => {
+                    let w = self.client.watch_lock(&self.role).await?;
+                    self.now = w.current().first().map(|l| Leader {
+                        value: l.holder_value.clone(),
+                        epoch: l.token,
+                        session: l.holder_session_id,
+                    });
+                    self.watch = Some(w);
+                    continue;
+                }
+            };
+            // All of one entry at once: a release and the grant to the next in line are one change.
+            match watch.next_entry().await {
+                Ok(events) => {
+                    for e in events {
+                        match e.kind {
+                            crate::watch::EventKind::Granted => {
+                                self.now = Some(Leader {
+                                    value: e.value,
+                                    epoch: e.token,
+                                    session: e.session,
+                                })
+                            }
+                            crate::watch::EventKind::Released
+                            | crate::watch::EventKind::Expired => self.now = None,
+                            _ => {}
+                        }
+                    }
+                }
+                Err(Error::Compacted(_)) => self.watch = None,
+                Err(e) => return Err(e),
+            }
         }
     }
 }

@@ -39,6 +39,10 @@ pub enum Error {
     /// held or queued for it any more (a grant it had may have been visible until then).
     #[error("{0}")]
     Abandoned(String),
+    /// A watch's position is older than the events the servers keep (or its stream fell so far behind
+    /// that they were dropped): read the current state and watch from now.
+    #[error("{0}")]
+    Compacted(String),
     /// No server could complete the request in time; the outcome may be unknown.
     #[error("unavailable: {0}")]
     Unavailable(String),
@@ -125,5 +129,6 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
             Disposition::Fail(Error::PermissionDenied(msg))
         }
         Reason::AcquireAbandoned => Disposition::Fail(Error::Abandoned(msg)),
+        Reason::Compacted | Reason::WatchTooSlow => Disposition::Fail(Error::Compacted(msg)),
     }
 }

@@ -12,7 +12,7 @@
 //! ```
 //!
 //! Layout: [`client`] (endpoints, leader following, retries), [`session`] (keepalive and the client-side
-//! lease), [`guard`] (a held lock), [`tls`], [`error`]. The crate depends only on the protocol crate
+//! lease), [`guard`] (a held lock), [`watch`] (event streams), [`election`], [`tls`], [`error`]. The crate depends only on the protocol crate
 //! (`holdfast-proto`), never on server internals.
 //!
 //! Retries are safe: every write carries an id (a random nonce for opening a session, a per-session
@@ -26,6 +26,7 @@ pub mod guard;
 mod keepalive;
 pub mod session;
 pub mod tls;
+pub mod watch;
 
 pub use client::{Client, ClientOptions};
 pub use election::{Leader, Leadership, Observer};
@@ -33,6 +34,7 @@ pub use error::Error;
 pub use guard::LockGuard;
 pub use session::{LeaseLost, Session};
 pub use tls::ClientTls;
+pub use watch::{EventKind, Position, Watch, WatchEvent};
 
 /// FNV-1a 64 of the name's bytes modulo the group count: the group that owns a lock name. Must match the
 /// server's `holdfast_lock_table::group_for` (a test checks it does).

@@ -35,6 +35,8 @@ enum Cmd {
     Sessions(cmd::sessions::SessionsArgs),
     /// Describe one lock: holder, token, waiters.
     Describe(cmd::describe::DescribeArgs),
+    /// Print every change of the locks under a prefix as it happens (granted, released, expired, ...).
+    Watch(cmd::watch::WatchArgs),
     /// Run a command while holding a lock (the token is in HOLDFAST_TOKEN).
     Lock(cmd::lock::LockArgs),
     /// Hand a group's Raft leadership to another server (`holdfast leader transfer`).
@@ -80,6 +82,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Locks(args) => cmd::locks::run(args).await,
             Cmd::Sessions(args) => cmd::sessions::run(args).await,
             Cmd::Describe(args) => cmd::describe::run(args).await,
+            Cmd::Watch(args) => cmd::watch::run(args).await,
             Cmd::Lock(args) => cmd::lock::run(args).await,
             Cmd::Elect(args) => cmd::elect::run(args).await,
             Cmd::Leader(args) => cmd::leader::run(args).await,

@@ -313,6 +313,36 @@ impl Limit {
     }
 }
 
+/// What happened to a lock in one applied entry, in the order it happened: the events a `Watch` stream
+/// delivers. Drained with [`crate::LockTable::take_changes`]. Deterministic like everything else here, so
+/// every replica (and a replica re-applying its log after a restart) produces the same changes for the
+/// same entry, which is what lets a watcher resume on any server from a log index.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Change {
+    pub name: LockName,
+    pub kind: ChangeKind,
+    /// The holder's session (`Granted`, `Released`, `Expired`) or the waiter's (`Queued`, `Cancelled`).
+    pub session: SessionId,
+    /// The grant's fencing token; `None` for `Queued` and `Cancelled`.
+    pub token: Option<FencingToken>,
+    /// The value the granted acquire carried (`Granted` only; empty otherwise).
+    pub value: Box<[u8]>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChangeKind {
+    /// The lock was granted (at once, or to the first waiter after its holder left).
+    Granted,
+    /// The holder released it, closed its session, or abandoned the acquire that got it.
+    Released,
+    /// The holder's session expired.
+    Expired,
+    /// A session started waiting for it.
+    Queued,
+    /// A waiter left the queue without the lock: cancelled, abandoned, or its session ended.
+    Cancelled,
+}
+
 /// Side effects of an apply that the server reacts to (wake a waiting acquire, stop a session's timer).
 /// Drained with [`crate::LockTable::take_events`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -26,7 +26,9 @@ pub mod snapshot;
 pub mod table;
 pub mod types;
 
-pub use command::{AcquireMode, Command, Event, Outcome, QuotaKind, QuotaLimits, Refusal};
+pub use command::{
+    AcquireMode, Change, ChangeKind, Command, Event, Outcome, QuotaKind, QuotaLimits, Refusal,
+};
 pub use name::{group_for, validate_name, NameError};
 pub use snapshot::SnapshotError;
 pub use table::{HolderView, LockTable, LockView, SessionView, WaiterView};

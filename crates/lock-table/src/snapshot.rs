@@ -119,6 +119,7 @@ mod v4 {
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
                 events: Vec::new(),
+                changes: Vec::new(),
             }
         }
     }
@@ -177,6 +178,7 @@ mod v3 {
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
                 events: Vec::new(),
+                changes: Vec::new(),
             }
         }
     }
@@ -264,6 +266,7 @@ mod v2 {
                 owners: BTreeMap::new(),
                 usage: BTreeMap::new(),
                 events: Vec::new(),
+                changes: Vec::new(),
             }
         }
     }

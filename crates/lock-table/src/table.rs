@@ -4,7 +4,8 @@
 //! replica and listings by prefix are range scans.
 
 use crate::command::{
-    AcquireMode, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits, Refusal,
+    AcquireMode, Change, ChangeKind, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits,
+    Refusal,
 };
 use crate::limits::{
     DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS,
@@ -80,6 +81,8 @@ pub struct LockTable {
     pub(crate) usage: BTreeMap<Box<str>, Usage>,
     #[serde(skip)]
     pub(crate) events: Vec<Event>,
+    #[serde(skip)]
+    pub(crate) changes: Vec<Change>,
 }
 
 /// One principal's sessions, and the locks they hold and wait for.
@@ -155,9 +158,11 @@ impl LockTable {
                 quota,
                 command,
             } => self.quota(index, principal, quota, command),
-            Command::CloseSession { session, now_ms }
-            | Command::ExpireSession { session, now_ms } => {
-                self.end_session(index, *session, *now_ms)
+            Command::CloseSession { session, now_ms } => {
+                self.end_session(index, *session, ChangeKind::Released, *now_ms)
+            }
+            Command::ExpireSession { session, now_ms } => {
+                self.end_session(index, *session, ChangeKind::Expired, *now_ms)
             }
             Command::AcquireBeforeAttempts {
                 session,
@@ -204,6 +209,27 @@ impl LockTable {
     /// Side effects of the applies since the last call, in apply order.
     pub fn take_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
+    }
+
+    /// What happened to locks in the applies since the last call, in apply order (see [`Change`]).
+    pub fn take_changes(&mut self) -> Vec<Change> {
+        std::mem::take(&mut self.changes)
+    }
+
+    fn changed(
+        &mut self,
+        name: &LockName,
+        kind: ChangeKind,
+        session: SessionId,
+        token: Option<FencingToken>,
+    ) {
+        self.changes.push(Change {
+            name: name.clone(),
+            kind,
+            session,
+            token,
+            value: Box::default(),
+        });
     }
 
     /// [`Command::Authorized`]: the secret and request-id checks, then the command.
@@ -425,7 +451,14 @@ impl LockTable {
         Outcome::SessionOpened { session, ttl_ms }
     }
 
-    fn end_session(&mut self, index: u64, session: SessionId, now_ms: u64) -> Outcome {
+    /// Ends `session` (closed or expired: `how` is what watchers see for the locks it held).
+    fn end_session(
+        &mut self,
+        index: u64,
+        session: SessionId,
+        how: ChangeKind,
+        now_ms: u64,
+    ) -> Outcome {
         let Some(ended) = self.sessions.remove(&session) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
@@ -456,9 +489,12 @@ impl LockTable {
                 session,
                 request: *request,
             });
+            self.changed(name, ChangeKind::Cancelled, session, None);
         }
         let released = ended.held.len() as u32;
         for name in &ended.held {
+            let token = self.locks[name].holder.token;
+            self.changed(name, how, session, Some(token));
             self.hand_over(index, name, now_ms);
         }
         self.events.push(Event::SessionEnded { session });
@@ -552,6 +588,13 @@ impl LockTable {
                 );
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
+                self.changes.push(Change {
+                    name: name.clone(),
+                    kind: ChangeKind::Granted,
+                    session: session_id,
+                    token: Some(token),
+                    value: value.into(),
+                });
                 Outcome::Granted { token }
             }
             Some(lock) if mode == AcquireMode::Try => Outcome::Refused(Refusal::Held {
@@ -576,6 +619,7 @@ impl LockTable {
                     .waiting
                     .insert(name.clone(), request);
                 self.count(session_id, 0, 1);
+                self.changed(name, ChangeKind::Queued, session_id, None);
                 Outcome::Queued { position }
             }
         };
@@ -602,6 +646,7 @@ impl LockTable {
             Some(lock) if lock.holder.session == session_id && lock.holder.token == token => {
                 self.session_mut(session_id).held.remove(name);
                 self.count(session_id, -1, 0);
+                self.changed(name, ChangeKind::Released, session_id, Some(token));
                 self.hand_over(index, name, now_ms);
                 Outcome::Released
             }
@@ -684,6 +729,7 @@ impl LockTable {
             });
             self.session_mut(session_id).held.remove(name);
             self.count(session_id, -1, 0);
+            self.changed(name, ChangeKind::Released, session_id, Some(token));
             self.hand_over(index, name, now_ms);
             self.update_remembered(session_id, request, Outcome::Abandoned);
             return Outcome::Abandoned;
@@ -726,6 +772,7 @@ impl LockTable {
             session: session_id,
             request,
         });
+        self.changed(name, ChangeKind::Cancelled, session_id, None);
     }
 
     /// The holder of `name` is gone (its session already forgot the lock): grant the next waiter with token
@@ -749,6 +796,7 @@ impl LockTable {
             value: next.value,
             attempt: next.attempt,
         };
+        let value = lock.holder.value.clone();
         self.waiter_count -= 1;
         let session = self.session_mut(next.session);
         let queued_for = session.waiting.remove(name);
@@ -760,6 +808,13 @@ impl LockTable {
         session.held.insert(name.clone());
         self.count(next.session, 1, -1);
         self.update_remembered(next.session, next.request, Outcome::Granted { token });
+        self.changes.push(Change {
+            name: name.clone(),
+            kind: ChangeKind::Granted,
+            session: next.session,
+            token: Some(token),
+            value,
+        });
         self.events.push(Event::Granted {
             name: name.clone(),
             session: next.session,

@@ -639,6 +639,96 @@ impl Model {
     }
 }
 
+/// What a watcher of every lock knows, built from [`crate::Change`]s alone:
+/// name -> (holder session, token, waiting sessions in queue order).
+#[derive(Default)]
+struct Watched {
+    locks: std::collections::BTreeMap<String, (u64, u64, Vec<u64>)>,
+}
+
+impl Watched {
+    /// Applies one change, checking it is consistent with what came before (`expiring`: the entry
+    /// expires a session, so its holders' locks are `Expired`, never `Released`).
+    fn apply(&mut self, c: &crate::Change, expiring: bool) {
+        use crate::ChangeKind::*;
+        let name = c.name.as_str().to_string();
+        let s = c.session.0;
+        match c.kind {
+            Granted => {
+                let token = c.token.expect("a grant has a token").0;
+                match self.locks.get_mut(&name) {
+                    // The first waiter, after its holder left.
+                    Some(lock) => {
+                        assert_eq!(lock.0, 0, "granted {name} while held");
+                        assert_eq!(
+                            lock.2.first(),
+                            Some(&s),
+                            "granted {name} out of queue order"
+                        );
+                        lock.2.remove(0);
+                        lock.0 = s;
+                        lock.1 = token;
+                    }
+                    None => {
+                        self.locks.insert(name, (s, token, Vec::new()));
+                    }
+                }
+            }
+            Released | Expired => {
+                assert_eq!(c.kind == Expired, expiring, "{:?} of {name}", c.kind);
+                let lock = self.locks.get_mut(&name).expect("released a lock not held");
+                assert_eq!(
+                    (lock.0, lock.1),
+                    (s, c.token.expect("a release has a token").0)
+                );
+                lock.0 = 0;
+                if lock.2.is_empty() {
+                    self.locks.remove(&name);
+                }
+            }
+            Queued => {
+                assert!(c.token.is_none());
+                self.locks
+                    .get_mut(&name)
+                    .expect("queued behind nobody")
+                    .2
+                    .push(s);
+            }
+            Cancelled => {
+                let lock = self
+                    .locks
+                    .get_mut(&name)
+                    .expect("cancelled a wait on no lock");
+                let before = lock.2.len();
+                lock.2.retain(|w| *w != s);
+                assert_eq!(
+                    before,
+                    lock.2.len() + 1,
+                    "cancelled a wait that was not queued"
+                );
+                if lock.0 == 0 && lock.2.is_empty() {
+                    self.locks.remove(&name);
+                }
+            }
+        }
+    }
+}
+
+/// The table as [`Watched`] describes it.
+fn watched_view(table: &LockTable) -> std::collections::BTreeMap<String, (u64, u64, Vec<u64>)> {
+    table
+        .list_locks("", None, usize::MAX)
+        .into_iter()
+        .map(|v| {
+            let waiters = v.waiters.iter().map(|w| w.session.0).collect();
+            (
+                v.name.as_str().to_string(),
+                (v.holder.session.0, v.holder.token.0, waiters),
+            )
+        })
+        .collect()
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Open,
@@ -683,6 +773,7 @@ proptest! {
         let mut next_request = 1u64;
         let mut last: Option<(Command, Outcome)> = None;
         let mut tokens_seen: std::collections::BTreeMap<String, u64> = Default::default();
+        let mut watched = Watched::default();
         for (i, op) in ops.into_iter().enumerate() {
             let index = i as u64 + 1;
             let sess = |k: usize| opened.get(k % opened.len().max(1)).copied().unwrap_or(999);
@@ -737,6 +828,11 @@ proptest! {
             let got = table.apply(index, &command);
             table.take_events();
             table.check_invariants();
+            // A watcher that saw only the changes knows every lock's holder and queue.
+            for change in table.take_changes() {
+                watched.apply(&change, matches!(command.effective(), Command::ExpireSession { .. }));
+            }
+            prop_assert_eq!(&watched.locks, &watched_view(&table), "after {:?}", command);
             // Retrying an acquire, release or open returns the first outcome, unless the state moved on
             // (a queued acquire that was granted or cancelled meanwhile reports that).
             if let (Op::Retry, Some((_, first))) = (&op, &last) {

@@ -103,6 +103,8 @@ struct PrincipalFile {
     max_sessions: Option<u64>,
     max_locks: Option<u64>,
     max_waiting: Option<u64>,
+    /// Watch streams open at once on each server (a server's own count, not replicated).
+    max_watches: Option<u64>,
 }
 
 /// What one principal may do: its roles merged.
@@ -113,6 +115,8 @@ pub struct Grants {
     pub admin: bool,
     /// None: no quota at all.
     pub quota: Option<holdfast_lock_table::QuotaLimits>,
+    /// Watch streams open at once per server; None: unlimited (the server-wide bound still holds).
+    pub max_watches: Option<u64>,
 }
 
 impl Grants {
@@ -204,6 +208,7 @@ impl Policy {
                     waiting: p.max_waiting.unwrap_or(u64::MAX),
                 });
             }
+            grants.max_watches = p.max_watches;
             grants.lock = lock.into_iter().collect();
             grants.read = read.into_iter().collect();
             let tokens: std::collections::BTreeSet<&String> = p.tokens_sha256.iter().collect();
@@ -415,6 +420,14 @@ impl Access {
             },
         );
         Some((principal, quota))
+    }
+
+    /// The principal a watch counts against, and its `max_watches` (None: unlimited).
+    pub fn watch_quota<T>(&self, r: &Request<T>) -> Option<(String, Option<u64>)> {
+        let policy = self.policy();
+        let principal = policy.principal(r).ok()?;
+        let max = policy.grants(&principal).and_then(|g| g.max_watches);
+        Some((principal, max))
     }
 
     /// Reloads the file if it changed. Ok(true): the new policy is in use.

@@ -226,3 +226,23 @@ pub fn limit_exceeded(l: Limit) -> Status {
 pub fn detail(status: &Status) -> Option<ErrorDetail> {
     ErrorDetail::decode(status.details()).ok()
 }
+
+/// A watch asked for events this server no longer keeps.
+pub fn compacted(start: u64, floor: u64) -> Status {
+    status(
+        Code::OutOfRange,
+        Reason::Compacted,
+        format!("the events from index {start} are no longer kept on this server (it keeps those after index {floor}): read the current state and watch from now"),
+        ErrorDetail::default(),
+    )
+}
+
+/// A watch stream fell behind the kept history.
+pub fn watch_too_slow(next: u64, floor: u64) -> Status {
+    status(
+        Code::ResourceExhausted,
+        Reason::WatchTooSlow,
+        format!("this watch stream fell too far behind: the events from index {next} it had not read yet were dropped (the server keeps those after index {floor}); read the current state and watch from now"),
+        ErrorDetail::default(),
+    )
+}

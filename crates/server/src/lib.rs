@@ -17,6 +17,7 @@
 //! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`access`]: principals and the policy file (who may lock, read, administer which names).
 //! - [`tls`]: certificates for all three ports, who the peer port admits, reloading on change.
+//! - [`watch`]: the recent history of lock changes that `Watch` streams read.
 
 pub mod abandon;
 pub mod access;
@@ -38,6 +39,7 @@ pub mod service;
 pub mod snapshot_store;
 pub mod state_machine;
 pub mod tls;
+pub mod watch;
 
 pub use config::{Member, ServerConfig};
 pub use node::Node;

@@ -124,6 +124,10 @@ pub struct ServerMetrics {
     pub http_connections_refused: AtomicU64,
     /// The client listener's connection slots (set when it starts listening).
     pub client_connection_slots: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>>,
+    /// Events sent on watch streams.
+    pub watch_events: AtomicU64,
+    /// Watch streams ended because they fell behind the history (`WATCH_TOO_SLOW`).
+    pub watches_cut_off: AtomicU64,
 }
 
 impl Default for ServerMetrics {
@@ -138,6 +142,8 @@ impl Default for ServerMetrics {
             peer_connections_refused: Default::default(),
             http_connections_refused: AtomicU64::new(0),
             client_connection_slots: Default::default(),
+            watch_events: AtomicU64::new(0),
+            watches_cut_off: AtomicU64::new(0),
         }
     }
 }

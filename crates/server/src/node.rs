@@ -48,6 +48,8 @@ pub struct NodeShared {
     pub access: Option<Arc<crate::access::Access>>,
     /// Permits for `SnapshotGroup` streams in progress (`service::MAX_SNAPSHOT_STREAMS`).
     pub snapshot_streams: Arc<tokio::sync::Semaphore>,
+    /// Open `Watch` streams (see `watch::Slots`).
+    pub watches: Arc<crate::watch::Slots>,
 }
 
 impl RaftLookup for NodeShared {
@@ -256,6 +258,7 @@ impl Node {
             snapshot_streams: Arc::new(tokio::sync::Semaphore::new(
                 crate::service::MAX_SNAPSHOT_STREAMS,
             )),
+            watches: Default::default(),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -674,6 +677,24 @@ impl NodeShared {
             "holdfast_keepalive_streams",
             "KeepAliveStream calls in progress (at most max_streams_per_connection per connection).",
             &[(String::new(), self.metrics.keepalive_streams.load(Relaxed))],
+        );
+        metrics::gauge(
+            &mut out,
+            "holdfast_watch_streams",
+            "Watch streams open now (at most watch::MAX_WATCH_STREAMS, 1,024).",
+            &[(String::new(), self.watches.open() as u64)],
+        );
+        metrics::counter(
+            &mut out,
+            "holdfast_watch_events_total",
+            "Events sent on watch streams.",
+            &[(String::new(), self.metrics.watch_events.load(Relaxed))],
+        );
+        metrics::counter(
+            &mut out,
+            "holdfast_watches_cut_off_total",
+            "Watch streams ended because they fell behind the kept history (WATCH_TOO_SLOW).",
+            &[(String::new(), self.metrics.watches_cut_off.load(Relaxed))],
         );
         metrics::gauge(
             &mut out,

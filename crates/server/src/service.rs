@@ -50,6 +50,14 @@ pub struct ClientService {
 
 type KeepAliveStream = Pin<Box<dyn Stream<Item = Result<pb::KeepAliveResponse, Status>> + Send>>;
 type SnapshotStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotGroupChunk, Status>> + Send>>;
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
+
+/// Messages queued per watch stream beyond what HTTP/2 flow control holds. The history is shared, so
+/// a watcher that does not read costs this much and its cursor, until it falls off the history's end.
+const WATCH_STREAM_BUFFER: usize = 4;
+/// How often an idle watch stream sends progress (`through_index` with no events) and checks that
+/// this server still leads the group.
+const WATCH_TICK: Duration = Duration::from_secs(1);
 
 /// Most `SnapshotGroup` streams in progress on one server (each holds a copy of its group's table).
 pub const MAX_SNAPSHOT_STREAMS: usize = 2;
@@ -858,6 +866,181 @@ impl Holdfast for ClientService {
         Ok(Response::new(Box::pin(chunks)))
     }
 
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        r: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        self.allow(&r, Need::Read(&r.get_ref().prefix))?;
+        let principal = self.node.access.as_ref().and_then(|a| a.watch_quota(&r));
+        let r = r.into_inner();
+        let group = self.group(r.group)?.clone();
+        let max = holdfast_lock_table::limits::MAX_NAME_BYTES;
+        if r.prefix.len() > max {
+            return Err(limit(
+                "max_name_bytes",
+                max as u64,
+                format!("a watch prefix is at most {max} bytes (max_name_bytes)"),
+            ));
+        }
+        let exact = if r.exact {
+            Some(self.lock_name(r.prefix.clone(), r.group)?)
+        } else {
+            None
+        };
+        if r.include_current && r.start_index != 0 {
+            return Err(invalid(
+                "include_current needs start_index 0: a resumed watch continues from its events",
+            ));
+        }
+        if r.skip_events != 0 && r.start_index == 0 {
+            return Err(invalid("skip_events needs a start_index"));
+        }
+        let slot = self.node.watches.take(principal).map_err(|f| {
+            limit(
+                f.limit,
+                f.value,
+                format!(
+                    "{} watch streams are open ({}); close one first",
+                    f.value, f.limit
+                ),
+            )
+        })?;
+        // The position, the current locks and everything after come from this group's leader after a
+        // linearizable check, so "now" is at least as new as every change already acknowledged.
+        group
+            .linearizable_read()
+            .await
+            .map_err(|e| self.propose_error(e))?;
+        let filter = crate::watch::Filter {
+            prefix: r.prefix,
+            exact: r.exact,
+        };
+        let (cursor, views, mut applied) = {
+            let state = group.state.read().expect("state lock");
+            let applied = state.history.applied();
+            let cursor = match r.start_index {
+                0 => crate::watch::Cursor {
+                    index: applied + 1,
+                    skip: 0,
+                },
+                start if start > applied + 1 => {
+                    return Err(invalid(format!(
+                        "start_index {start} is beyond group {}'s log (applied through {applied})",
+                        r.group
+                    )))
+                }
+                start if start <= state.history.floor() => {
+                    return Err(errors::compacted(start, state.history.floor()))
+                }
+                start => crate::watch::Cursor {
+                    index: start,
+                    skip: r.skip_events as usize,
+                },
+            };
+            let views = match (&exact, r.include_current) {
+                (_, false) => Vec::new(),
+                (Some(name), true) => state.table.describe(name).into_iter().collect(),
+                (None, true) => {
+                    let views =
+                        state
+                            .table
+                            .list_locks(&filter.prefix, None, crate::watch::MAX_CURRENT + 1);
+                    if views.len() > crate::watch::MAX_CURRENT {
+                        return Err(limit(
+                            "max_watch_current",
+                            crate::watch::MAX_CURRENT as u64,
+                            format!("more than {} locks match {:?}: watch without include_current (and list them with ListLocks)", crate::watch::MAX_CURRENT, filter.prefix),
+                        ));
+                    }
+                    views
+                }
+            };
+            (cursor, views, state.applied_tx.subscribe())
+        };
+        let first = pb::WatchResponse {
+            events: Vec::new(),
+            through_index: cursor.index - 1,
+            current: views
+                .into_iter()
+                .map(|v| self.lock_info(&group, v))
+                .collect(),
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(WATCH_STREAM_BUFFER);
+        let node = self.node.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut cursor = cursor;
+            let mut sent_through = first.through_index;
+            let mut last_sent = Instant::now();
+            let mut tick = tokio::time::interval(WATCH_TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            if tx.send(Ok(first)).await.is_err() {
+                return;
+            }
+            loop {
+                let read = {
+                    let state = group.state.read().expect("state lock");
+                    state
+                        .history
+                        .read(cursor, &filter, crate::watch::MAX_BATCH_EVENTS)
+                };
+                let batch = match read {
+                    Ok(batch) => batch,
+                    Err(gone) => {
+                        node.metrics.watches_cut_off.fetch_add(1, Relaxed);
+                        let _ = tx
+                            .send(Err(errors::watch_too_slow(cursor.index, gone.floor)))
+                            .await;
+                        return;
+                    }
+                };
+                cursor = batch.next;
+                let progress = batch.through > sent_through && last_sent.elapsed() >= WATCH_TICK;
+                if !batch.events.is_empty() || progress {
+                    node.metrics
+                        .watch_events
+                        .fetch_add(batch.events.len() as u64, Relaxed);
+                    let message = pb::WatchResponse {
+                        events: batch.events.into_iter().map(watch_event).collect(),
+                        through_index: batch.through,
+                        current: Vec::new(),
+                    };
+                    if tx.send(Ok(message)).await.is_err() {
+                        return;
+                    }
+                    sent_through = batch.through;
+                    last_sent = Instant::now();
+                }
+                if batch.more {
+                    continue;
+                }
+                tokio::select! {
+                    changed = applied.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                    }
+                    _ = tick.tick() => {
+                        // A server that no longer leads the group ends the stream: the client resumes
+                        // on the leader, so no watcher follows a server cut off from the cluster.
+                        if group.current_leader() != Some(node.config.node_id) {
+                            let leader = group.current_leader();
+                            let endpoint = leader.and_then(|id| node.client_endpoint(id));
+                            let _ = tx.send(Err(not_leader(leader, endpoint.as_deref()))).await;
+                            return;
+                        }
+                    }
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
     async fn status(
         &self,
         r: Request<pb::StatusRequest>,
@@ -871,6 +1054,17 @@ impl Holdfast for ClientService {
             },
         )?;
         Ok(Response::new(self.node.status(r.into_inner().with_digest)))
+    }
+}
+
+fn watch_event((index, change): (u64, holdfast_lock_table::Change)) -> pb::WatchEvent {
+    pb::WatchEvent {
+        index,
+        kind: crate::watch::kind(change.kind) as i32,
+        name: change.name.as_str().to_string(),
+        session_id: change.session.0,
+        token: change.token.map_or(0, |t| t.0),
+        value: change.value.into_vec(),
     }
 }
 

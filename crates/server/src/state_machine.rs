@@ -26,6 +26,10 @@ pub struct SmState {
     pub table: LockTable,
     pub last_applied: Option<LogId>,
     pub membership: StoredMembership,
+    /// Recent lock changes, for watches (see [`crate::watch`]).
+    pub history: crate::watch::History,
+    /// The applied index, published after each batch of applies (watchers wait on it).
+    pub applied_tx: tokio::sync::watch::Sender<u64>,
 }
 
 pub struct StateMachine {
@@ -71,6 +75,8 @@ impl StateMachine {
             table: LockTable::new(),
             last_applied: None,
             membership: StoredMembership::default(),
+            history: crate::watch::History::new(0),
+            applied_tx: tokio::sync::watch::Sender::new(0),
         };
         let mut current = None;
         if let Some((path, bytes)) = snapshots
@@ -86,6 +92,9 @@ impl StateMachine {
             state.table = loaded.table;
             state.last_applied = loaded.meta.last_log_id;
             state.membership = loaded.meta.last_membership.clone();
+            let index = state.last_applied.map_or(0, |l| l.index);
+            state.history = crate::watch::History::new(index);
+            state.applied_tx.send_replace(index);
             current = Some(loaded.meta);
         }
         let state = Arc::new(RwLock::new(state));
@@ -126,7 +135,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             };
             let response = {
                 let mut s = self.state.write().expect("state machine lock poisoned");
+                let index = entry.log_id.index;
                 let response = apply_one(&mut s, entry);
+                let changes = s.table.take_changes();
+                s.history.record(index, changes);
                 let events = s.table.take_events();
                 let outcome = match &response {
                     Response::Outcome(o) | Response::Opened { outcome: o, .. } => Some(o),
@@ -160,6 +172,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         if let Some(audit) = self.audit.as_mut() {
             std::io::Write::flush(audit)?;
         }
+        let s = read(&self.state);
+        s.applied_tx.send_replace(s.history.applied());
         Ok(())
     }
 
@@ -185,6 +199,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         s.table = loaded.table;
         s.last_applied = meta.last_log_id;
         s.membership = meta.last_membership.clone();
+        // Watchers behind the snapshot's index are cut off (COMPACTED): the changes before it are
+        // not known here.
+        s.history.reset(index);
+        s.applied_tx.send_replace(index);
         *self.current.lock().expect("snapshot meta lock") = Some(meta.clone());
         tracing::info!(?meta.last_log_id, "installed snapshot from the leader");
         Ok(())

@@ -17,6 +17,7 @@ pub mod server;
 pub mod sessions;
 pub mod snapshot;
 pub mod status;
+pub mod watch;
 pub mod workload;
 
 use anyhow::Context;

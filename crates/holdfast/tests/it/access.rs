@@ -30,6 +30,7 @@ roles = ["operator"]
 roles = ["alice"]
 [principals.ci]
 roles = ["a-reader"]
+max_watches = 1
 tokens_sha256 = ["{ci_hash}"]
 "#
     )
@@ -247,4 +248,24 @@ async fn a_principal_is_held_to_its_quotas_and_others_are_not() {
     let _d = two.try_acquire("q/d").await.unwrap();
     let three = alice.open_session(Duration::from_secs(10)).await.unwrap();
     assert!(three.is_valid() && two.is_valid());
+
+    // Watch streams: `read` on the prefix, and ci's max_watches = 1 on each server.
+    let ci = client_as(&c, None, Some(CI_TOKEN)).await.unwrap();
+    denied(ci.watch("b/").await.map(|_| ()), &["ci", "read", "b/"]);
+    let first = ci.watch("a/").await.unwrap();
+    over(ci.watch("a/").await.map(|_| ()), "principal_max_watches");
+    // Another principal is not counted against ci.
+    let _theirs = tester.watch("a/").await.unwrap();
+    // A closed watch gives its slot back (once the server sees the stream end).
+    drop(first);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match ci.watch("a/").await {
+            Ok(_) => break,
+            Err(Error::LimitExceeded { .. }) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("the slot of a dropped watch was not given back: {e}"),
+        }
+    }
 }

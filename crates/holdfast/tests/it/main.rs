@@ -19,3 +19,4 @@ mod secrets;
 mod storage;
 mod tls;
 mod upgrade;
+mod watch;
