@@ -5,6 +5,7 @@ use crate::model::{AuditLine, Op, StoreRecord};
 use crate::properties::{
     linearizable_locks, linearizable_reads, p1_one_holder, p2_replicas_agree, p3_tokens,
     p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry, p8_no_unknowing_holder,
+    p9_watch_streams,
 };
 
 #[derive(Debug, Default)]
@@ -24,11 +25,14 @@ pub struct Report {
     pub linearizability_inconclusive: usize,
     /// Grants no client acknowledged, checked to end (P8).
     pub unacknowledged_grants_checked: usize,
+    /// Events watchers received, checked against the log (P9).
+    pub watch_events_checked: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
     let mut r = Report {
-        ops: history.len(),
+        // Client operations; what watchers received is counted in `watch_events_checked`.
+        ops: history.iter().filter(|o| !o.op.starts_with("watch")).count(),
         ..Report::default()
     };
     // The properties read what each entry did: quota and secret wrappers only gate it.
@@ -57,6 +61,7 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     let lin = linearizable_locks::check(history, &mut r.violations);
     r.unacknowledged_grants_checked =
         p8_no_unknowing_holder::check(history, &merged, &timelines, &mut r.violations);
+    r.watch_events_checked = p9_watch_streams::check(history, &merged, &mut r.violations);
     r.linearized_ops = lin.ops;
     r.linearizability_inconclusive = lin.inconclusive;
     r.ok_grants = history

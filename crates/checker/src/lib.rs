@@ -19,6 +19,8 @@
 //!   last acknowledged renewal plus its TTL (client and servers share the machine's wall clock; a 100 ms
 //!   margin absorbs slewing).
 //!
+//! - **P9** watch streams are the log: the events a watcher received are, in order, with no gap and no
+//!   repeat, the log's changes under its prefix after the index its watch started at.
 //! - **linearizable reads**: every `describe` returns the lock's holder as of some log index between the
 //!   grants and opens (whose log indexes the history knows) that completed before it and those invoked
 //!   after it completed.
@@ -35,6 +37,7 @@
 //! - `properties/p5_acknowledged_in_log.rs`: P5;
 //! - `properties/p6_no_early_expiry.rs`: P6 and its margin, `EXPIRY_MARGIN_MS`;
 //! - `properties/linearizable_reads.rs`: linearizable reads;
+//! - `properties/p9_watch_streams.rs`: P9;
 //! - `tests.rs`: known-good and known-bad histories, each bad one caught by the right property.
 
 mod check;

@@ -1,6 +1,6 @@
 //! The checker's inputs.
 
-use holdfast_lock_table::{Command, Event, Outcome};
+use holdfast_lock_table::{Change, Command, Event, Outcome};
 use serde::Deserialize;
 
 /// One client operation from the history.
@@ -8,7 +8,9 @@ use serde::Deserialize;
 pub struct Op {
     pub process: u32,
     pub client: usize,
-    /// `open`, `acquire`, `read`, `write`, `release`, `describe`, `lost`.
+    /// `open`, `acquire`, `read`, `write`, `release`, `describe`, `lost`; `watch-start` (a watch of the
+    /// prefix in `lock` began after index `value`) and `watch` (it delivered an event: `index`, `kind`,
+    /// the lock in `lock`, `session`, `token`).
     pub op: String,
     #[serde(default)]
     pub lock: String,
@@ -22,6 +24,11 @@ pub struct Op {
     /// On `lost`: when the session's last acknowledged renewal (or its open) was sent, and its TTL.
     pub renewed_sent_ms: Option<u64>,
     pub ttl_ms: Option<u64>,
+    /// On `watch`: the event's log index and kind (`granted`, `released`, `expired`, `queued`, `cancelled`).
+    #[serde(default)]
+    pub index: Option<u64>,
+    #[serde(default)]
+    pub kind: Option<String>,
 }
 
 impl Op {
@@ -37,6 +44,9 @@ pub struct AuditLine {
     pub command: Command,
     pub outcome: Outcome,
     pub events: Vec<Event>,
+    /// What the entry did to locks, as watchers see it.
+    #[serde(default)]
+    pub changes: Vec<Change>,
 }
 
 /// One record the fenced store accepted, in file order.

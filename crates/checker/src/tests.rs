@@ -22,6 +22,7 @@ fn open(index: u64) -> AuditLine {
             ttl_ms: 3_000,
         },
         events: vec![],
+        changes: Vec::new(),
     }
 }
 
@@ -39,6 +40,7 @@ fn acquire(index: u64, session: u64, lock: &str, outcome: Outcome) -> AuditLine 
         },
         outcome,
         events: vec![],
+        changes: Vec::new(),
     }
 }
 
@@ -54,6 +56,7 @@ fn release(index: u64, session: u64, lock: &str, token: u64, events: Vec<Event>)
         },
         outcome: Outcome::Released,
         events,
+        changes: Vec::new(),
     }
 }
 
@@ -274,6 +277,7 @@ fn an_expiry_before_the_last_renewal_plus_ttl_violates_p6() {
         events: vec![Event::SessionEnded {
             session: SessionId(1),
         }],
+        changes: Vec::new(),
     });
     let lost = |renewed: u64| Op {
         op: "lost".into(),
@@ -511,6 +515,7 @@ fn an_unacknowledged_grant_that_stays_held_violates_p8() {
         },
         outcome: Outcome::SessionClosed { released: 1 },
         events: vec![],
+        changes: Vec::new(),
     };
     let r = check(
         &history,
@@ -550,6 +555,7 @@ fn an_unacknowledged_grant_that_stays_held_violates_p8() {
             session: SessionId(1),
             token: FencingToken(3),
         }],
+        changes: Vec::new(),
     };
     let r = check(&history, &[(1, log(abandoned))], &[]);
     assert!(
@@ -559,4 +565,90 @@ fn an_unacknowledged_grant_that_stays_held_violates_p8() {
         "{:?}",
         r.violations
     );
+}
+
+/// `good()`'s log with the changes its entries make, as a server's audit log has them.
+fn with_changes(mut log: Vec<AuditLine>) -> Vec<AuditLine> {
+    use holdfast_lock_table::{Change, ChangeKind};
+    let change = |kind, session, token: Option<u64>| Change {
+        name: name("l"),
+        kind,
+        session: SessionId(session),
+        token: token.map(FencingToken),
+        value: Box::default(),
+    };
+    for line in &mut log {
+        line.changes = match line.index {
+            3 => vec![change(ChangeKind::Granted, 1, Some(3))],
+            4 => vec![change(ChangeKind::Queued, 2, None)],
+            5 => vec![
+                change(ChangeKind::Released, 1, Some(3)),
+                change(ChangeKind::Granted, 2, Some(5)),
+            ],
+            _ => vec![],
+        };
+    }
+    log
+}
+
+fn watch_start(prefix: &str, after: u64) -> Op {
+    Op {
+        op: "watch-start".into(),
+        lock: prefix.into(),
+        value: Some(after),
+        result: "ok".into(),
+        process: 9,
+        ..Op::default()
+    }
+}
+
+fn watched(index: u64, kind: &str, session: u64, token: u64) -> Op {
+    Op {
+        op: "watch".into(),
+        lock: "l".into(),
+        index: Some(index),
+        kind: Some(kind.into()),
+        session: Some(session),
+        token: Some(token),
+        result: "ok".into(),
+        process: 9,
+        ..Op::default()
+    }
+}
+
+#[test]
+fn p9_watch_streams_must_be_the_log_without_gaps_or_repeats() {
+    let (h, log, store) = good();
+    let log = with_changes(log);
+    let every = [
+        watched(3, "granted", 1, 3),
+        watched(4, "queued", 2, 0),
+        watched(5, "released", 1, 3),
+        watched(5, "granted", 2, 5),
+    ];
+    let run = |events: &[Op], after: u64, prefix: &str| {
+        let mut h = h.clone();
+        h.push(watch_start(prefix, after));
+        h.extend(events.iter().cloned());
+        let r = check(&h, &[(1, log.clone())], &store);
+        (r.violations, r.watch_events_checked)
+    };
+    // All of it, part of it (a watcher may stop anywhere), from a later start, another prefix.
+    assert_eq!(run(&every, 0, ""), (vec![], 4));
+    assert_eq!(run(&every[..3], 0, "l").0, Vec::<String>::new());
+    assert_eq!(run(&every[2..], 4, "").0, Vec::<String>::new());
+    assert_eq!(run(&[], 0, "other/").0, Vec::<String>::new());
+    // A gap, a repeat (a resume that skipped nothing), an event out of order, a wrong token.
+    for bad in [
+        vec![every[0].clone(), every[2].clone()],
+        vec![every[0].clone(), every[1].clone(), every[1].clone()],
+        vec![every[1].clone(), every[0].clone()],
+        vec![watched(3, "granted", 1, 4)],
+    ] {
+        let (v, _) = run(&bad, 0, "");
+        assert!(v.len() == 1 && v[0].starts_with("P9:"), "{bad:?}: {v:?}");
+    }
+    // An event before the watch's start is one it cannot have had.
+    let (v, _) = run(&every[..1], 3, "");
+    assert!(v.len() == 1 && v[0].starts_with("P9:"), "{v:?}");
 }

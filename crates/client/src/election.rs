@@ -117,24 +117,24 @@ impl Observer {
     /// the role has no leader.
     pub async fn next(&mut self) -> Result<Option<Leader>, Error> {
         loop {
-            if self.first || self.now != self.last {
-                self.first = false;
-                self.last = self.now.clone();
-                return Ok(self.now.clone());
-            }
             let watch = match &mut self.watch {
                 Some(w) => w,
                 None => {
+                    // The role's leader now (linearizable), then every change after it.
                     let w = self.client.watch_lock(&self.role).await?;
                     self.now = w.current().first().map(|l| Leader {
                         value: l.holder_value.clone(),
                         epoch: l.token,
                         session: l.holder_session_id,
                     });
-                    self.watch = Some(w);
-                    continue;
+                    self.watch.insert(w)
                 }
             };
+            if self.first || self.now != self.last {
+                self.first = false;
+                self.last = self.now.clone();
+                return Ok(self.now.clone());
+            }
             // All of one entry at once: a release and the grant to the next in line are one change.
             match watch.next_entry().await {
                 Ok(events) => {
@@ -153,8 +153,13 @@ impl Observer {
                         }
                     }
                 }
+                // The position is gone: start over from the current leader.
                 Err(Error::Compacted(_)) => self.watch = None,
-                Err(e) => return Err(e),
+                // The next call starts a new watch.
+                Err(e) => {
+                    self.watch = None;
+                    return Err(e);
+                }
             }
         }
     }

@@ -21,6 +21,9 @@ const MAX_WATCH_MESSAGE_BYTES: usize = 16 << 20;
 /// makes the task stop reading too; the server then cuts the stream off when the caller is too far
 /// behind (and the watch ends with [`Error::Compacted`]).
 const BUFFER: usize = 16;
+/// A server sends at least one message a second on a live stream; a stream silent for this long is
+/// given up and resumed on the leader (a server cut off from the others may not notice at once).
+const SILENCE: Duration = Duration::from_secs(5);
 
 /// What happened to a lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,9 +59,12 @@ pub struct WatchEvent {
 }
 
 /// Where a watch is in each group's log: the next event to deliver is at `index`, after the first `skip`
-/// of that index's events. Pass it to [`Client::watch_from`] to resume without a gap or a repeat.
+/// of that index's events under the watch's prefix. Pass it to [`Client::watch_from`] with the same
+/// prefix to resume without a gap or a repeat.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Position {
+    /// The prefix watched (`skip` counts its events only).
+    pub prefix: String,
     /// One (index, skip) per group, by group.
     pub groups: Vec<(u64, u32)>,
 }
@@ -68,6 +74,7 @@ pub struct Watch {
     rx: tokio::sync::mpsc::Receiver<(u32, Result<pb::WatchResponse, Error>)>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     pending: VecDeque<Pending>,
+    prefix: String,
     /// What the caller has been given, per group.
     position: Vec<(u64, u32)>,
     current: Vec<pb::LockInfo>,
@@ -110,8 +117,9 @@ impl Client {
     }
 
     /// Resumes a watch from `position` (from [`Watch::position`]): the events after the last one it
-    /// delivered, none twice. [`Error::Compacted`] if the servers no longer keep them.
-    pub async fn watch_from(&self, prefix: &str, position: &Position) -> Result<Watch, Error> {
+    /// delivered, none twice. [`Error::Compacted`] if the leaders no longer keep them.
+    pub async fn watch_from(&self, position: &Position) -> Result<Watch, Error> {
+        let prefix = position.prefix.as_str();
         if position.groups.len() != self.groups() as usize {
             return Err(Error::InvalidArgument(format!(
                 "the position has {} groups, the cluster {}",
@@ -144,37 +152,37 @@ impl Client {
     /// start, so that "now" is fixed when this returns.
     async fn start_watch(&self, spec: Spec, start: Vec<(u64, u32)>) -> Result<Watch, Error> {
         let (tx, rx) = tokio::sync::mpsc::channel(BUFFER);
-        let mut tasks = Vec::new();
-        let mut position = start.clone();
-        let mut current = Vec::new();
+        // Built first, so that an error below drops it and its Drop stops the streams already open.
+        let mut watch = Watch {
+            rx,
+            tasks: Vec::new(),
+            pending: VecDeque::new(),
+            prefix: spec.prefix.clone(),
+            position: start.clone(),
+            current: Vec::new(),
+            failed: None,
+        };
         for (group, &(index, skip)) in start.iter().enumerate() {
             if index == u64::MAX {
                 continue;
             }
             let group = group as u32;
             let (stream, first) = self.open_stream(group, &spec, index, skip).await?;
-            current.extend(first.current);
+            watch.current.extend(first.current);
             let through = first.through_index;
-            position[group as usize] = if index == 0 {
+            watch.position[group as usize] = if index == 0 {
                 (through + 1, 0)
             } else {
                 (index, skip)
             };
-            let cursor = position[group as usize];
+            let cursor = watch.position[group as usize];
             let client = self.clone();
             let (spec, tx) = (spec.clone(), tx.clone());
-            tasks.push(tokio::spawn(async move {
+            watch.tasks.push(tokio::spawn(async move {
                 follow(client, group, spec, stream, cursor, tx).await;
             }));
         }
-        Ok(Watch {
-            rx,
-            tasks,
-            pending: VecDeque::new(),
-            position,
-            current,
-            failed: None,
-        })
+        Ok(watch)
     }
 
     /// Opens a group's stream on its leader and reads the first message.
@@ -221,7 +229,11 @@ async fn follow(
 ) {
     loop {
         let status = loop {
-            match stream.message().await {
+            let message = match tokio::time::timeout(SILENCE, stream.message()).await {
+                Ok(m) => m,
+                Err(_) => break tonic::Status::unavailable(format!("no message for {SILENCE:?}")),
+            };
+            match message {
                 Ok(Some(message)) => {
                     for e in &message.events {
                         cursor = if e.index == cursor.0 {
@@ -257,8 +269,10 @@ async fn follow(
                     stream = s;
                     break;
                 }
-                Err(Error::Unavailable(reason)) => {
-                    tracing::debug!(group, %reason, "cannot resume the watch yet");
+                // No leader reachable yet, or the leader has no watch slot free for now (slots are
+                // per server, and a failover moves streams onto fewer servers).
+                Err(e @ (Error::Unavailable(_) | Error::LimitExceeded { .. })) => {
+                    tracing::debug!(group, %e, "cannot resume the watch yet");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Err(e) => {
@@ -327,9 +341,11 @@ impl Watch {
         Ok(entry)
     }
 
-    /// Where this watch is: resume from here with [`Client::watch_from`].
+    /// Where this watch is: resume from here with [`Client::watch_from`]. It moves with every event
+    /// [`Watch::next`] returns, and with the servers' progress messages while `next` waits.
     pub fn position(&self) -> Position {
         Position {
+            prefix: self.prefix.clone(),
             groups: self.position.clone(),
         }
     }

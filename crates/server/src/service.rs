@@ -934,6 +934,12 @@ impl Holdfast for ClientService {
                 start if start <= state.history.floor() => {
                     return Err(errors::compacted(start, state.history.floor()))
                 }
+                start if start > applied && r.skip_events > 0 => {
+                    return Err(invalid(format!(
+                        "skip_events {} at start_index {start}: group {} has no events there yet",
+                        r.skip_events, r.group
+                    )))
+                }
                 start => crate::watch::Cursor {
                     index: start,
                     skip: r.skip_events as usize,
@@ -972,13 +978,22 @@ impl Holdfast for ClientService {
         tokio::spawn(async move {
             let _slot = slot;
             let mut cursor = cursor;
-            let mut sent_through = first.through_index;
             let mut last_sent = Instant::now();
             let mut tick = tokio::time::interval(WATCH_TICK);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Ticks in a row on which this server could not show that it leads with a quorum.
+            let mut unconfirmed = 0;
             if tx.send(Ok(first)).await.is_err() {
                 return;
             }
+            // Sends this server's leader hint: the client resumes on the leader from its position.
+            let not_leading = |group: &Group| {
+                let leader = group
+                    .current_leader()
+                    .filter(|id| *id != node.config.node_id);
+                let endpoint = leader.and_then(|id| node.client_endpoint(id));
+                Err(not_leader(leader, endpoint.as_deref()))
+            };
             loop {
                 let read = {
                     let state = group.state.read().expect("state lock");
@@ -988,6 +1003,12 @@ impl Holdfast for ClientService {
                 };
                 let batch = match read {
                     Ok(batch) => batch,
+                    // A snapshot from the leader replaced this server's state: it is a follower
+                    // that was behind, and the leader still has the events.
+                    Err(gone) if !gone.evicted => {
+                        let _ = tx.send(not_leading(&group)).await;
+                        return;
+                    }
                     Err(gone) => {
                         node.metrics.watches_cut_off.fetch_add(1, Relaxed);
                         let _ = tx
@@ -997,8 +1018,9 @@ impl Holdfast for ClientService {
                     }
                 };
                 cursor = batch.next;
-                let progress = batch.through > sent_through && last_sent.elapsed() >= WATCH_TICK;
-                if !batch.events.is_empty() || progress {
+                // At least one message a tick, so the client can tell a live stream from a silent one.
+                let beat = last_sent.elapsed() >= WATCH_TICK;
+                if !batch.events.is_empty() || beat {
                     node.metrics
                         .watch_events
                         .fetch_add(batch.events.len() as u64, Relaxed);
@@ -1010,7 +1032,6 @@ impl Holdfast for ClientService {
                     if tx.send(Ok(message)).await.is_err() {
                         return;
                     }
-                    sent_through = batch.through;
                     last_sent = Instant::now();
                 }
                 if batch.more {
@@ -1023,12 +1044,12 @@ impl Holdfast for ClientService {
                         }
                     }
                     _ = tick.tick() => {
-                        // A server that no longer leads the group ends the stream: the client resumes
-                        // on the leader, so no watcher follows a server cut off from the cluster.
-                        if group.current_leader() != Some(node.config.node_id) {
-                            let leader = group.current_leader();
-                            let endpoint = leader.and_then(|id| node.client_endpoint(id));
-                            let _ = tx.send(Err(not_leader(leader, endpoint.as_deref()))).await;
+                        // A server that cannot show it leads with a quorum (deposed, cut off from
+                        // the others, or stopped) ends the stream within two ticks, so no watcher
+                        // follows a server that no longer hears the cluster's changes.
+                        unconfirmed = if group.quorum_confirmed() { 0 } else { unconfirmed + 1 };
+                        if unconfirmed >= 2 {
+                            let _ = tx.send(not_leading(&group)).await;
                             return;
                         }
                     }

@@ -48,6 +48,9 @@ pub struct AuditLine {
     pub command: holdfast_lock_table::Command,
     pub outcome: holdfast_lock_table::Outcome,
     pub events: Vec<holdfast_lock_table::Event>,
+    /// What the entry did to locks (what watchers receive); absent in lines of older servers.
+    #[serde(default)]
+    pub changes: Vec<holdfast_lock_table::Change>,
 }
 
 impl StateMachine {
@@ -138,6 +141,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 let index = entry.log_id.index;
                 let response = apply_one(&mut s, entry);
                 let changes = s.table.take_changes();
+                let audited_changes = match (&self.audit, &audited) {
+                    (Some(_), Some(_)) => changes.clone(),
+                    _ => Vec::new(),
+                };
                 s.history.record(index, changes);
                 let events = s.table.take_events();
                 let outcome = match &response {
@@ -153,6 +160,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                         command: command.without_secrets(),
                         outcome: outcome.clone(),
                         events: events.iter().map(redacted).collect(),
+                        changes: audited_changes,
                     };
                     let written =
                         serde_json::to_writer(&mut *audit, &line).map_err(io::Error::other);

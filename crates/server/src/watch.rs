@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex};
 pub const HISTORY_EVENTS: usize = 100_000;
 /// Bytes of grant values kept per group (values are up to 1 KiB each); older changes are dropped first.
 pub const HISTORY_VALUE_BYTES: usize = 16 << 20;
-/// Most events in one `WatchResponse` (one entry with more is split, see `through_index`).
+/// A `WatchResponse` ends at the first entry boundary after this many events, so it holds at most
+/// twice as many; only an entry with more than this many matching events is split (see `through_index`).
 pub const MAX_BATCH_EVENTS: usize = 1_000;
 /// Most locks listed in a watch's first message (`include_current`).
 pub const MAX_CURRENT: usize = 1_000;
@@ -34,6 +35,8 @@ pub struct History {
     value_bytes: usize,
     /// Changes at indexes <= floor may be missing.
     floor: u64,
+    /// The floor moved because old changes were dropped (not because the state was replaced).
+    evicted: bool,
     /// The last applied index (changes up to it are here, if above `floor`).
     applied: u64,
 }
@@ -75,6 +78,9 @@ pub struct Batch {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Gone {
     pub floor: u64,
+    /// Gone because the history dropped it (the watcher was too slow), not because this server's state
+    /// was replaced by a snapshot (or it restarted) after the watcher's position.
+    pub evicted: bool,
 }
 
 impl History {
@@ -84,6 +90,7 @@ impl History {
             events: VecDeque::new(),
             value_bytes: 0,
             floor: applied,
+            evicted: false,
             applied,
         }
     }
@@ -126,6 +133,7 @@ impl History {
             self.value_bytes -= change.value.len();
         }
         self.floor = oldest;
+        self.evicted = true;
     }
 
     /// The state jumped to `applied` (a snapshot was installed): what came before is unknown here.
@@ -133,6 +141,7 @@ impl History {
         self.events.clear();
         self.value_bytes = 0;
         self.floor = applied;
+        self.evicted = false;
         self.applied = applied;
     }
 
@@ -140,7 +149,10 @@ impl History {
     /// events; an entry with more than `max` matching events alone is split after `2 * max`.
     pub fn read(&self, at: Cursor, filter: &Filter, max: usize) -> Result<Batch, Gone> {
         if at.index <= self.floor {
-            return Err(Gone { floor: self.floor });
+            return Err(Gone {
+                floor: self.floor,
+                evicted: self.evicted,
+            });
         }
         let start = self.events.partition_point(|(i, _)| *i < at.index);
         let mut events = Vec::new();
@@ -342,7 +354,10 @@ mod tests {
         // The floor: the snapshot's index, and below it nothing is known.
         assert_eq!(
             h.read(at(10, 0), &all(), 10).err(),
-            Some(Gone { floor: 10 })
+            Some(Gone {
+                floor: 10,
+                evicted: false
+            })
         );
     }
 
@@ -374,12 +389,21 @@ mod tests {
         }
         // One entry more than fits: the oldest entry went, both of its changes.
         assert_eq!(h.floor(), 1);
-        assert_eq!(h.read(at(1, 0), &all(), 10).err(), Some(Gone { floor: 1 }));
+        assert_eq!(
+            h.read(at(1, 0), &all(), 10).err(),
+            Some(Gone {
+                floor: 1,
+                evicted: true
+            })
+        );
         assert_eq!(ids(&h.read(at(2, 0), &all(), 1).unwrap())[0], (2, 2));
         h.reset(1_000_000);
         assert_eq!(
             h.read(at(5, 0), &all(), 10).err(),
-            Some(Gone { floor: 1_000_000 })
+            Some(Gone {
+                floor: 1_000_000,
+                evicted: false
+            })
         );
         let b = h.read(at(1_000_001, 0), &all(), 10).unwrap();
         assert!(b.events.is_empty());

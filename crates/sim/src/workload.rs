@@ -4,7 +4,8 @@
 //! token, release, and now and then describe a lock. One acquire in [`ABANDON_ONE_IN`] is dropped by its
 //! caller after a short patience, as a `select!` or a timeout would (recorded `unknown`). Every
 //! operation is recorded with its invoke and complete time (simulated wall clock) and `ok`, `fail` (did
-//! not happen) or `unknown` (may have).
+//! not happen) or `unknown` (may have). Each host also runs a watcher whose events P9 checks against the
+//! log.
 
 use crate::cluster::{client_endpoints, STORE_PORT};
 use crate::plan::{LOCKS, TTL_MS, WORKERS_PER_HOST};
@@ -102,6 +103,23 @@ pub async fn client_host(
         rng,
         until_ms,
     )));
+    // One watcher per host: every lock on the first, a few locks' prefix on the others (P9).
+    let watcher = Recorder {
+        history: history.clone(),
+        process: host as u32 + 1,
+        client: WORKERS_PER_HOST + 1,
+    };
+    let prefix = if host == 0 {
+        String::new()
+    } else {
+        format!("wl/{host}")
+    };
+    tasks.push(tokio::spawn(watch_loop(
+        client.clone(),
+        watcher,
+        prefix,
+        until_ms,
+    )));
     for t in tasks {
         t.await?;
     }
@@ -125,6 +143,52 @@ async fn reader_loop(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64)
             Err(e) => rec.record("describe", &lock, invoke, classify(&e), |_| {}),
         }
         tokio::time::sleep(Duration::from_millis(rng.between(10, 60))).await;
+    }
+}
+
+/// Watches `prefix` until the end, recording where each watch started and every event it delivered (P9
+/// compares them with the log). A watch ends only on an error retrying cannot fix (its position was
+/// compacted away); then a new one starts from now.
+async fn watch_loop(client: Client, rec: Recorder, prefix: String, until_ms: u64) {
+    let end = tokio::time::sleep(Duration::from_millis(until_ms.saturating_sub(now_ms())));
+    tokio::pin!(end);
+    while now_ms() < until_ms {
+        let invoke = now_ms();
+        let mut watch = tokio::select! {
+            w = client.watch(&prefix) => match w {
+                Ok(w) => w,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            },
+            () = &mut end => return,
+        };
+        let after = watch.position().groups[0].0 - 1;
+        rec.record("watch-start", &prefix, invoke, "ok", |o| {
+            o.value = Some(after)
+        });
+        loop {
+            let event = tokio::select! {
+                e = watch.next() => e,
+                () = &mut end => return,
+            };
+            let Ok(e) = event else { break };
+            let kind = match e.kind {
+                holdfast_client::EventKind::Granted => "granted",
+                holdfast_client::EventKind::Released => "released",
+                holdfast_client::EventKind::Expired => "expired",
+                holdfast_client::EventKind::Queued => "queued",
+                holdfast_client::EventKind::Cancelled => "cancelled",
+                holdfast_client::EventKind::Unknown(_) => "unknown",
+            };
+            rec.record("watch", &e.name, now_ms(), "ok", |o| {
+                o.index = Some(e.index);
+                o.kind = Some(kind.into());
+                o.session = Some(e.session);
+                o.token = Some(e.token);
+            });
+        }
     }
 }
 

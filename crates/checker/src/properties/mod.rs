@@ -11,7 +11,8 @@
 //! 6. [`p4_fenced_store`] checks the fenced store's log against the history;
 //! 7. [`p6_no_early_expiry`] checks expiries in the [`MergedLog`] against the history's renewals;
 //! 8. [`linearizable_locks`] searches the history alone for a linearization of each lock's operations;
-//! 9. [`p8_no_unknowing_holder`] checks that grants no client acknowledged end, from the [`Timelines`].
+//! 9. [`p8_no_unknowing_holder`] checks that grants no client acknowledged end, from the [`Timelines`];
+//! 10. [`p9_watch_streams`] checks the events watchers received against the changes in the [`MergedLog`].
 
 pub mod linearizable_locks;
 pub mod linearizable_reads;
@@ -22,6 +23,7 @@ pub mod p4_fenced_store;
 pub mod p5_acknowledged_in_log;
 pub mod p6_no_early_expiry;
 pub mod p8_no_unknowing_holder;
+pub mod p9_watch_streams;
 
 pub use p1_one_holder::{Grants, Timelines};
 pub use p2_replicas_agree::MergedLog;

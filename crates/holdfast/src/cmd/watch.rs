@@ -23,7 +23,8 @@ pub struct WatchArgs {
     json: bool,
 }
 
-fn kind(k: EventKind) -> String {
+/// The event kind's name, as `--json` prints it (and the fault workload records it).
+pub fn kind(k: EventKind) -> String {
     match k {
         EventKind::Granted => "granted".into(),
         EventKind::Released => "released".into(),

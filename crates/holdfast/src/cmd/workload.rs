@@ -79,8 +79,11 @@ impl History {
         if let (Some(obj), serde_json::Value::Object(extra)) = (line.as_object_mut(), fields) {
             obj.extend(extra);
         }
-        self.recorded
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // `--min-ops` counts client operations, not what the watcher received.
+        if !op.starts_with("watch") {
+            self.recorded
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let mut out = self.out.lock().expect("history lock");
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
@@ -237,8 +240,42 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
             anyhow::Ok(())
         }));
     }
+    // A watcher of every lock: the checker compares what it delivered with group 0's log (P9).
+    let watcher = tokio::spawn(watch_all(client.clone(), history.clone(), args.clients));
     for t in tasks {
         t.await??;
     }
+    watcher.abort();
     Ok(ExitCode::SUCCESS)
+}
+
+/// Records a `watch-start` and then every event of group 0 (whose audit log the checker has); a watch
+/// that ends for good (its position compacted away) is started again from now.
+async fn watch_all(client: holdfast_client::Client, history: Arc<History>, c: usize) {
+    loop {
+        let invoke = now_ms();
+        let mut watch = match client.watch("").await {
+            Ok(w) => w,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let after = watch.position().groups[0].0 - 1;
+        history.record(c, "watch-start", "", invoke, "ok", json!({"value": after}));
+        while let Ok(e) = watch.next().await {
+            if e.group != 0 {
+                continue;
+            }
+            let kind = super::watch::kind(e.kind);
+            history.record(
+                c,
+                "watch",
+                &e.name,
+                now_ms(),
+                "ok",
+                json!({"index": e.index, "kind": kind, "session": e.session, "token": e.token}),
+            );
+        }
+    }
 }

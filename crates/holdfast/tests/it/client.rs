@@ -161,4 +161,7 @@ async fn leader_election_hands_over_with_a_larger_epoch() {
         client.leader("svc/primary").await.unwrap().unwrap().epoch,
         lead_b.epoch()
     );
+    // A new observer reports the leader there is, first.
+    let mut late = client.observe("svc/primary");
+    assert_eq!(late.next().await.unwrap().unwrap().epoch, lead_b.epoch());
 }

@@ -213,8 +213,8 @@ async fn run(nemesis: Nemesis, seed: u64) {
     let longest_gap_ms = grants.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     let unknown = history.iter().filter(|o| o.result == "unknown").count();
     eprintln!(
-        "{nemesis:?} seed {seed}: longest gap between grants {longest_gap_ms} ms, {unknown} outcomes unknown; {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive); faults: {}",
-        report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, report.linearized_ops, report.linearizability_inconclusive, faults.join(", ")
+        "{nemesis:?} seed {seed}: longest gap between grants {longest_gap_ms} ms, {unknown} outcomes unknown; {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive), {} watch events checked; faults: {}",
+        report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, report.linearized_ops, report.linearizability_inconclusive, report.watch_events_checked, faults.join(", ")
     );
     assert!(
         report.violations.is_empty(),
@@ -228,6 +228,13 @@ async fn run(nemesis: Nemesis, seed: u64) {
         report.ops
     );
     assert!(!faults.is_empty());
+    // Both workload processes watch every lock through the faults (P9 checked what they received).
+    assert!(
+        report.watch_events_checked >= report.ok_grants,
+        "{nemesis:?}: only {} watch events checked for {} grants",
+        report.watch_events_checked,
+        report.ok_grants
+    );
     if let Nemesis::RollingRestart = nemesis {
         // Planned restarts hand leadership over: no election timeout (1 s max here) between grants, and
         // no request left without an answer.

@@ -102,7 +102,7 @@ async fn a_watch_sees_every_change_in_order_across_groups_and_a_killed_leader() 
     let t2 = g2.token();
     a.close().await.unwrap();
     drop(other);
-    let mut resumed = client.watch_from("w/", &position).await.unwrap();
+    let mut resumed = client.watch_from(&position).await.unwrap();
     assert_eq!(
         seen(&next(&mut resumed).await),
         ev(EventKind::Released, n2, sa2, t2)
@@ -201,7 +201,7 @@ async fn a_position_older_than_every_server_keeps_is_compacted() {
         c.kill(id).await;
         c.start_server(id);
     }
-    let err = client.watch_from("", &old).await.err().expect("compacted");
+    let err = client.watch_from(&old).await.err().expect("compacted");
     assert!(
         matches!(err, holdfast_client::Error::Compacted(ref m) if m.contains("no longer kept")),
         "{err}"
@@ -258,4 +258,38 @@ async fn holdfast_watch_prints_events_as_json() {
         assert_eq!(l["token"], token);
         assert_eq!(l["session"], s.ids()[0]);
     }
+}
+
+/// The leader is frozen (SIGSTOP, as a VM stall would): its streams go silent, and the watch resumes on
+/// the new leader by itself and delivers what happens there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_leaves_a_frozen_leader_and_misses_nothing() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let mut watch = client.watch("f").await.unwrap();
+    let before = s.try_acquire("f1").await.unwrap();
+    assert_eq!(next(&mut watch).await.token, before.token());
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let signal = |sig: &str| {
+        let pid = c.pid(leader).to_string();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let after = s.try_acquire("f2").await.unwrap();
+    let e = next(&mut watch).await;
+    signal("-CONT");
+    assert_eq!(
+        seen(&e),
+        ev(EventKind::Granted, "f2", s.ids()[0], after.token())
+    );
 }
