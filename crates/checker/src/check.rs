@@ -3,8 +3,8 @@
 
 use crate::model::{AuditLine, Op, StoreRecord};
 use crate::properties::{
-    linearizable_locks, linearizable_reads, p1_one_holder, p2_replicas_agree, p3_tokens,
-    p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry, p8_no_unknowing_holder,
+    linearizable_locks, linearizable_reads, p10_lock_delay, p1_one_holder, p2_replicas_agree,
+    p3_tokens, p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry, p8_no_unknowing_holder,
     p9_watch_streams,
 };
 
@@ -27,12 +27,17 @@ pub struct Report {
     pub unacknowledged_grants_checked: usize,
     /// Events watchers received, checked against the log (P9).
     pub watch_events_checked: usize,
+    /// Lock-delays checked to their end (P10).
+    pub lock_delays_checked: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
     let mut r = Report {
         // Client operations; what watchers received is counted in `watch_events_checked`.
-        ops: history.iter().filter(|o| !o.op.starts_with("watch")).count(),
+        ops: history
+            .iter()
+            .filter(|o| !o.op.starts_with("watch"))
+            .count(),
         ..Report::default()
     };
     // The properties read what each entry did: quota and secret wrappers only gate it.
@@ -62,6 +67,7 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     r.unacknowledged_grants_checked =
         p8_no_unknowing_holder::check(history, &merged, &timelines, &mut r.violations);
     r.watch_events_checked = p9_watch_streams::check(history, &merged, &mut r.violations);
+    r.lock_delays_checked = p10_lock_delay::check(&merged, &mut r.violations);
     r.linearized_ops = lin.ops;
     r.linearizability_inconclusive = lin.inconclusive;
     r.ok_grants = history

@@ -21,6 +21,8 @@
 //!
 //! - **P9** watch streams are the log: the events a watcher received are, in order, with no gap and no
 //!   repeat, the log's changes under its prefix after the index its watch started at.
+//! - **P10** a lock in its lock-delay is granted only by the `EndLockDelay` of that delay, no earlier than
+//!   the delay after the expiry (leader wall clock, 100 ms margin).
 //! - **linearizable reads**: every `describe` returns the lock's holder as of some log index between the
 //!   grants and opens (whose log indexes the history knows) that completed before it and those invoked
 //!   after it completed.
@@ -38,6 +40,7 @@
 //! - `properties/p6_no_early_expiry.rs`: P6 and its margin, `EXPIRY_MARGIN_MS`;
 //! - `properties/linearizable_reads.rs`: linearizable reads;
 //! - `properties/p9_watch_streams.rs`: P9;
+//! - `properties/p10_lock_delay.rs`: P10;
 //! - `tests.rs`: known-good and known-bad histories, each bad one caught by the right property.
 
 mod check;

@@ -652,3 +652,76 @@ fn p9_watch_streams_must_be_the_log_without_gaps_or_repeats() {
     let (v, _) = run(&every[..1], 3, "");
     assert!(v.len() == 1 && v[0].starts_with("P9:"), "{v:?}");
 }
+
+#[test]
+fn p10_no_grant_inside_a_lock_delay() {
+    use holdfast_lock_table::{Change, ChangeKind};
+    let change = |kind, session, token| Change {
+        name: name("l"),
+        kind,
+        session: SessionId(session),
+        token: Some(FencingToken(token)),
+        value: Box::default(),
+    };
+    let expiry = AuditLine {
+        index: 4,
+        command: Command::ExpireSession {
+            session: SessionId(1),
+            now_ms: 1_000,
+        },
+        outcome: Outcome::SessionClosed { released: 1 },
+        events: vec![
+            Event::LockDelayed {
+                name: name("l"),
+                token: FencingToken(3),
+                delay_ms: 500,
+            },
+            Event::SessionEnded {
+                session: SessionId(1),
+            },
+        ],
+        changes: vec![
+            change(ChangeKind::Expired, 1, 3),
+            change(ChangeKind::Delayed, 0, 3),
+        ],
+    };
+    let end = |now_ms| AuditLine {
+        index: 5,
+        command: Command::EndLockDelay {
+            name: name("l"),
+            token: FencingToken(3),
+            now_ms,
+        },
+        outcome: Outcome::Released,
+        events: vec![],
+        changes: vec![
+            change(ChangeKind::DelayEnded, 0, 3),
+            change(ChangeKind::Granted, 2, 5),
+        ],
+    };
+    let run = |grant: AuditLine| {
+        let log = vec![open(1), open(2), expiry.clone(), grant];
+        let r = check(&[], &[(1, log)], &[]);
+        let p10: Vec<_> = r
+            .violations
+            .into_iter()
+            .filter(|v| v.starts_with("P10"))
+            .collect();
+        (p10, r.lock_delays_checked)
+    };
+    assert_eq!(run(end(1_500)), (vec![], 1));
+    // Granted 100 ms after the expiry of a 500 ms delay.
+    assert_eq!(run(end(1_100)).0.len(), 1);
+    // Granted by something other than the delay's end.
+    let mut early = end(1_500);
+    early.command = Command::Acquire {
+        session: SessionId(2),
+        request: RequestId(1),
+        name: name("l"),
+        mode: AcquireMode::Wait,
+        value: Box::default(),
+        attempt: 1,
+        now_ms: 1_500,
+    };
+    assert_eq!(run(early).0.len(), 1);
+}

@@ -32,7 +32,7 @@ pub use client::{Client, ClientOptions};
 pub use election::{Leader, Leadership, Observer};
 pub use error::Error;
 pub use guard::LockGuard;
-pub use session::{LeaseLost, Session};
+pub use session::{AcquireOptions, LeaseLost, Session};
 pub use tls::ClientTls;
 pub use watch::{EventKind, Position, Watch, WatchEvent};
 

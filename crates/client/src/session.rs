@@ -391,6 +391,23 @@ impl Session {
         wait: Duration,
         value: &[u8],
     ) -> Result<LockGuard, Error> {
+        self.acquire_with(
+            name,
+            AcquireOptions {
+                wait,
+                value,
+                ..AcquireOptions::default()
+            },
+        )
+        .await
+    }
+
+    /// [`Session::acquire_with_value`] with every option (see [`AcquireOptions`]), such as a lock-delay.
+    pub async fn acquire_with(
+        &self,
+        name: &str,
+        options: AcquireOptions<'_>,
+    ) -> Result<LockGuard, Error> {
         if let Some(lost) = self.inner.lease.borrow().lost.clone() {
             return Err(Error::LeaseLost(lost.0));
         }
@@ -402,7 +419,7 @@ impl Session {
             armed: true,
         };
         match self
-            .acquire_once(name, group, pending.request_id, wait, value)
+            .acquire_once(name, group, pending.request_id, &options)
             .await
         {
             Ok(token) => {
@@ -434,9 +451,10 @@ impl Session {
         name: &str,
         group: u32,
         request_id: u64,
-        wait: Duration,
-        value: &[u8],
+        options: &AcquireOptions<'_>,
     ) -> Result<u64, Error> {
+        let (wait, value) = (options.wait, options.value);
+        let lock_delay_ms = u32::try_from(options.lock_delay.as_millis()).unwrap_or(u32::MAX);
         let session_id = self.inner.ids[group as usize];
         let secret = self.inner.secret_in(group);
         let wait_ms = wait.as_millis() as u64;
@@ -460,6 +478,7 @@ impl Session {
                     // server must not abandon it when an attempt times out or its connection breaks.
                     client_cancels: self.inner.client.options().client_cancels,
                     session_secret: secret.to_vec(),
+                    lock_delay_ms,
                 };
                 async move { c.acquire(req).await }
             })
@@ -573,4 +592,18 @@ impl Session {
         self.inner.mark_lost("session closed".into());
         Ok(())
     }
+}
+
+/// How [`Session::acquire_with`] acquires.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AcquireOptions<'a> {
+    /// How long to wait in the lock's FIFO queue; zero: try once.
+    pub wait: Duration,
+    /// Stored with the grant (at most 1,024 bytes); describe and watches show it.
+    pub value: &'a [u8],
+    /// Lock-delay (at most 60 s; zero: none): if this grant ends because the session **expired**, the
+    /// lock is granted to nobody for this long after the expiry (docs/api.md, "Lock-delay"). For a
+    /// resource that cannot check fencing tokens: it gives the expired holder's last requests time to
+    /// drain. A release or a close frees the lock at once.
+    pub lock_delay: Duration,
 }

@@ -38,6 +38,11 @@ pub enum EventKind {
     Queued,
     /// A waiter left the queue without it: cancelled, abandoned, or its session ended.
     Cancelled,
+    /// Follows `Expired` when the expired grant had a lock-delay: nobody holds it or is granted it
+    /// until `DelayEnded` (session 0; token: the expired grant's).
+    Delayed,
+    /// The lock-delay ended: the lock is free, or a `Granted` of the same index follows.
+    DelayEnded,
     /// A kind this client does not know (a newer server): the protobuf number.
     Unknown(i32),
 }
@@ -363,6 +368,8 @@ fn event(group: u32, e: pb::WatchEvent) -> WatchEvent {
         Ok(pb::WatchEventKind::Expired) => EventKind::Expired,
         Ok(pb::WatchEventKind::Queued) => EventKind::Queued,
         Ok(pb::WatchEventKind::Cancelled) => EventKind::Cancelled,
+        Ok(pb::WatchEventKind::Delayed) => EventKind::Delayed,
+        Ok(pb::WatchEventKind::DelayEnded) => EventKind::DelayEnded,
         _ => EventKind::Unknown(e.kind),
     };
     WatchEvent {

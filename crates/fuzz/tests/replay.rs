@@ -194,6 +194,7 @@ fn write_corpus() {
         value: b"x".to_vec(),
         client_cancels: false,
         session_secret: Vec::new(),
+        lock_delay_ms: 0,
     };
     write(
         "client_request",

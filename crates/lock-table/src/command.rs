@@ -119,6 +119,22 @@ pub enum Command {
         quota: QuotaLimits,
         command: Box<Command>,
     },
+    /// `command` (an acquire, possibly inside `Quota` and `Authorized`) asks for a lock-delay: if the
+    /// grant it makes (or the wait it queues, once granted) ends because its session **expired**, the
+    /// lock is not granted again until [`Command::EndLockDelay`] (which the leader proposes
+    /// `lock_delay_ms` after applying the expiry, on its monotonic clock). A clean release, a close or
+    /// an abandon frees it at once. At most [`crate::limits::MAX_LOCK_DELAY_MS`].
+    WithLockDelay {
+        lock_delay_ms: u32,
+        command: Box<Command>,
+    },
+    /// Ends the lock-delay of `name`, which began when the grant with `token` expired: the first waiter
+    /// is granted, or the lock is deleted. Anything else (no delay, another token) changes nothing.
+    EndLockDelay {
+        name: LockName,
+        token: FencingToken,
+        now_ms: u64,
+    },
 }
 
 /// Per-principal bounds carried by [`Command::Quota`].
@@ -176,17 +192,24 @@ impl Command {
                 quota: *quota,
                 command: Box::new(command.without_secrets()),
             },
+            Command::WithLockDelay {
+                lock_delay_ms,
+                command,
+            } => Command::WithLockDelay {
+                lock_delay_ms: *lock_delay_ms,
+                command: Box::new(command.without_secrets()),
+            },
             other => other.clone(),
         }
     }
 
-    /// The command inside any `Authorized` and `Quota` wrappers: what it does to the table when the
-    /// wrappers' checks pass.
+    /// The command inside any `Authorized`, `Quota` and `WithLockDelay` wrappers: what it does to the
+    /// table when the wrappers' checks pass.
     pub fn effective(&self) -> &Command {
         match self {
-            Command::Authorized { command, .. } | Command::Quota { command, .. } => {
-                command.effective()
-            }
+            Command::Authorized { command, .. }
+            | Command::Quota { command, .. }
+            | Command::WithLockDelay { command, .. } => command.effective(),
             other => other,
         }
     }
@@ -201,10 +224,11 @@ impl Command {
             | Command::Release { now_ms, .. }
             | Command::CancelWait { now_ms, .. }
             | Command::AbandonAcquire { now_ms, .. }
+            | Command::EndLockDelay { now_ms, .. }
             | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
-            Command::Authorized { command, .. } | Command::Quota { command, .. } => {
-                command.now_ms()
-            }
+            Command::Authorized { command, .. }
+            | Command::Quota { command, .. }
+            | Command::WithLockDelay { command, .. } => command.now_ms(),
         }
     }
 }
@@ -341,6 +365,12 @@ pub enum ChangeKind {
     Queued,
     /// A waiter left the queue without the lock: cancelled, abandoned, or its session ended.
     Cancelled,
+    /// Follows `Expired` when the expired grant had a lock-delay: nobody holds the lock and nobody is
+    /// granted it until `DelayEnded` (`session` is 0, `token` the expired grant's).
+    Delayed,
+    /// The lock-delay ended (`session` 0, `token` the expired grant's): the lock is free, or a `Granted`
+    /// for the first waiter follows in the same entry.
+    DelayEnded,
 }
 
 /// Side effects of an apply that the server reacts to (wake a waiting acquire, stop a session's timer).
@@ -376,4 +406,11 @@ pub enum Event {
     },
     /// A session was closed or expired.
     SessionEnded { session: SessionId },
+    /// The grant `token` of `name` expired with a lock-delay: the leader proposes
+    /// [`Command::EndLockDelay`] `delay_ms` later.
+    LockDelayed {
+        name: LockName,
+        token: FencingToken,
+        delay_ms: u32,
+    },
 }

@@ -15,7 +15,8 @@
 //! - [`name`]: lock-name rules and the stable name → group hash.
 //!
 //! Invariants (checked by `LockTable::check_invariants`, used by tests and simulations):
-//! - a lock has at most one holder, and the holder's session exists and lists the lock as held;
+//! - a lock has at most one holder, and the holder's session exists and lists the lock as held (or, in
+//!   a lock-delay after its holder expired, the holder is session 0, which never exists);
 //! - a session never both holds and waits for the same lock, and never waits twice in one queue;
 //! - tokens are log indexes, so they strictly increase per lock and are never 0.
 

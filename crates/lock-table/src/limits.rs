@@ -50,3 +50,8 @@ pub const OPEN_NONCE_WINDOW: usize = 4_096;
 /// Largest value stored with a grant (leader election's leader value). Small, because it lives in every
 /// replica's memory for as long as the lock is held.
 pub const MAX_VALUE_BYTES: usize = 1024;
+
+/// Longest lock-delay ([`crate::Command::WithLockDelay`]). Chubby's default is one minute: enough for a
+/// resource that cannot check tokens to see an expired holder's last request drain, and the longest a
+/// dead holder's lock should stay unusable after its TTL already ran out.
+pub const MAX_LOCK_DELAY_MS: u32 = 60_000;

@@ -4,15 +4,16 @@
 //! little-endian CRC-32 of everything before it. Ordered maps make the encoding canonical, so equal tables
 //! have equal bytes and the digest (FNV-1a 64 of the bytes) can be compared across replicas (property P2).
 //!
-//! Versions: 5 (written now) adds the principal that owns each session opened under a quota; 4 added
-//! each session's secret; 3 added each wait's and grant's acquire attempt.
-//! 4, 3 and 2 are still read: their sessions have no owner, 3's and 2's get secret 0 (none), and version 2's waits and grants attempt
+//! Versions: 6 (written now) adds each grant's and wait's lock-delay; 5 added the principal that owns
+//! each session opened under a quota; 4 added each session's secret; 3 added each wait's and grant's
+//! acquire attempt. 5, 4, 3 and 2 are still read: their grants and waits have no lock-delay, sessions
+//! before 5 have no owner, 3's and 2's get secret 0 (none), and version 2's waits and grants attempt
 //! 0, which no server's abandon matches, so a data directory written by an older release still starts.
 
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 5;
+const VERSION: u16 = 6;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -63,6 +64,9 @@ impl LockTable {
         let decode = |e: postcard::Error| SnapshotError::Decode(e.to_string());
         let mut table: LockTable = match version {
             VERSION => postcard::from_bytes(&body[6..]).map_err(decode)?,
+            5 => postcard::from_bytes::<v5::LockTable>(&body[6..])
+                .map_err(decode)?
+                .into(),
             4 => postcard::from_bytes::<v4::LockTable>(&body[6..])
                 .map_err(decode)?
                 .into(),
@@ -92,6 +96,98 @@ impl LockTable {
     }
 }
 
+/// Format version 5: grants and waits without a lock-delay.
+mod v5 {
+    use crate::table;
+    use crate::types::{FencingToken, LockName, RequestId, SessionId};
+    use serde::Deserialize;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Deserialize)]
+    pub(super) struct LockTable {
+        sessions: BTreeMap<SessionId, table::Session>,
+        locks: BTreeMap<LockName, Lock>,
+        open_nonces: BTreeMap<u128, (SessionId, u64)>,
+        open_nonce_order: VecDeque<u128>,
+        waiter_count: u64,
+        owners: BTreeMap<SessionId, Box<str>>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Lock {
+        holder: Holder,
+        // A `Box` in the table; the encoding is the same.
+        waiters: Option<VecDeque<Waiter>>,
+    }
+
+    #[derive(Deserialize)]
+    struct Holder {
+        session: SessionId,
+        token: FencingToken,
+        request: RequestId,
+        granted_at_ms: u64,
+        value: Box<[u8]>,
+        attempt: u64,
+    }
+
+    #[derive(Deserialize)]
+    struct Waiter {
+        session: SessionId,
+        request: RequestId,
+        enqueued_at_ms: u64,
+        value: Box<[u8]>,
+        attempt: u64,
+    }
+
+    impl From<Lock> for table::Lock {
+        fn from(l: Lock) -> Self {
+            let h = l.holder;
+            let mut waiters = table::Queue::default();
+            for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
+                waiters.push_back(table::Waiter {
+                    session: w.session,
+                    request: w.request,
+                    enqueued_at_ms: w.enqueued_at_ms,
+                    value: w.value,
+                    attempt: w.attempt,
+                    lock_delay_ms: 0,
+                });
+            }
+            table::Lock {
+                holder: table::Holder {
+                    session: h.session,
+                    token: h.token,
+                    request: h.request,
+                    granted_at_ms: h.granted_at_ms,
+                    value: h.value,
+                    attempt: h.attempt,
+                    lock_delay_ms: 0,
+                },
+                waiters,
+            }
+        }
+    }
+
+    /// Version 5's locks as this version's.
+    pub(super) fn locks(locks: BTreeMap<LockName, Lock>) -> BTreeMap<LockName, table::Lock> {
+        locks.into_iter().map(|(n, l)| (n, l.into())).collect()
+    }
+
+    impl From<LockTable> for table::LockTable {
+        fn from(t: LockTable) -> Self {
+            table::LockTable {
+                sessions: t.sessions,
+                locks: locks(t.locks),
+                open_nonces: t.open_nonces,
+                open_nonce_order: t.open_nonce_order,
+                waiter_count: t.waiter_count,
+                owners: t.owners,
+                ..table::LockTable::default()
+            }
+        }
+    }
+}
+
 /// Format version 4: no session owners.
 mod v4 {
     use crate::table;
@@ -102,7 +198,7 @@ mod v4 {
     #[derive(Deserialize)]
     pub(super) struct LockTable {
         sessions: BTreeMap<SessionId, table::Session>,
-        locks: BTreeMap<LockName, table::Lock>,
+        locks: BTreeMap<LockName, super::v5::Lock>,
         open_nonces: BTreeMap<u128, (SessionId, u64)>,
         open_nonce_order: VecDeque<u128>,
         waiter_count: u64,
@@ -112,7 +208,7 @@ mod v4 {
         fn from(t: LockTable) -> Self {
             table::LockTable {
                 sessions: t.sessions,
-                locks: t.locks,
+                locks: super::v5::locks(t.locks),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -120,6 +216,7 @@ mod v4 {
                 usage: BTreeMap::new(),
                 events: Vec::new(),
                 changes: Vec::new(),
+                acquire_lock_delay: 0,
             }
         }
     }
@@ -157,7 +254,7 @@ mod v3 {
     #[derive(Deserialize)]
     pub(super) struct LockTable {
         sessions: BTreeMap<SessionId, Session>,
-        locks: BTreeMap<LockName, table::Lock>,
+        locks: BTreeMap<LockName, super::v5::Lock>,
         open_nonces: BTreeMap<u128, (SessionId, u64)>,
         open_nonce_order: VecDeque<u128>,
         waiter_count: u64,
@@ -171,7 +268,7 @@ mod v3 {
                     .into_iter()
                     .map(|(id, s)| (id, s.into()))
                     .collect(),
-                locks: t.locks,
+                locks: super::v5::locks(t.locks),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -179,6 +276,7 @@ mod v3 {
                 usage: BTreeMap::new(),
                 events: Vec::new(),
                 changes: Vec::new(),
+                acquire_lock_delay: 0,
             }
         }
     }
@@ -239,6 +337,7 @@ mod v2 {
                         granted_at_ms: h.granted_at_ms,
                         value: h.value,
                         attempt: 0,
+                        lock_delay_ms: 0,
                     };
                     let mut waiters = table::Queue::default();
                     for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
@@ -248,6 +347,7 @@ mod v2 {
                             enqueued_at_ms: w.enqueued_at_ms,
                             value: w.value,
                             attempt: 0,
+                            lock_delay_ms: 0,
                         });
                     }
                     (name, table::Lock { holder, waiters })
@@ -267,6 +367,7 @@ mod v2 {
                 usage: BTreeMap::new(),
                 events: Vec::new(),
                 changes: Vec::new(),
+                acquire_lock_delay: 0,
             }
         }
     }

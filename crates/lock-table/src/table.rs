@@ -45,7 +45,14 @@ pub(crate) struct Holder {
     pub(crate) value: Box<[u8]>,
     /// The acquire call that last reported on this grant (see [`Command::AbandonAcquire`]).
     pub(crate) attempt: u64,
+    /// The lock-delay the grant asked for ([`Command::WithLockDelay`]); 0: none. On a delayed lock's
+    /// placeholder holder ([`NO_SESSION`]), the delay under way.
+    pub(crate) lock_delay_ms: u32,
 }
+
+/// The holder of a lock in its lock-delay: no session (ids are log indexes, never 0). Its token is the
+/// expired grant's, so the next grant's token is still larger.
+pub(crate) const NO_SESSION: SessionId = SessionId(0);
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Waiter {
@@ -55,9 +62,12 @@ pub(crate) struct Waiter {
     pub(crate) value: Box<[u8]>,
     /// The acquire call that last reported on this wait (see [`Command::AbandonAcquire`]).
     pub(crate) attempt: u64,
+    /// The lock-delay its grant will have.
+    pub(crate) lock_delay_ms: u32,
 }
 
-/// A lock exists in the table exactly while it has a holder; waiters exist only behind a holder.
+/// A lock exists in the table exactly while it has a holder (a session's, or [`NO_SESSION`] during a
+/// lock-delay); waiters exist only behind a holder.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Lock {
     pub(crate) holder: Holder,
@@ -83,6 +93,9 @@ pub struct LockTable {
     pub(crate) events: Vec<Event>,
     #[serde(skip)]
     pub(crate) changes: Vec<Change>,
+    /// The lock-delay of the acquire being applied ([`Command::WithLockDelay`]); 0 between applies.
+    #[serde(skip)]
+    pub(crate) acquire_lock_delay: u32,
 }
 
 /// One principal's sessions, and the locks they hold and wait for.
@@ -100,6 +113,9 @@ pub struct HolderView {
     pub token: FencingToken,
     pub granted_at_ms: u64,
     pub value: Box<[u8]>,
+    /// The grant's lock-delay; for a delayed lock (session 0), the delay under way, and `granted_at_ms`
+    /// is when it began.
+    pub lock_delay_ms: u32,
 }
 
 /// Read-only view of a waiter.
@@ -203,7 +219,60 @@ impl LockTable {
                 attempt,
                 now_ms,
             } => self.abandon(index, *session, *request, name, *attempt, *now_ms),
+            Command::WithLockDelay {
+                lock_delay_ms,
+                command,
+            } => {
+                self.acquire_lock_delay = *lock_delay_ms;
+                let outcome = self.apply(index, command);
+                self.acquire_lock_delay = 0;
+                outcome
+            }
+            Command::EndLockDelay {
+                name,
+                token,
+                now_ms,
+            } => self.end_lock_delay(index, name, *token, *now_ms),
         }
+    }
+
+    /// [`Command::EndLockDelay`].
+    fn end_lock_delay(
+        &mut self,
+        index: u64,
+        name: &LockName,
+        token: FencingToken,
+        now_ms: u64,
+    ) -> Outcome {
+        match self.locks.get(name) {
+            Some(lock) if lock.holder.session == NO_SESSION && lock.holder.token == token => {
+                self.changed(name, ChangeKind::DelayEnded, NO_SESSION, Some(token));
+                self.hand_over(index, name, now_ms);
+                Outcome::Released
+            }
+            _ => Outcome::Refused(Refusal::NotHolder),
+        }
+    }
+
+    /// The grant `token` of `name` expired with a lock-delay: a placeholder holds the lock until
+    /// [`Command::EndLockDelay`]. Waiters stay queued.
+    fn delay_lock(&mut self, name: &LockName, token: FencingToken, delay_ms: u32, now_ms: u64) {
+        let lock = self.locks.get_mut(name).expect("a held lock exists");
+        lock.holder = Holder {
+            session: NO_SESSION,
+            token,
+            request: RequestId(0),
+            granted_at_ms: now_ms,
+            value: Box::default(),
+            attempt: 0,
+            lock_delay_ms: delay_ms,
+        };
+        self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
+        self.events.push(Event::LockDelayed {
+            name: name.clone(),
+            token,
+            delay_ms,
+        });
     }
 
     /// Side effects of the applies since the last call, in apply order.
@@ -493,9 +562,14 @@ impl LockTable {
         }
         let released = ended.held.len() as u32;
         for name in &ended.held {
-            let token = self.locks[name].holder.token;
+            let holder = &self.locks[name].holder;
+            let (token, delay) = (holder.token, holder.lock_delay_ms);
             self.changed(name, how, session, Some(token));
-            self.hand_over(index, name, now_ms);
+            if how == ChangeKind::Expired && delay > 0 {
+                self.delay_lock(name, token, delay, now_ms);
+            } else {
+                self.hand_over(index, name, now_ms);
+            }
         }
         self.events.push(Event::SessionEnded { session });
         Outcome::SessionClosed { released }
@@ -578,6 +652,7 @@ impl LockTable {
                     granted_at_ms: now_ms,
                     value: value.into(),
                     attempt,
+                    lock_delay_ms: self.acquire_lock_delay,
                 };
                 self.locks.insert(
                     name.clone(),
@@ -612,6 +687,7 @@ impl LockTable {
                     enqueued_at_ms: now_ms,
                     value: value.into(),
                     attempt,
+                    lock_delay_ms: self.acquire_lock_delay,
                 });
                 let position = lock.waiters.len() as u32;
                 self.waiter_count += 1;
@@ -795,6 +871,7 @@ impl LockTable {
             granted_at_ms: now_ms,
             value: next.value,
             attempt: next.attempt,
+            lock_delay_ms: next.lock_delay_ms,
         };
         let value = lock.holder.value.clone();
         self.waiter_count -= 1;
@@ -845,6 +922,16 @@ impl LockTable {
     }
 
     // ---- reads ----
+
+    /// Locks in their lock-delay: (name, the expired grant's token, the delay). A new leader times each
+    /// with the full delay from when it starts leading.
+    pub fn delayed_locks(&self) -> Vec<(LockName, FencingToken, u32)> {
+        self.locks
+            .iter()
+            .filter(|(_, l)| l.holder.session == NO_SESSION)
+            .map(|(n, l)| (n.clone(), l.holder.token, l.holder.lock_delay_ms))
+            .collect()
+    }
 
     pub fn has_session(&self, session: SessionId) -> bool {
         self.sessions.contains_key(&session)
@@ -901,15 +988,20 @@ impl LockTable {
     /// Checks every structural invariant; panics with a description on the first violation. O(size).
     pub fn check_invariants(&self) {
         let mut waiters = 0u64;
+        assert!(!self.sessions.contains_key(&NO_SESSION), "no session 0");
         for (name, lock) in &self.locks {
-            let holder = self
-                .sessions
-                .get(&lock.holder.session)
-                .expect("holder session exists");
-            assert!(
-                holder.held.contains(name),
-                "holder's session lists {name} as held"
-            );
+            if lock.holder.session == NO_SESSION {
+                assert!(lock.holder.lock_delay_ms > 0, "{name}: no holder, no delay");
+            } else {
+                let holder = self
+                    .sessions
+                    .get(&lock.holder.session)
+                    .expect("holder session exists");
+                assert!(
+                    holder.held.contains(name),
+                    "holder's session lists {name} as held"
+                );
+            }
             assert!(lock.holder.token.0 > 0, "token 0 is never issued");
             let mut seen = BTreeSet::new();
             for w in lock.waiters.iter() {
@@ -981,6 +1073,7 @@ fn lock_view(name: &LockName, lock: &Lock) -> LockView {
             token: lock.holder.token,
             granted_at_ms: lock.holder.granted_at_ms,
             value: lock.holder.value.clone(),
+            lock_delay_ms: lock.holder.lock_delay_ms,
         },
         waiters: lock
             .waiters
@@ -1056,6 +1149,10 @@ impl LockTable {
     /// Rebuilds what snapshots leave out (each session's held and waited-for locks) from the locks, sharing
     /// the lock map's names.
     pub(crate) fn rebuild_derived(&mut self) -> Result<(), String> {
+        // Session ids are log indexes (never 0); 0 marks a lock in its lock-delay.
+        if self.sessions.contains_key(&NO_SESSION) {
+            return Err("the table has a session 0".into());
+        }
         for s in self.sessions.values_mut() {
             s.held.clear();
             s.waiting.clear();
@@ -1064,16 +1161,22 @@ impl LockTable {
             if !lock.waiters.is_normal() {
                 return Err(format!("lock {name} has an empty queue"));
             }
-            self.sessions
-                .get_mut(&lock.holder.session)
-                .ok_or_else(|| {
-                    format!(
-                        "lock {name} is held by unknown session {}",
-                        lock.holder.session
-                    )
-                })?
-                .held
-                .insert(name.clone());
+            if lock.holder.session == NO_SESSION {
+                if lock.holder.lock_delay_ms == 0 {
+                    return Err(format!("lock {name} has no holder and no lock-delay"));
+                }
+            } else {
+                self.sessions
+                    .get_mut(&lock.holder.session)
+                    .ok_or_else(|| {
+                        format!(
+                            "lock {name} is held by unknown session {}",
+                            lock.holder.session
+                        )
+                    })?
+                    .held
+                    .insert(name.clone());
+            }
             for w in lock.waiters.iter() {
                 let s = self.sessions.get_mut(&w.session).ok_or_else(|| {
                     format!("lock {name} has a waiter of unknown session {}", w.session)

@@ -109,7 +109,11 @@ pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
         Refusal::Held { holder, token } => status(
             Code::Aborted,
             Reason::LockHeld,
-            format!("lock {name:?} is held by session {holder} with token {token}"),
+            if holder.0 == 0 {
+                format!("lock {name:?} is in its lock-delay: the session holding it with token {token} expired, and nobody gets it until the delay ends")
+            } else {
+                format!("lock {name:?} is held by session {holder} with token {token}")
+            },
             ErrorDetail { holder_session_id: holder.0, current_token: token.0, ..Default::default() },
         ),
         Refusal::AlreadyHolder { token } => status(

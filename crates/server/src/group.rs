@@ -569,6 +569,7 @@ impl Group {
                             self.leases.start_leading(
                                 term,
                                 s.table.session_leases(),
+                                s.table.delayed_locks(),
                                 Instant::now(),
                             );
                             tracing::info!(
@@ -595,7 +596,8 @@ impl Group {
         }
     }
 
-    /// Runs until Raft shuts down: proposes `ExpireSession` for every session whose deadline passed.
+    /// Runs until Raft shuts down: proposes `ExpireSession` for every session whose deadline passed, and
+    /// `EndLockDelay` for every lock-delay that ran its time.
     pub async fn run_expiry(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
         loop {
             let next = self
@@ -606,6 +608,39 @@ impl Group {
                 _ = tokio::time::sleep_until(next) => {}
                 _ = self.leases.wake.notified() => continue,
                 _ = shutdown.changed() => return,
+            }
+            for (name, token) in self.leases.take_due_delays(Instant::now()) {
+                let group = self.clone();
+                tokio::spawn(async move {
+                    let command = Command::EndLockDelay {
+                        name: name.clone(),
+                        token,
+                        now_ms: crate::now_ms(),
+                    };
+                    match group.propose(command).await {
+                        Ok(outcome) => tracing::info!(
+                            group = group.id,
+                            name = name.as_str(),
+                            token = token.0,
+                            ?outcome,
+                            "lock-delay ended"
+                        ),
+                        Err(ProposeError::NotLeader(_)) => {}
+                        Err(e) => {
+                            tracing::warn!(
+                                group = group.id,
+                                name = name.as_str(),
+                                ?e,
+                                "lock-delay end not committed; will retry"
+                            );
+                            group.leases.retry_delay(
+                                name,
+                                token,
+                                Instant::now() + Duration::from_millis(500),
+                            );
+                        }
+                    }
+                });
             }
             for session in self.leases.take_due(Instant::now()) {
                 let group = self.clone();

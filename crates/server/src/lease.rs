@@ -10,8 +10,10 @@
 //! - A session whose expiry has been proposed is answered "not alive" from then on, so a keepalive is
 //!   never acknowledged for a session that an in-flight entry is about to expire.
 //! - Time is `tokio::time::Instant`, so tests drive it with paused time.
+//! - Lock-delays are timed the same way: a leader proposes `EndLockDelay` a full delay after it applied
+//!   the expiry that began it, or after it started leading, never earlier.
 
-use holdfast_lock_table::{Event, SessionId};
+use holdfast_lock_table::{Event, FencingToken, LockName, SessionId};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Mutex;
@@ -39,6 +41,8 @@ struct State {
     /// Deadlines, possibly stale (a keepalive pushes a new one without removing the old): each popped
     /// entry is checked against `timers`. Compacted when it grows past 4× the live sessions.
     heap: BinaryHeap<Reverse<(Instant, SessionId)>>,
+    /// Lock-delays under way: when each ends, and the token of the expired grant that began it.
+    delays: std::collections::BTreeMap<(Instant, LockName), FencingToken>,
 }
 
 /// Why a keepalive renewed nothing.
@@ -98,12 +102,20 @@ impl Leases {
         &self,
         term: u64,
         sessions: impl Iterator<Item = (SessionId, u64, u128)>,
+        delayed: Vec<(LockName, FencingToken, u32)>,
         now: Instant,
     ) {
         let mut s = self.lock();
         s.leading = Some(term);
         s.timers.clear();
         s.heap.clear();
+        s.delays = delayed
+            .into_iter()
+            .map(|(name, token, ms)| {
+                let end = now + self.span(Duration::from_millis(u64::from(ms)));
+                ((end, name), token)
+            })
+            .collect();
         for (id, ttl_ms, secret) in sessions {
             let ttl = Duration::from_millis(ttl_ms);
             let deadline = now + self.span(ttl);
@@ -211,6 +223,15 @@ impl Leases {
                 Event::SessionEnded { session } => {
                     s.timers.remove(session);
                 }
+                Event::LockDelayed {
+                    name,
+                    token,
+                    delay_ms,
+                } => {
+                    let end = now + self.span(Duration::from_millis(u64::from(*delay_ms)));
+                    s.delays.insert((end, name.clone()), *token);
+                    earlier = true;
+                }
                 _ => {}
             }
         }
@@ -260,9 +281,38 @@ impl Leases {
         }
     }
 
+    /// Lock-delays that have run their full time: each is returned once.
+    pub fn take_due_delays(&self, now: Instant) -> Vec<(LockName, FencingToken)> {
+        let mut s = self.lock();
+        let mut due = Vec::new();
+        while let Some(entry) = s.delays.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let ((_, name), token) = entry.remove_entry();
+            due.push((name, token));
+        }
+        due
+    }
+
+    /// An `EndLockDelay` proposal failed for a reason other than losing leadership: propose it again
+    /// at `at` (ending a delay twice changes nothing).
+    pub fn retry_delay(&self, name: LockName, token: FencingToken, at: Instant) {
+        let mut s = self.lock();
+        if s.leading.is_some() {
+            s.delays.insert((at, name), token);
+        }
+    }
+
     /// When the expiry task should next look.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.lock().heap.peek().map(|Reverse((d, _))| *d)
+        let s = self.lock();
+        let session = s.heap.peek().map(|Reverse((d, _))| *d);
+        let delay = s.delays.keys().next().map(|(d, _)| *d);
+        match (session, delay) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -281,7 +331,7 @@ mod tests {
         let t0 = Instant::now();
         // 5% fast: a 10 s TTL on this clock is 9.524 s of real time.
         let fast = Leases::with_clock_rate_ppm(50_000);
-        fast.start_leading(1, [(SessionId(1), 10_000, 0)].into_iter(), t0);
+        fast.start_leading(1, [(SessionId(1), 10_000, 0)].into_iter(), Vec::new(), t0);
         assert!(fast.take_due(t0 + Duration::from_millis(9_523)).is_empty());
         assert_eq!(
             fast.take_due(t0 + Duration::from_millis(9_524)),
@@ -289,7 +339,7 @@ mod tests {
         );
         // 5% slow: 10.526 s.
         let slow = Leases::with_clock_rate_ppm(-50_000);
-        slow.start_leading(1, [(SessionId(2), 10_000, 0)].into_iter(), t0);
+        slow.start_leading(1, [(SessionId(2), 10_000, 0)].into_iter(), Vec::new(), t0);
         assert!(slow.take_due(t0 + Duration::from_millis(10_526)).is_empty());
         assert_eq!(
             slow.take_due(t0 + Duration::from_millis(10_527)),
@@ -301,7 +351,7 @@ mod tests {
     async fn a_session_expires_one_ttl_after_its_last_keepalive() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        leases.start_leading(1, [(SessionId(7), 10_000, 0)].into_iter(), t0);
+        leases.start_leading(1, [(SessionId(7), 10_000, 0)].into_iter(), Vec::new(), t0);
         tokio::time::advance(Duration::from_secs(9)).await;
         assert_eq!(
             alive(&leases, 7, Instant::now()),
@@ -325,7 +375,7 @@ mod tests {
     async fn a_failed_expiry_is_retried_and_never_renewed_meanwhile() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        leases.start_leading(1, [(SessionId(4), 2_000, 0)].into_iter(), t0);
+        leases.start_leading(1, [(SessionId(4), 2_000, 0)].into_iter(), Vec::new(), t0);
         let due_at = t0 + Duration::from_secs(2);
         assert_eq!(leases.take_due(due_at), vec![SessionId(4)]);
         // The proposal's outcome is unknown: it may still commit, so the session must stay unrenewable.
@@ -348,7 +398,7 @@ mod tests {
     async fn a_new_leader_gives_a_full_fresh_ttl() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        leases.start_leading(1, [(SessionId(1), 5_000, 0)].into_iter(), t0);
+        leases.start_leading(1, [(SessionId(1), 5_000, 0)].into_iter(), Vec::new(), t0);
         tokio::time::advance(Duration::from_secs(4)).await;
         leases.stop_leading();
         assert_eq!(
@@ -357,7 +407,7 @@ mod tests {
             "a follower does not renew"
         );
         let t1 = Instant::now();
-        leases.start_leading(2, [(SessionId(1), 5_000, 0)].into_iter(), t1);
+        leases.start_leading(2, [(SessionId(1), 5_000, 0)].into_iter(), Vec::new(), t1);
         assert!(leases
             .take_due(t1 + Duration::from_millis(4_999))
             .is_empty());
@@ -375,6 +425,7 @@ mod tests {
         leases.start_leading(
             1,
             [(SessionId(1), 5_000, 11), (SessionId(2), 5_000, 22)].into_iter(),
+            Vec::new(),
             t0,
         );
         tokio::time::advance(Duration::from_secs(4)).await;
@@ -407,7 +458,7 @@ mod tests {
     async fn opened_and_ended_sessions_follow_the_log() {
         let leases = Leases::default();
         let now = Instant::now();
-        leases.start_leading(1, std::iter::empty(), now);
+        leases.start_leading(1, std::iter::empty(), Vec::new(), now);
         leases.on_events(
             &[Event::SessionOpened {
                 session: SessionId(3),
@@ -434,7 +485,12 @@ mod tests {
     async fn many_keepalives_keep_the_heap_bounded() {
         let leases = Leases::default();
         let now = Instant::now();
-        leases.start_leading(1, (1..=100).map(|i| (SessionId(i), 10_000, 0)), now);
+        leases.start_leading(
+            1,
+            (1..=100).map(|i| (SessionId(i), 10_000, 0)),
+            Vec::new(),
+            now,
+        );
         for round in 0..1_000u64 {
             let t = now + Duration::from_millis(round);
             let mut out = Vec::new();
@@ -443,5 +499,50 @@ mod tests {
                 .unwrap();
         }
         assert!(leases.lock().heap.len() <= 4 * 100 + 1024 + 100);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lock_delay_ends_a_full_delay_after_the_expiry_or_the_new_term() {
+        use holdfast_lock_table::{FencingToken, LockName};
+        let x = LockName::new("x").unwrap();
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        // A new leader times a delay already under way with the full delay from now.
+        leases.start_leading(
+            1,
+            std::iter::empty(),
+            vec![(x.clone(), FencingToken(4), 3_000)],
+            t0,
+        );
+        assert_eq!(leases.next_deadline(), Some(t0 + Duration::from_secs(3)));
+        assert!(leases
+            .take_due_delays(t0 + Duration::from_millis(2_999))
+            .is_empty());
+        let due = leases.take_due_delays(t0 + Duration::from_secs(3));
+        assert_eq!(due, vec![(x.clone(), FencingToken(4))]);
+        assert!(
+            leases
+                .take_due_delays(t0 + Duration::from_secs(9))
+                .is_empty(),
+            "returned once"
+        );
+        // One that begins while leading runs from the apply.
+        let y = LockName::new("y").unwrap();
+        let t1 = t0 + Duration::from_secs(10);
+        leases.on_events(
+            &[Event::LockDelayed {
+                name: y.clone(),
+                token: FencingToken(9),
+                delay_ms: 1_000,
+            }],
+            t1,
+        );
+        assert_eq!(leases.next_deadline(), Some(t1 + Duration::from_secs(1)));
+        // A follower keeps no delay timers.
+        leases.stop_leading();
+        assert!(leases
+            .take_due_delays(t1 + Duration::from_secs(5))
+            .is_empty());
+        assert_eq!(leases.next_deadline(), None);
     }
 }

@@ -158,6 +158,8 @@ impl ClientService {
                 })
                 .collect(),
             holder_value: view.holder.value.to_vec(),
+            lock_delay_ms: view.holder.lock_delay_ms,
+            delayed: view.holder.session.0 == 0,
         }
     }
 
@@ -501,6 +503,17 @@ impl Holdfast for ClientService {
                 ),
             ));
         }
+        let max_delay = holdfast_lock_table::limits::MAX_LOCK_DELAY_MS;
+        if r.lock_delay_ms > max_delay {
+            return Err(limit(
+                "max_lock_delay_ms",
+                u64::from(max_delay),
+                format!(
+                    "lock-delay of {} ms is over the limit of {max_delay} ms (max_lock_delay_ms)",
+                    r.lock_delay_ms
+                ),
+            ));
+        }
         // From here on, a handler dropped before it answers abandons the acquire through the log, unless
         // the client said it cancels by itself.
         let on_drop = if r.client_cancels {
@@ -527,7 +540,7 @@ impl Holdfast for ClientService {
         };
         // Register before proposing, so a grant applied right after the Queued outcome is not missed.
         let wait = (mode == AcquireMode::Wait).then(|| group.waiters.register(session, request));
-        let command = within(
+        let mut command = within(
             quota,
             authorized(
                 secret,
@@ -542,6 +555,12 @@ impl Holdfast for ClientService {
                 },
             ),
         );
+        if r.lock_delay_ms > 0 {
+            command = Command::WithLockDelay {
+                lock_delay_ms: r.lock_delay_ms,
+                command: Box::new(command),
+            };
+        }
         let outcome = group
             .propose(command)
             .await

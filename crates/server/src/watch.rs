@@ -222,6 +222,8 @@ pub fn kind(k: ChangeKind) -> holdfast_proto::v1::WatchEventKind {
         ChangeKind::Expired => K::Expired,
         ChangeKind::Queued => K::Queued,
         ChangeKind::Cancelled => K::Cancelled,
+        ChangeKind::Delayed => K::Delayed,
+        ChangeKind::DelayEnded => K::DelayEnded,
     }
 }
 

@@ -180,6 +180,8 @@ async fn watch_loop(client: Client, rec: Recorder, prefix: String, until_ms: u64
                 holdfast_client::EventKind::Expired => "expired",
                 holdfast_client::EventKind::Queued => "queued",
                 holdfast_client::EventKind::Cancelled => "cancelled",
+                holdfast_client::EventKind::Delayed => "delayed",
+                holdfast_client::EventKind::DelayEnded => "delay-ended",
                 holdfast_client::EventKind::Unknown(_) => "unknown",
             };
             rec.record("watch", &e.name, now_ms(), "ok", |o| {
@@ -242,7 +244,21 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
         // The session's id in the lock's group (what describe reports as the holder).
         let sid = s.id_for(&lock);
         let invoke = now_ms();
-        let acquire = s.acquire_timeout(&lock, Duration::from_secs(1));
+        // One acquire in four asks for a lock-delay: an expiry of its session (a paused client) then
+        // leaves the lock to nobody for 300 ms, timed by whichever server leads then.
+        let lock_delay = if rng.between(0, 3) == 0 {
+            Duration::from_millis(300)
+        } else {
+            Duration::ZERO
+        };
+        let acquire = s.acquire_with(
+            &lock,
+            holdfast_client::AcquireOptions {
+                wait: Duration::from_secs(1),
+                lock_delay,
+                ..Default::default()
+            },
+        );
         // Now and then the caller gives up early and drops the acquire (a select!, a timeout, a
         // shutdown): its wait or grant must not outlive that (P8). It may have been granted meanwhile.
         let acquired = if rng.between(0, ABANDON_ONE_IN - 1) == 0 {

@@ -23,6 +23,8 @@ fn kind(k: ChangeKind) -> &'static str {
         ChangeKind::Expired => "expired",
         ChangeKind::Queued => "queued",
         ChangeKind::Cancelled => "cancelled",
+        ChangeKind::Delayed => "delayed",
+        ChangeKind::DelayEnded => "delay-ended",
     }
 }
 

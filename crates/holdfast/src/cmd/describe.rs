@@ -21,6 +21,7 @@ pub fn lock_json(l: &LockInfo) -> Value {
         "name": l.name, "free": false, "token": l.token, "holder_session_id": l.holder_session_id,
         "granted_at_ms": l.granted_at_ms, "holder_ttl_remaining_ms": l.holder_ttl_remaining_ms,
         "holder_value": show_bytes(&l.holder_value),
+        "lock_delay_ms": l.lock_delay_ms, "delayed": l.delayed,
         "waiters": l.waiters.iter().map(|w| json!({"session_id": w.session_id, "enqueued_at_ms": w.enqueued_at_ms})).collect::<Vec<_>>(),
     })
 }
@@ -35,12 +36,26 @@ pub async fn run(args: DescribeArgs) -> anyhow::Result<ExitCode> {
         (Some(l), false) => {
             println!("name:      {}", l.name);
             println!("token:     {}", l.token);
-            println!(
-                "holder:    session {} (ttl left {})",
-                l.holder_session_id,
-                human_ms(l.holder_ttl_remaining_ms)
-            );
-            println!("granted:   {}", ago(l.granted_at_ms));
+            if l.delayed {
+                println!(
+                    "holder:    none: in its lock-delay of {} since the holder's session expired {}",
+                    human_ms(u64::from(l.lock_delay_ms)),
+                    ago(l.granted_at_ms)
+                );
+            } else {
+                println!(
+                    "holder:    session {} (ttl left {})",
+                    l.holder_session_id,
+                    human_ms(l.holder_ttl_remaining_ms)
+                );
+                println!("granted:   {}", ago(l.granted_at_ms));
+                if l.lock_delay_ms > 0 {
+                    println!(
+                        "delay:     {} lock-delay if the session expires",
+                        human_ms(u64::from(l.lock_delay_ms))
+                    );
+                }
+            }
             if !l.holder_value.is_empty() {
                 println!("value:     {}", show_bytes(&l.holder_value));
             }

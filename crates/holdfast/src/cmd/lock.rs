@@ -42,6 +42,10 @@ pub struct LockArgs {
     /// After SIGTERM, how long CMD gets before SIGKILL.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     kill_after: Duration,
+    /// Lock-delay (at most 60s): if this process's session expires (it was killed, hung or cut off),
+    /// nobody gets the lock for this long afterwards. For resources that cannot check HOLDFAST_TOKEN.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    lock_delay: Duration,
     #[command(flatten)]
     conn: Conn,
 }
@@ -52,7 +56,12 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
         .open_session(args.ttl)
         .await
         .context("cannot open a session")?;
-    let guard = match session.acquire_timeout(&args.name, args.wait).await {
+    let options = holdfast_client::AcquireOptions {
+        wait: args.wait,
+        lock_delay: args.lock_delay,
+        ..Default::default()
+    };
+    let guard = match session.acquire_with(&args.name, options).await {
         Ok(g) => g,
         Err(e @ holdfast_client::Error::LeaseLost(_)) => {
             eprintln!("holdfast: cannot acquire {:?}: {e}", args.name);

@@ -33,7 +33,11 @@ pub async fn run(args: LocksArgs) -> anyhow::Result<ExitCode> {
             "{:<40} {:>10} {:>10} {:>9} {:>7} {:<14} {}",
             l.name,
             l.token,
-            l.holder_session_id,
+            if l.delayed {
+                "delayed".to_string()
+            } else {
+                l.holder_session_id.to_string()
+            },
             human_ms(l.holder_ttl_remaining_ms),
             l.waiters.len(),
             ago(l.granted_at_ms),

@@ -31,6 +31,8 @@ pub fn kind(k: EventKind) -> String {
         EventKind::Expired => "expired".into(),
         EventKind::Queued => "queued".into(),
         EventKind::Cancelled => "cancelled".into(),
+        EventKind::Delayed => "delayed".into(),
+        EventKind::DelayEnded => "delay-ended".into(),
         EventKind::Unknown(n) => format!("unknown({n})"),
     }
 }

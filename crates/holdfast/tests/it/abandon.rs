@@ -86,6 +86,7 @@ async fn a_raw_acquire_whose_call_is_cancelled_is_abandoned_by_the_server() {
         value: vec![],
         client_cancels: false,
         session_secret: b_secret.clone(),
+        lock_delay_ms: 0,
     };
     // Dropping the call's future resets its HTTP/2 stream; the connection stays open.
     let dropped = tokio::time::timeout(
@@ -151,6 +152,7 @@ async fn cancel_acquire_releases_a_grant_and_forestalls_a_late_acquire() {
             value: vec![],
             client_cancels: false,
             session_secret: s.secrets()[0].clone(),
+            lock_delay_ms: 0,
         })
         .await
         .unwrap_err();
@@ -236,6 +238,7 @@ async fn a_try_retry_of_a_queued_request_ends_its_wait() {
         // This caller says it cancels by itself, so the server keeps the wait when the call goes away.
         client_cancels: true,
         session_secret: b_secret.clone(),
+        lock_delay_ms: 0,
     };
     let dropped = tokio::time::timeout(
         Duration::from_millis(300),

@@ -94,6 +94,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         value: vec![],
         client_cancels: false,
         session_secret: secret_of(session_id),
+        lock_delay_ms: 0,
     };
     let token = raw
         .acquire(acq(a, 1, &lock))

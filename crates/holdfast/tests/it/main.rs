@@ -11,6 +11,7 @@ mod faults;
 mod fencing;
 mod harness;
 mod limits;
+mod lock_delay;
 mod membership;
 mod newcomer;
 mod operations;

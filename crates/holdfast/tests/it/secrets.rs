@@ -22,6 +22,7 @@ fn acquire(session_id: u64, request_id: u64, name: &str, secret: &[u8]) -> Acqui
         value: vec![],
         client_cancels: false,
         session_secret: secret.to_vec(),
+        lock_delay_ms: 0,
     }
 }
 

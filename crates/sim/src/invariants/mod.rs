@@ -1,7 +1,7 @@
 //! What every seed must satisfy. P1–P6 and linearizability are the same checks the real-process fault
 //! tests run, one file per property in `holdfast_checker::properties` (P1 one holder, P2 replicas agree,
 //! P3 tokens, P4 fenced store, P5 acknowledged in log, P6 no early expiry, reads against the log, the
-//! Wing–Gong–Lowe search over each lock's history, P8 no unknowing holder, P9 watch streams are the log); P7
+//! Wing–Gong–Lowe search over each lock's history, P8 no unknowing holder, P9 watch streams are the log, P10 lock-delays); P7
 //! liveness after the heal is simulation-only and lives in [`p7_liveness`]. A host that failed or
 //! panicked (openraft panics on a broken Raft invariant) is a violation too.
 
@@ -42,6 +42,7 @@ pub struct Totals {
     pub linearizability_inconclusive: usize,
     pub unacknowledged_grants_checked: usize,
     pub watch_events_checked: usize,
+    pub lock_delays_checked: usize,
 }
 
 impl Totals {
@@ -57,6 +58,7 @@ impl Totals {
         self.linearizability_inconclusive += r.linearizability_inconclusive;
         self.unacknowledged_grants_checked += r.unacknowledged_grants_checked;
         self.watch_events_checked += r.watch_events_checked;
+        self.lock_delays_checked += r.lock_delays_checked;
     }
 }
 
@@ -64,7 +66,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events checked",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events and {} lock-delays checked",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -74,7 +76,8 @@ impl std::fmt::Display for Totals {
             self.linearized_ops,
             self.linearizability_inconclusive,
             self.unacknowledged_grants_checked,
-            self.watch_events_checked
+            self.watch_events_checked,
+            self.lock_delays_checked
         )
     }
 }
