@@ -40,6 +40,15 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
             .count(),
         ..Report::default()
     };
+    // Which entries' acquires asked for a lock-delay (P10), before the wrappers are taken off below.
+    let mut asked_delay = std::collections::BTreeMap::new();
+    for (_, lines) in audits {
+        for l in lines {
+            if let holdfast_lock_table::Command::WithLockDelay { lock_delay_ms, .. } = &l.command {
+                asked_delay.insert(l.index, *lock_delay_ms);
+            }
+        }
+    }
     // The properties read what each entry did: quota and secret wrappers only gate it.
     let audits: Vec<(u64, Vec<AuditLine>)> = audits
         .iter()
@@ -67,7 +76,7 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     r.unacknowledged_grants_checked =
         p8_no_unknowing_holder::check(history, &merged, &timelines, &mut r.violations);
     r.watch_events_checked = p9_watch_streams::check(history, &merged, &mut r.violations);
-    r.lock_delays_checked = p10_lock_delay::check(&merged, &mut r.violations);
+    r.lock_delays_checked = p10_lock_delay::check(&merged, &asked_delay, &mut r.violations);
     r.linearized_ops = lin.ops;
     r.linearizability_inconclusive = lin.inconclusive;
     r.ok_grants = history

@@ -725,3 +725,49 @@ fn p10_no_grant_inside_a_lock_delay() {
     };
     assert_eq!(run(early).0.len(), 1);
 }
+
+#[test]
+fn p10_an_expiry_of_a_grant_that_asked_for_a_lock_delay_begins_one() {
+    use holdfast_lock_table::{Change, ChangeKind};
+    let asked = AuditLine {
+        command: Command::WithLockDelay {
+            lock_delay_ms: 500,
+            command: Box::new(acquire(3, 1, "l", granted(3)).command),
+        },
+        changes: vec![Change {
+            name: name("l"),
+            kind: ChangeKind::Granted,
+            session: SessionId(1),
+            token: Some(FencingToken(3)),
+            value: Box::default(),
+        }],
+        ..acquire(3, 1, "l", granted(3))
+    };
+    // Its session expires and the lock goes free at once: the delay was lost.
+    let expiry = AuditLine {
+        index: 4,
+        command: Command::ExpireSession {
+            session: SessionId(1),
+            now_ms: 1_000,
+        },
+        outcome: Outcome::SessionClosed { released: 1 },
+        events: vec![Event::SessionEnded {
+            session: SessionId(1),
+        }],
+        changes: vec![Change {
+            name: name("l"),
+            kind: ChangeKind::Expired,
+            session: SessionId(1),
+            token: Some(FencingToken(3)),
+            value: Box::default(),
+        }],
+    };
+    let r = check(&[], &[(1, vec![open(1), asked, expiry])], &[]);
+    let p10: Vec<_> = r
+        .violations
+        .iter()
+        .filter(|v| v.starts_with("P10"))
+        .collect();
+    assert_eq!(p10.len(), 1, "{:?}", r.violations);
+    assert!(p10[0].contains("did not begin"), "{p10:?}");
+}

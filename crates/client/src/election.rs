@@ -77,11 +77,16 @@ impl Session {
 impl Client {
     /// Who leads `role` now (linearizable), if anyone.
     pub async fn leader(&self, role: &str) -> Result<Option<Leader>, Error> {
-        Ok(self.describe(role).await?.map(|l| Leader {
-            value: l.holder_value,
-            epoch: l.token,
-            session: l.holder_session_id,
-        }))
+        // A role in its lock-delay (its leader's session expired) has no leader.
+        Ok(self
+            .describe(role)
+            .await?
+            .filter(|l| !l.delayed)
+            .map(|l| Leader {
+                value: l.holder_value,
+                epoch: l.token,
+                session: l.holder_session_id,
+            }))
     }
 
     /// Follows who leads `role`.
@@ -122,7 +127,7 @@ impl Observer {
                 None => {
                     // The role's leader now (linearizable), then every change after it.
                     let w = self.client.watch_lock(&self.role).await?;
-                    self.now = w.current().first().map(|l| Leader {
+                    self.now = w.current().first().filter(|l| !l.delayed).map(|l| Leader {
                         value: l.holder_value.clone(),
                         epoch: l.token,
                         session: l.holder_session_id,
@@ -148,7 +153,9 @@ impl Observer {
                                 })
                             }
                             crate::watch::EventKind::Released
-                            | crate::watch::EventKind::Expired => self.now = None,
+                            | crate::watch::EventKind::Expired
+                            | crate::watch::EventKind::Delayed
+                            | crate::watch::EventKind::DelayEnded => self.now = None,
                             _ => {}
                         }
                     }

@@ -625,7 +625,10 @@ impl Group {
                             ?outcome,
                             "lock-delay ended"
                         ),
-                        Err(ProposeError::NotLeader(_)) => {}
+                        Err(ProposeError::NotLeader(Some(_))) => {}
+                        // NotLeader(None) includes a leader whose lease lapsed for a moment in the same
+                        // term (no new start_leading would time this delay again): retry, which stops
+                        // by itself once this server no longer leads. Ending a delay twice is harmless.
                         Err(e) => {
                             tracing::warn!(
                                 group = group.id,
@@ -659,7 +662,9 @@ impl Group {
                                 "session expired"
                             );
                         }
-                        Err(ProposeError::NotLeader(_)) => {}
+                        Err(ProposeError::NotLeader(Some(_))) => {}
+                        // As for lock-delays above: a lease that lapsed within the term gets no new
+                        // start_leading, so retry (a no-op once this server stops leading).
                         Err(e) => {
                             tracing::warn!(
                                 group = group.id,

@@ -279,6 +279,8 @@ impl Leases {
             t.deadline = at;
             s.heap.push(Reverse((at, id)));
         }
+        drop(s);
+        self.wake.notify_one();
     }
 
     /// Lock-delays that have run their full time: each is returned once.
@@ -302,6 +304,8 @@ impl Leases {
         if s.leading.is_some() {
             s.delays.insert((at, name), token);
         }
+        drop(s);
+        self.wake.notify_one();
     }
 
     /// When the expiry task should next look.

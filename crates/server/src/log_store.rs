@@ -206,6 +206,15 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), io::Error> {
+        // A vote never goes back (Raft's safety rests on it): a smaller one means a bug or a state this
+        // server must not act on.
+        if let Some(old) = self.lock().vote {
+            assert!(
+                vote.partial_cmp(&old) != Some(std::cmp::Ordering::Less),
+                "group {}: vote {vote} is older than the saved {old}",
+                self.group
+            );
+        }
         self.write_durable(vec![self.record(
             kind::VOTE,
             true,
@@ -245,14 +254,25 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let mut records = Vec::new();
         {
             let mut log = self.lock();
+            // Appends continue the log with no gap (they may replace a suffix: openraft truncates a
+            // conflict first, and an entry at an index already present replaces it).
+            let mut next = log.last_log_id().map_or(0, |l| l.index + 1);
             for entry in entries {
                 let index = entry.log_id.index;
-                records.push(self.record(
-                    kind::ENTRY,
-                    false,
-                    index,
-                    formats::to_bytes(&formats::entry_to_pb(&entry)),
-                ));
+                assert!(
+                    index <= next,
+                    "group {}: append of entry {index} leaves a gap after {}",
+                    self.group,
+                    next.saturating_sub(1)
+                );
+                next = index + 1;
+                let pb = formats::entry_to_pb(&entry);
+                if crate::state_machine::EXPENSIVE_CHECKS {
+                    // What goes to disk must read back as the entry (encode and decode are a pair).
+                    let back = formats::entry_from_pb(&pb).expect("an entry just encoded decodes");
+                    assert!(back == entry, "entry {index} reads back differently");
+                }
+                records.push(self.record(kind::ENTRY, false, index, formats::to_bytes(&pb)));
                 log.entries.split_off(&index);
                 log.entries.insert(index, entry);
             }

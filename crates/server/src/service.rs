@@ -270,11 +270,22 @@ impl ClientService {
                 let holder = state.table.describe(name);
                 let (holder_session, token) =
                     holder.map_or((0, 0), |v| (v.holder.session.0, v.holder.token.0));
+                let why = if holder_session == 0 && token != 0 {
+                    format!(
+                        "in its lock-delay after the session holding it with token {token} expired"
+                    )
+                } else {
+                    format!("held by session {holder_session} with token {token}")
+                };
                 Err(errors::status(
                     tonic::Code::Aborted,
                     pb::Reason::LockHeld,
-                    format!("gave up waiting for lock {:?}: held by session {holder_session} with token {token}", name.as_str()),
-                    pb::ErrorDetail { holder_session_id: holder_session, current_token: token, ..Default::default() },
+                    format!("gave up waiting for lock {:?}: {why}", name.as_str()),
+                    pb::ErrorDetail {
+                        holder_session_id: holder_session,
+                        current_token: token,
+                        ..Default::default()
+                    },
                 ))
             }
             Outcome::Refused(r) => Err(refusal(r, session.0, name.as_str())),

@@ -242,8 +242,21 @@ fn redacted(event: &holdfast_lock_table::Event) -> holdfast_lock_table::Event {
     }
 }
 
+/// Whether the checks too costly for production (a whole-table invariant check and a decode of every
+/// snapshot built) run: in debug builds (tests) and in the simulation.
+pub const EXPENSIVE_CHECKS: bool = cfg!(any(debug_assertions, holdfast_sim));
+
 fn apply_one(s: &mut SmState, entry: Entry) -> Response {
     let log_id = entry.log_id;
+    // Entries are applied once each, in log order, with no gap: anything else means the log or the
+    // applied state is corrupt, and applying on would make this replica diverge silently.
+    let expected = s.last_applied.map_or(0, |l| l.index + 1);
+    assert!(
+        log_id.index == expected || (s.last_applied.is_none() && log_id.index > 0),
+        "apply out of order: entry {} after {:?}",
+        log_id.index,
+        s.last_applied
+    );
     s.last_applied = Some(log_id);
     match entry.payload {
         EntryPayload::Blank => Response::None,
@@ -288,7 +301,20 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 last_log_id: s.last_applied,
                 last_membership: s.membership.clone(),
             };
-            let bytes = SnapshotStore::encode(&meta, &s.table.encode_snapshot());
+            let table = s.table.encode_snapshot();
+            if EXPENSIVE_CHECKS {
+                // Never write (or send) a snapshot of a broken table, and what is written must read back
+                // as the same table.
+                s.table.check_invariants();
+                let again =
+                    LockTable::decode_snapshot(&table).expect("a snapshot just encoded decodes");
+                assert_eq!(
+                    again.digest(),
+                    s.table.digest(),
+                    "a snapshot reads back as another table"
+                );
+            }
+            let bytes = SnapshotStore::encode(&meta, &table);
             (meta, bytes)
         };
         let index = meta.last_log_id.map_or(0, |l| l.index);

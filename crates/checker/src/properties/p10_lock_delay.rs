@@ -3,28 +3,90 @@
 //! `DelayEnded`, which only an `EndLockDelay` for that grant's token makes, stamped (leader wall clock)
 //! no earlier than the expiry's stamp plus the delay, less [`MARGIN_MS`].
 //!
-//! Input: the [`MergedLog`] (commands, events and changes of every applied entry).
+//! And the other way round: every expiry of a grant whose acquire asked for a lock-delay begins one, of
+//! the length asked for (a delay silently lost is a lock handed over at once).
+//!
+//! Input: the [`MergedLog`] (commands, events and changes of every applied entry), and which entries'
+//! acquires asked for a lock-delay (`Command::WithLockDelay`, which the merged log no longer shows).
 //!
 //! Why it matters: a lock-delay is for resources that cannot check tokens; a grant inside it lets a new
 //! holder write while the expired one's last requests may still land.
 
 use crate::properties::MergedLog;
-use holdfast_lock_table::{ChangeKind, Command, Event};
+use holdfast_lock_table::{ChangeKind, Command, Event, Outcome};
 use std::collections::BTreeMap;
 
 /// Slack for the leaders' wall clocks (they share the machine's, which NTP may slew), like P6's.
 pub const MARGIN_MS: u64 = 100;
 
 /// P10. Returns how many lock-delays were checked to their end.
-pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> usize {
+pub fn check(merged: &MergedLog<'_>, asked: &BTreeMap<u64, u32>, v: &mut Vec<String>) -> usize {
     // Lock -> (token of the expired grant, when the expiry was stamped, delay).
     let mut delayed: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+    // Grants whose acquire asked for a delay: (lock, token) -> delay; and such acquires still queued:
+    // (session, request) -> delay.
+    let mut grants: BTreeMap<(String, u64), u32> = BTreeMap::new();
+    let mut queued: BTreeMap<(u64, u64), u32> = BTreeMap::new();
     let mut checked = 0;
     for (index, line) in merged {
         let command = line.command.effective();
+        if let (
+            Some(&ms),
+            Command::Acquire {
+                session,
+                request,
+                name,
+                ..
+            },
+        ) = (asked.get(index), command)
+        {
+            match &line.outcome {
+                Outcome::Granted { token } => {
+                    grants.insert((name.as_str().to_string(), token.0), ms);
+                }
+                Outcome::Queued { .. } => {
+                    queued.insert((session.0, request.0), ms);
+                }
+                _ => {}
+            }
+        }
+        for e in &line.events {
+            match e {
+                Event::Granted {
+                    name,
+                    session,
+                    request,
+                    token,
+                } => {
+                    if let Some(ms) = queued.remove(&(session.0, request.0)) {
+                        grants.insert((name.as_str().to_string(), token.0), ms);
+                    }
+                }
+                Event::WaiterRemoved {
+                    session, request, ..
+                } => {
+                    queued.remove(&(session.0, request.0));
+                }
+                _ => {}
+            }
+        }
         for c in &line.changes {
             let name = c.name.as_str().to_string();
             match c.kind {
+                ChangeKind::Expired | ChangeKind::Released => {
+                    let token = c.token.map_or(0, |t| t.0);
+                    let Some(ms) = grants.remove(&(name.clone(), token)) else {
+                        continue;
+                    };
+                    let began = line.events.iter().any(|e| {
+                        matches!(e, Event::LockDelayed { name: n, token: t, delay_ms } if n == &c.name && t.0 == token && *delay_ms == ms)
+                    });
+                    if c.kind == ChangeKind::Expired && !began {
+                        v.push(format!(
+                            "P10: at index {index} grant {token} of {name} expired, but the {ms} ms lock-delay its acquire asked for did not begin"
+                        ));
+                    }
+                }
                 ChangeKind::Delayed => {
                     let delay = line.events.iter().find_map(|e| match e {
                         Event::LockDelayed {

@@ -177,7 +177,13 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
                 // The session's id in the lock's group (what describe reports as the holder).
                 let sid = s.id_for(&lock);
                 let invoke = now_ms();
-                let guard = match s.acquire_timeout(&lock, Duration::from_secs(1)).await {
+                // One acquire in four asks for a lock-delay, so P10 checks delays through the faults.
+                let options = holdfast_client::AcquireOptions {
+                    wait: Duration::from_secs(1),
+                    lock_delay: if rng.next(4) == 0 { Duration::from_millis(300) } else { Duration::ZERO },
+                    ..Default::default()
+                };
+                let guard = match s.acquire_with(&lock, options).await {
                     Ok(g) => {
                         history.record(c, "acquire", &lock, invoke, "ok", json!({"session": sid, "token": g.token()}));
                         g

@@ -213,8 +213,8 @@ async fn run(nemesis: Nemesis, seed: u64) {
     let longest_gap_ms = grants.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     let unknown = history.iter().filter(|o| o.result == "unknown").count();
     eprintln!(
-        "{nemesis:?} seed {seed}: longest gap between grants {longest_gap_ms} ms, {unknown} outcomes unknown; {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive), {} watch events checked; faults: {}",
-        report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, report.linearized_ops, report.linearizability_inconclusive, report.watch_events_checked, faults.join(", ")
+        "{nemesis:?} seed {seed}: longest gap between grants {longest_gap_ms} ms, {unknown} outcomes unknown; {} ops, {} grants, {} writes acknowledged, {} stale writes refused, {} entries applied, {} expiries checked, {} reads checked, {} operations linearized ({} locks inconclusive), {} watch events and {} lock-delays checked; faults: {}",
+        report.ops, report.ok_grants, report.ok_writes, report.stale_refused, report.applied_entries, report.expiries_checked, report.reads_checked, report.linearized_ops, report.linearizability_inconclusive, report.watch_events_checked, report.lock_delays_checked, faults.join(", ")
     );
     assert!(
         report.violations.is_empty(),
