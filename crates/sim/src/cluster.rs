@@ -116,9 +116,14 @@ pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> 
             format!("/data-node{}", ids[i]).into()
         },
         members,
-        // Small, so runs take and install snapshots and purge the log.
-        snapshot_every_entries: 300,
-        snapshot_keep_entries: 50,
+        // Drawn per seed (`Knobs`): small ones make runs take and install snapshots, purge the log and
+        // rotate WAL segments.
+        snapshot_every_entries: plan.knobs.snapshot_every_entries,
+        snapshot_keep_entries: plan.knobs.snapshot_keep_entries,
+        wal_segment_bytes: plan.knobs.wal_segment_bytes,
+        heartbeat_interval_ms: plan.knobs.heartbeat_interval_ms,
+        election_timeout_min_ms: plan.knobs.election_timeout_min_ms,
+        election_timeout_max_ms: plan.knobs.election_timeout_max_ms,
         rng_seed: Some(
             seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9) ^ boot.wrapping_mul(0x85eb_ca6b),
         ),

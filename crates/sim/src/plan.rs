@@ -12,8 +12,53 @@ pub const WORKERS_PER_HOST: usize = 2;
 pub const LOCKS: u64 = 3;
 /// Largest clock-rate error drawn for a server (2%, forty times what an undisciplined quartz clock drifts).
 pub const MAX_CLOCK_PPM: i64 = 20_000;
-/// Session TTL of the workload's sessions (the smallest the server accepts, so pauses beat it easily).
+/// The shortest session TTL a seed's workload uses (the smallest the server accepts); client pauses are
+/// drawn longer than the seed's TTL.
 pub const TTL_MS: u64 = 2_000;
+
+/// Settings drawn per seed (FoundationDB's BUGGIFY), each within its valid range, from a random stream
+/// of their own so that a seed's fault schedule does not depend on them. Printed with the plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Knobs {
+    /// Snapshot (and purge the log) after this many entries; 100 is the least a server accepts.
+    pub snapshot_every_entries: u64,
+    pub snapshot_keep_entries: u64,
+    /// WAL segment size: small ones rotate, and are purged, within a 12 s run.
+    pub wal_segment_bytes: Option<u64>,
+    pub heartbeat_interval_ms: u64,
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+    /// The workload's session TTL.
+    pub ttl_ms: u64,
+    /// One acquire in `lock_delay_one_in` asks for a lock-delay of `lock_delay_ms` (0: none does).
+    pub lock_delay_one_in: u64,
+    pub lock_delay_ms: u64,
+}
+
+impl Knobs {
+    pub fn new(seed: u64) -> Knobs {
+        let mut rng = Rng::new(seed ^ 0x6b6e_6f62_7321_0001);
+        let (heartbeat_interval_ms, election_timeout_min_ms, election_timeout_max_ms) =
+            rng.pick(&[
+                (100, 500, 1_000),
+                (100, 500, 1_000),
+                (50, 300, 600),
+                (150, 700, 1_000),
+            ]);
+        Knobs {
+            snapshot_every_entries: rng.pick(&[100, 300, 300, 1_000, 20_000]),
+            snapshot_keep_entries: rng.pick(&[10, 50, 500]),
+            wal_segment_bytes: rng.pick(&[None, Some(64 << 10), Some(256 << 10), Some(1 << 20)]),
+            heartbeat_interval_ms,
+            election_timeout_min_ms,
+            election_timeout_max_ms,
+            // At least twice the longest election timeout, as the server requires.
+            ttl_ms: rng.pick(&[TTL_MS, TTL_MS, 3_000, 5_000]),
+            lock_delay_one_in: rng.pick(&[0, 4, 4, 2]),
+            lock_delay_ms: rng.pick(&[100, 300, 1_000]),
+        }
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -77,6 +122,7 @@ pub struct Plan {
     /// TTL/10 safety margin.
     pub clock_ppm: Vec<i64>,
     pub events: Vec<Event>,
+    pub knobs: Knobs,
 }
 
 /// A random subset of the client hosts (often empty).
@@ -86,6 +132,7 @@ fn some_clients(rng: &mut Rng) -> Vec<usize> {
 
 impl Plan {
     pub fn new(seed: u64, work_ms: u64) -> Plan {
+        let knobs = Knobs::new(seed);
         let mut rng = Rng::new(seed);
         let max_latency_ms = rng.pick(&[1, 2, 5, 10, 25]);
         let fsync_us = rng.pick(&[100, 500, 2_000, 8_000]);
@@ -171,7 +218,7 @@ impl Plan {
                     Fault::PauseClient {
                         host: rng.between(0, CLIENT_HOSTS as u64 - 1) as usize,
                     },
-                    rng.between(TTL_MS + 300, TTL_MS * 2 + 500),
+                    rng.between(knobs.ttl_ms + 300, knobs.ttl_ms * 2 + 500),
                 ),
             };
             events.push(Event {
@@ -209,6 +256,7 @@ impl Plan {
             work_ms,
             clock_ppm,
             events,
+            knobs,
         }
     }
 }

@@ -336,9 +336,10 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
     let epoch_ms = 1_790_000_000_000u64;
     for h in 0..CLIENT_HOSTS {
         let history = history.clone();
+        let knobs = plan.knobs.clone();
         let until = epoch_ms + options.work_ms;
         sim.client(format!("c{}", h + 1), async move {
-            workload::client_host(h, seed, until, history).await
+            workload::client_host(h, seed, until, history, knobs).await
         });
     }
     let admin_log: crate::admin::AdminLog = Arc::default();

@@ -8,7 +8,7 @@
 //! log.
 
 use crate::cluster::{client_endpoints, STORE_PORT};
-use crate::plan::{LOCKS, TTL_MS, WORKERS_PER_HOST};
+use crate::plan::{Knobs, LOCKS, WORKERS_PER_HOST};
 use crate::rng::Rng;
 use holdfast_checker::Op;
 use holdfast_client::{Client, ClientOptions, Error, Session};
@@ -65,6 +65,7 @@ pub async fn client_host(
     seed: u64,
     until_ms: u64,
     history: History,
+    knobs: Knobs,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let options = ClientOptions {
         request_timeout: Duration::from_secs(5),
@@ -89,6 +90,7 @@ pub async fn client_host(
             recorder,
             rng,
             until_ms,
+            knobs.clone(),
         )));
     }
     let reader = Recorder {
@@ -194,7 +196,7 @@ async fn watch_loop(client: Client, rec: Recorder, prefix: String, until_ms: u64
     }
 }
 
-async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
+async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knobs: Knobs) {
     let store = format!("store:{STORE_PORT}");
     let mut fence: Option<FenceClient> = None;
     let mut session: Option<Session> = None;
@@ -225,7 +227,10 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
                     });
                 }
                 let invoke = now_ms();
-                match client.open_session(Duration::from_millis(TTL_MS)).await {
+                match client
+                    .open_session(Duration::from_millis(knobs.ttl_ms))
+                    .await
+                {
                     Ok(s) => {
                         let sid = s.ids()[0];
                         rec.record("open", "", invoke, "ok", |o| o.session = Some(sid));
@@ -244,13 +249,14 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64) {
         // The session's id in the lock's group (what describe reports as the holder).
         let sid = s.id_for(&lock);
         let invoke = now_ms();
-        // One acquire in four asks for a lock-delay: an expiry of its session (a paused client) then
-        // leaves the lock to nobody for 300 ms, timed by whichever server leads then.
-        let lock_delay = if rng.between(0, 3) == 0 {
-            Duration::from_millis(300)
-        } else {
-            Duration::ZERO
-        };
+        // Some acquires ask for a lock-delay (`Knobs`): an expiry of its session (a paused client) then
+        // leaves the lock to nobody for that long, timed by whichever server leads then.
+        let lock_delay =
+            if knobs.lock_delay_one_in > 0 && rng.between(0, knobs.lock_delay_one_in - 1) == 0 {
+                Duration::from_millis(knobs.lock_delay_ms)
+            } else {
+                Duration::ZERO
+            };
         let acquire = s.acquire_with(
             &lock,
             holdfast_client::AcquireOptions {
