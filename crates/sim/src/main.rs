@@ -100,6 +100,8 @@ fn main() -> std::process::ExitCode {
                 "linearized_ops": report.linearized_ops,
                 "linearizability_inconclusive": report.linearizability_inconclusive,
                 "unacknowledged_grants_checked": report.unacknowledged_grants_checked,
+                "watch_events_checked": report.watch_events_checked,
+                "lock_delays_checked": report.lock_delays_checked,
                 "applied_entries": report.applied_entries,
                 "recovered_after_ms": outcome.recovered_after_ms,
                 "converged_after_ms": outcome.converged_after_ms,

@@ -3,7 +3,8 @@
 //! `src/main.rs` for why a fresh process matters).
 //!
 //! - `seeds_hold_every_invariant`: seeds `HOLDFAST_SIM_FROM..+HOLDFAST_SIM_SEEDS` (default 0..200), each
-//!   checked against P1–P7; a failure names the seed and the command that replays it.
+//!   checked against P1–P10; a failure names the seed and the command that replays it. `scripts/sim-soak`
+//!   runs it over many seeds.
 //! - `one_seed_twice_gives_the_identical_trace`: the same seed run twice prints the same fault log,
 //!   operations with their simulated times and results, and every server's applied entries, byte for byte.
 
@@ -33,6 +34,8 @@ struct Totals {
     linearized: u64,
     inconclusive: u64,
     unacknowledged: u64,
+    watch_events: u64,
+    lock_delays: u64,
     replacements: u64,
     transfers: u64,
 }
@@ -79,6 +82,8 @@ fn seeds_hold_every_invariant() {
                     t.linearized += n("linearized_ops");
                     t.inconclusive += n("linearizability_inconclusive");
                     t.unacknowledged += n("unacknowledged_grants_checked");
+                    t.watch_events += n("watch_events_checked");
+                    t.lock_delays += n("lock_delays_checked");
                     t.replacements += n("replacements");
                     t.transfers += n("leader_transfers");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
@@ -97,7 +102,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} servers replaced by a new member, {} leader transfers",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events and {} lock-delays checked, {} servers replaced by a new member, {} leader transfers, {} seeds failed",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -109,8 +114,11 @@ fn seeds_hold_every_invariant() {
         t.linearized,
         t.inconclusive,
         t.unacknowledged,
+        t.watch_events,
+        t.lock_delays,
         t.replacements,
-        t.transfers
+        t.transfers,
+        failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert_eq!(t.seeds, count, "every seed must report");
