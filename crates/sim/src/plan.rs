@@ -33,6 +33,7 @@ pub struct Knobs {
     /// One acquire in `lock_delay_one_in` asks for a lock-delay of `lock_delay_ms` (0: none does).
     pub lock_delay_one_in: u64,
     pub lock_delay_ms: u64,
+    pub snapshot_every_bytes: u64,
 }
 
 impl Knobs {
@@ -52,10 +53,14 @@ impl Knobs {
             heartbeat_interval_ms,
             election_timeout_min_ms,
             election_timeout_max_ms,
-            // At least twice the longest election timeout, as the server requires.
-            ttl_ms: rng.pick(&[TTL_MS, TTL_MS, 3_000, 5_000]),
+            // At least twice the longest election timeout, as the server requires; at most 3 s, so that a
+            // 2% fast lease clock (`MAX_CLOCK_PPM`) ends a TTL at most 60 ms early, inside P6's 100 ms
+            // margin, and P8's 15 s bound still exceeds two TTLs, an election and a request timeout.
+            ttl_ms: rng.pick(&[TTL_MS, TTL_MS, 3_000]),
             lock_delay_one_in: rng.pick(&[0, 4, 4, 2]),
             lock_delay_ms: rng.pick(&[100, 300, 1_000]),
+            // Also snapshot once the log grew by this many bytes (65,536 is the least accepted).
+            snapshot_every_bytes: rng.pick(&[64 << 20, 64 << 20, 65_536]),
         }
     }
 }
