@@ -390,6 +390,31 @@ impl Cluster {
         HoldfastClient::new(self.connect(endpoint).await.unwrap())
     }
 
+    /// A session opened with raw gRPC on group 0's leader and never renewed (it expires after `ttl_ms`),
+    /// with the raw client to act on it.
+    pub async fn silent_session(
+        &self,
+        ttl_ms: u64,
+        nonce: u64,
+    ) -> (
+        HoldfastClient<tonic::transport::Channel>,
+        holdfast_proto::v1::OpenSessionResponse,
+    ) {
+        let leader = self.wait_for_leader(0, Duration::from_secs(30)).await;
+        let mut raw = self.raw(leader).await;
+        let opened = raw
+            .open_session(holdfast_proto::v1::OpenSessionRequest {
+                group: 0,
+                ttl_ms,
+                nonce_hi: nonce,
+                nonce_lo: nonce,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        (raw, opened)
+    }
+
     /// Connects to `endpoint` the way the harness's clients do (over TLS if the cluster has it).
     pub async fn connect(
         &self,

@@ -26,18 +26,7 @@ async fn an_expired_holder_s_lock_is_granted_to_nobody_for_its_lock_delay() {
             .unwrap()
     };
     // A session that is never renewed (raw gRPC) takes "d" with a 3 s lock-delay.
-    let leader = c.wait_for_leader(0, SECS_30).await;
-    let mut raw = c.raw(leader).await;
-    let opened = raw
-        .open_session(pb::OpenSessionRequest {
-            group: 0,
-            ttl_ms: 2_000,
-            nonce_hi: 3,
-            nonce_lo: 4,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let (mut raw, opened) = c.silent_session(2_000, 3).await;
     let too_long = raw
         .acquire(pb::AcquireRequest {
             group: 0,

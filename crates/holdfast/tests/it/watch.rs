@@ -131,18 +131,7 @@ async fn an_expired_holder_and_a_waiter_that_gives_up_are_reported() {
     let client = c.client().await;
     let mut watch = client.watch("e").await.unwrap();
     // A session that is never renewed (raw gRPC), holding "e".
-    let leader = c.wait_for_leader(0, SECS_30).await;
-    let mut raw = c.raw(leader).await;
-    let opened = raw
-        .open_session(pb::OpenSessionRequest {
-            group: 0,
-            ttl_ms: 2_000,
-            nonce_hi: 1,
-            nonce_lo: 2,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let (mut raw, opened) = c.silent_session(2_000, 1).await;
     let token = raw
         .acquire(pb::AcquireRequest {
             group: 0,
