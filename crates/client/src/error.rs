@@ -39,6 +39,10 @@ pub enum Error {
     /// held or queued for it any more (a grant it had may have been visible until then).
     #[error("{0}")]
     Abandoned(String),
+    /// The acquire asked for a semaphore of another size, or a lock while the name is a semaphore, or
+    /// the other way round: `permits` is what the name is now (0: a lock). Nothing changed.
+    #[error("{message}")]
+    PermitsMismatch { permits: u32, message: String },
     /// A watch's position is older than the events the servers keep (or its stream fell so far behind
     /// that they were dropped): read the current state and watch from now.
     #[error("{0}")]
@@ -69,6 +73,7 @@ impl Error {
                 | Error::StaleToken { .. }
                 | Error::NotHolder(_)
                 | Error::PermissionDenied(_)
+                | Error::PermitsMismatch { .. }
         )
     }
 }
@@ -130,5 +135,9 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
         }
         Reason::AcquireAbandoned => Disposition::Fail(Error::Abandoned(msg)),
         Reason::Compacted | Reason::WatchTooSlow => Disposition::Fail(Error::Compacted(msg)),
+        Reason::PermitsMismatch => Disposition::Fail(Error::PermitsMismatch {
+            permits: u32::try_from(d.limit_value).unwrap_or(u32::MAX),
+            message: msg,
+        }),
     }
 }

@@ -479,6 +479,8 @@ impl Session {
                     client_cancels: self.inner.client.options().client_cancels,
                     session_secret: secret.to_vec(),
                     lock_delay_ms,
+                    shared: options.shared,
+                    permits: options.permits,
                 };
                 async move { c.acquire(req).await }
             })
@@ -606,4 +608,12 @@ pub struct AcquireOptions<'a> {
     /// resource that cannot check fencing tokens: it gives the expired holder's last requests time to
     /// drain. A release or a close frees the lock at once.
     pub lock_delay: Duration,
+    /// Hold the lock shared (a reader): with other shared holders, never beside an exclusive one.
+    /// FIFO: a reader that arrives while a writer waits queues behind it. Each shared holder gets its
+    /// own token (docs/api.md, "Shared locks and semaphores", says what a resource compares).
+    pub shared: bool,
+    /// Non-zero: the name is a semaphore of this many permits (at most 1,000) and the grant is one of
+    /// them. The first acquire of a free name fixes the number; asking for another is
+    /// [`Error::PermitsMismatch`]. Not with `shared`.
+    pub permits: u32,
 }

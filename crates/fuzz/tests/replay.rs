@@ -195,6 +195,8 @@ fn write_corpus() {
         client_cancels: false,
         session_secret: Vec::new(),
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     write(
         "client_request",

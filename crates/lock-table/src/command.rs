@@ -17,6 +17,32 @@ pub enum AcquireMode {
     Wait,
 }
 
+/// How an acquire shares the lock with other holders ([`Command::WithShare`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Share {
+    /// The only holder (a mutex, or the writer of a read/write lock). What every acquire without a
+    /// `WithShare` asks for.
+    #[default]
+    Exclusive,
+    /// One of any number of shared holders (readers), none exclusive.
+    Shared,
+    /// One of at most `permits` holders of a semaphore. The first acquire of a free name fixes
+    /// `permits` for as long as the semaphore is held or waited for; an acquire asking for another
+    /// number (or the name as a lock) is [`Refusal::PermitsMismatch`].
+    Permits(u32),
+}
+
+impl Share {
+    /// Whether a grant shares the lock, and the semaphore's permits (0: a lock, not a semaphore).
+    pub fn parts(self) -> (bool, u32) {
+        match self {
+            Share::Exclusive => (false, 0),
+            Share::Shared => (true, 0),
+            Share::Permits(n) => (false, n),
+        }
+    }
+}
+
 /// One state change. Every variant is one log entry.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Command {
@@ -135,6 +161,13 @@ pub enum Command {
         token: FencingToken,
         now_ms: u64,
     },
+    /// `command` (an acquire, possibly inside the other wrappers) takes the lock shared or a permit of a
+    /// semaphore instead of exclusively (see [`Share`]). A new acquire is granted at once only when
+    /// nobody waits and the grant fits beside the current holders; otherwise it queues (or, a try, is
+    /// refused), so a writer waiting behind readers is never overtaken by later readers. When holders
+    /// leave, waiters are granted from the front of the queue for as long as they fit, all with the
+    /// token of that entry.
+    WithShare { share: Share, command: Box<Command> },
 }
 
 /// Per-principal bounds carried by [`Command::Quota`].
@@ -199,17 +232,22 @@ impl Command {
                 lock_delay_ms: *lock_delay_ms,
                 command: Box::new(command.without_secrets()),
             },
+            Command::WithShare { share, command } => Command::WithShare {
+                share: *share,
+                command: Box::new(command.without_secrets()),
+            },
             other => other.clone(),
         }
     }
 
-    /// The command inside any `Authorized`, `Quota` and `WithLockDelay` wrappers: what it does to the
-    /// table when the wrappers' checks pass.
+    /// The command inside any `Authorized`, `Quota`, `WithLockDelay` and `WithShare` wrappers: what it
+    /// does to the table when the wrappers' checks pass.
     pub fn effective(&self) -> &Command {
         match self {
             Command::Authorized { command, .. }
             | Command::Quota { command, .. }
-            | Command::WithLockDelay { command, .. } => command.effective(),
+            | Command::WithLockDelay { command, .. }
+            | Command::WithShare { command, .. } => command.effective(),
             other => other,
         }
     }
@@ -228,7 +266,8 @@ impl Command {
             | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
             Command::Authorized { command, .. }
             | Command::Quota { command, .. }
-            | Command::WithLockDelay { command, .. } => command.now_ms(),
+            | Command::WithLockDelay { command, .. }
+            | Command::WithShare { command, .. } => command.now_ms(),
         }
     }
 }
@@ -304,6 +343,15 @@ pub enum Refusal {
         quota: QuotaKind,
         value: u64,
     },
+    /// The acquire asked for the name as a semaphore of another size, or as a lock while it is a
+    /// semaphore, or the other way round: `permits` is what the name is now (0: a lock).
+    PermitsMismatch {
+        permits: u32,
+    },
+    /// A semaphore of 0 permits, or more than [`crate::limits::MAX_HOLDERS_PER_LOCK`].
+    InvalidPermits {
+        permits: u32,
+    },
 }
 
 /// A limit from [`crate::limits`], named in a refusal.
@@ -346,6 +394,8 @@ pub struct Change {
     pub name: LockName,
     pub kind: ChangeKind,
     /// The holder's session (`Granted`, `Released`, `Expired`) or the waiter's (`Queued`, `Cancelled`).
+    /// A lock held shared, or a semaphore, has one `Granted` per holder, and each holder's own
+    /// `Released` or `Expired`.
     pub session: SessionId,
     /// The grant's fencing token; `None` for `Queued` and `Cancelled`.
     pub token: Option<FencingToken>,

@@ -15,8 +15,11 @@
 //! - [`name`]: lock-name rules and the stable name → group hash.
 //!
 //! Invariants (checked by `LockTable::check_invariants`, used by tests and simulations):
-//! - a lock has at most one holder, and the holder's session exists and lists the lock as held (or, in
-//!   a lock-delay after its holder expired, the holder is session 0, which never exists);
+//! - a lock has one exclusive holder, or any number (at most `MAX_HOLDERS_PER_LOCK`) of shared holders,
+//!   or at most its permits of holders if it is a semaphore; every holder's session exists and lists
+//!   the lock as held (or, in a lock-delay after its holder expired, the holder is session 0, which
+//!   never exists);
+//! - the first waiter never fits beside the holders (it would have been granted);
 //! - a session never both holds and waits for the same lock, and never waits twice in one queue;
 //! - tokens are log indexes, so they strictly increase per lock and are never 0.
 
@@ -29,6 +32,7 @@ pub mod types;
 
 pub use command::{
     AcquireMode, Change, ChangeKind, Command, Event, Outcome, QuotaKind, QuotaLimits, Refusal,
+    Share,
 };
 pub use name::{group_for, validate_name, NameError};
 pub use snapshot::SnapshotError;
@@ -37,3 +41,6 @@ pub use types::{FencingToken, GroupId, LockName, RequestId, SessionId};
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod shared_tests;

@@ -55,3 +55,9 @@ pub const MAX_VALUE_BYTES: usize = 1024;
 /// resource that cannot check tokens to see an expired holder's last request drain, and the longest a
 /// dead holder's lock should stay unusable after its TTL already ran out.
 pub const MAX_LOCK_DELAY_MS: u32 = 60_000;
+
+/// Holders of one lock at once: shared holders of a lock, or permits of a semaphore. A reader beyond it
+/// waits (a try is refused); a semaphore of more permits is refused. Each holder is a grant the lock
+/// keeps (about 64 bytes) and releasing one searches them, so the bound keeps both small; a thousand
+/// concurrent readers of one name is already more than any lock use we know.
+pub const MAX_HOLDERS_PER_LOCK: usize = 1_000;

@@ -4,16 +4,18 @@
 //! little-endian CRC-32 of everything before it. Ordered maps make the encoding canonical, so equal tables
 //! have equal bytes and the digest (FNV-1a 64 of the bytes) can be compared across replicas (property P2).
 //!
-//! Versions: 6 (written now) adds each grant's and wait's lock-delay; 5 added the principal that owns
+//! Versions: 7 (written now) adds shared holders and semaphores (each lock's further holders and
+//! permits, each grant's and wait's mode); 6 added each grant's and wait's lock-delay; 5 added the principal that owns
 //! each session opened under a quota; 4 added each session's secret; 3 added each wait's and grant's
-//! acquire attempt. 5, 4, 3 and 2 are still read: their grants and waits have no lock-delay, sessions
+//! acquire attempt. 6, 5, 4, 3 and 2 are still read: their locks are exclusive (one holder, no
+//! permits), grants and waits before 6 have no lock-delay, sessions
 //! before 5 have no owner, 3's and 2's get secret 0 (none), and version 2's waits and grants attempt
 //! 0, which no server's abandon matches, so a data directory written by an older release still starts.
 
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 6;
+const VERSION: u16 = 7;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -64,6 +66,9 @@ impl LockTable {
         let decode = |e: postcard::Error| SnapshotError::Decode(e.to_string());
         let mut table: LockTable = match version {
             VERSION => postcard::from_bytes(&body[6..]).map_err(decode)?,
+            6 => postcard::from_bytes::<v6::LockTable>(&body[6..])
+                .map_err(decode)?
+                .into(),
             5 => postcard::from_bytes::<v5::LockTable>(&body[6..])
                 .map_err(decode)?
                 .into(),
@@ -93,6 +98,99 @@ impl LockTable {
     fn validate_decoded(&self) -> Result<(), String> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check_invariants()))
             .map_err(|_| "snapshot breaks a lock table invariant".to_string())
+    }
+}
+
+/// Format version 6: every lock exclusive (one holder, no permits, no modes).
+mod v6 {
+    use crate::table;
+    use crate::types::{FencingToken, LockName, RequestId, SessionId};
+    use serde::Deserialize;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Deserialize)]
+    pub(super) struct LockTable {
+        sessions: BTreeMap<SessionId, table::Session>,
+        locks: BTreeMap<LockName, Lock>,
+        open_nonces: BTreeMap<u128, (SessionId, u64)>,
+        open_nonce_order: VecDeque<u128>,
+        waiter_count: u64,
+        owners: BTreeMap<SessionId, Box<str>>,
+    }
+
+    #[derive(Deserialize)]
+    struct Lock {
+        holder: Holder,
+        // A `Box` in the table; the encoding is the same.
+        waiters: Option<VecDeque<Waiter>>,
+    }
+
+    #[derive(Deserialize)]
+    struct Holder {
+        session: SessionId,
+        token: FencingToken,
+        request: RequestId,
+        granted_at_ms: u64,
+        value: Box<[u8]>,
+        attempt: u64,
+        lock_delay_ms: u32,
+    }
+
+    #[derive(Deserialize)]
+    struct Waiter {
+        session: SessionId,
+        request: RequestId,
+        enqueued_at_ms: u64,
+        value: Box<[u8]>,
+        attempt: u64,
+        lock_delay_ms: u32,
+    }
+
+    impl From<Lock> for table::Lock {
+        fn from(l: Lock) -> Self {
+            let h = l.holder;
+            let mut waiters = table::Queue::default();
+            for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
+                waiters.push_back(table::Waiter {
+                    session: w.session,
+                    request: w.request,
+                    enqueued_at_ms: w.enqueued_at_ms,
+                    value: w.value,
+                    attempt: w.attempt,
+                    lock_delay_ms: w.lock_delay_ms,
+                    shared: false,
+                });
+            }
+            table::Lock {
+                holder: table::Holder {
+                    session: h.session,
+                    token: h.token,
+                    request: h.request,
+                    granted_at_ms: h.granted_at_ms,
+                    value: h.value,
+                    attempt: h.attempt,
+                    lock_delay_ms: h.lock_delay_ms,
+                    shared: false,
+                },
+                waiters,
+                more: table::Holders::default(),
+                permits: 0,
+            }
+        }
+    }
+
+    impl From<LockTable> for table::LockTable {
+        fn from(t: LockTable) -> Self {
+            table::LockTable {
+                sessions: t.sessions,
+                locks: t.locks.into_iter().map(|(n, l)| (n, l.into())).collect(),
+                open_nonces: t.open_nonces,
+                open_nonce_order: t.open_nonce_order,
+                waiter_count: t.waiter_count,
+                owners: t.owners,
+                ..table::LockTable::default()
+            }
+        }
     }
 }
 
@@ -151,6 +249,7 @@ mod v5 {
                     value: w.value,
                     attempt: w.attempt,
                     lock_delay_ms: 0,
+                    shared: false,
                 });
             }
             table::Lock {
@@ -162,8 +261,11 @@ mod v5 {
                     value: h.value,
                     attempt: h.attempt,
                     lock_delay_ms: 0,
+                    shared: false,
                 },
                 waiters,
+                more: table::Holders::default(),
+                permits: 0,
             }
         }
     }
@@ -217,6 +319,7 @@ mod v4 {
                 events: Vec::new(),
                 changes: Vec::new(),
                 acquire_lock_delay: 0,
+                acquire_share: Default::default(),
             }
         }
     }
@@ -277,6 +380,7 @@ mod v3 {
                 events: Vec::new(),
                 changes: Vec::new(),
                 acquire_lock_delay: 0,
+                acquire_share: Default::default(),
             }
         }
     }
@@ -338,6 +442,7 @@ mod v2 {
                         value: h.value,
                         attempt: 0,
                         lock_delay_ms: 0,
+                        shared: false,
                     };
                     let mut waiters = table::Queue::default();
                     for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
@@ -348,9 +453,16 @@ mod v2 {
                             value: w.value,
                             attempt: 0,
                             lock_delay_ms: 0,
+                            shared: false,
                         });
                     }
-                    (name, table::Lock { holder, waiters })
+                    let lock = table::Lock {
+                        holder,
+                        waiters,
+                        more: table::Holders::default(),
+                        permits: 0,
+                    };
+                    (name, lock)
                 })
                 .collect();
             table::LockTable {
@@ -368,6 +480,7 @@ mod v2 {
                 events: Vec::new(),
                 changes: Vec::new(),
                 acquire_lock_delay: 0,
+                acquire_share: Default::default(),
             }
         }
     }

@@ -5,11 +5,11 @@
 
 use crate::command::{
     AcquireMode, Change, ChangeKind, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits,
-    Refusal,
+    Refusal, Share,
 };
 use crate::limits::{
-    DEDUP_WINDOW, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS,
-    MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
+    DEDUP_WINDOW, MAX_HOLDERS_PER_LOCK, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD,
+    MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
 };
 use crate::types::{FencingToken, LockName, RequestId, SessionId};
 use serde::{Deserialize, Serialize};
@@ -48,6 +48,8 @@ pub(crate) struct Holder {
     /// The lock-delay the grant asked for ([`Command::WithLockDelay`]); 0: none. On a delayed lock's
     /// placeholder holder ([`NO_SESSION`]), the delay under way.
     pub(crate) lock_delay_ms: u32,
+    /// Held shared ([`Share::Shared`]); a placeholder keeps its expired grant's mode.
+    pub(crate) shared: bool,
 }
 
 /// The holder of a lock in its lock-delay: no session (ids are log indexes, never 0). Its token is the
@@ -64,14 +66,68 @@ pub(crate) struct Waiter {
     pub(crate) attempt: u64,
     /// The lock-delay its grant will have.
     pub(crate) lock_delay_ms: u32,
+    /// Waits to hold the lock shared.
+    pub(crate) shared: bool,
 }
 
 /// A lock exists in the table exactly while it has a holder (a session's, or [`NO_SESSION`] during a
 /// lock-delay); waiters exist only behind a holder.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Lock {
+    /// The oldest holder (inline: most locks have exactly one).
     pub(crate) holder: Holder,
     pub(crate) waiters: Queue,
+    /// Further holders in grant order: shared holders, or a semaphore's other permits.
+    pub(crate) more: Holders,
+    /// A semaphore's permits; 0 for a lock (exclusive or shared).
+    pub(crate) permits: u32,
+}
+
+impl Lock {
+    fn new(holder: Holder, permits: u32) -> Lock {
+        Lock {
+            holder,
+            waiters: Queue::default(),
+            more: Holders::default(),
+            permits,
+        }
+    }
+
+    /// Every holder, oldest grant first.
+    pub(crate) fn holders(&self) -> impl Iterator<Item = &Holder> {
+        std::iter::once(&self.holder).chain(self.more.iter())
+    }
+
+    pub(crate) fn holder_count(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// The grant `session` holds (never a placeholder's: [`NO_SESSION`] holds nothing).
+    pub(crate) fn held_by(&self, session: SessionId) -> Option<&Holder> {
+        (session != NO_SESSION)
+            .then(|| self.holders().find(|h| h.session == session))
+            .flatten()
+    }
+
+    fn held_by_mut(&mut self, session: SessionId) -> Option<&mut Holder> {
+        if session == NO_SESSION {
+            return None;
+        }
+        if self.holder.session == session {
+            return Some(&mut self.holder);
+        }
+        self.more.iter_mut().find(|h| h.session == session)
+    }
+
+    /// Whether one more grant (`shared` or not) fits beside the holders, ignoring the queue.
+    pub(crate) fn admits(&self, shared: bool) -> bool {
+        if self.permits > 0 {
+            self.holder_count() < self.permits as usize
+        } else {
+            // With several holders all are shared, so the first one says how the lock is held.
+            shared && self.holder.shared && self.holder_count() < MAX_HOLDERS_PER_LOCK
+        }
+    }
 }
 
 /// The replicated state of one group.
@@ -96,6 +152,10 @@ pub struct LockTable {
     /// The lock-delay of the acquire being applied ([`Command::WithLockDelay`]); 0 between applies.
     #[serde(skip)]
     pub(crate) acquire_lock_delay: u32,
+    /// How the acquire being applied shares the lock ([`Command::WithShare`]); exclusive between
+    /// applies.
+    #[serde(skip)]
+    pub(crate) acquire_share: Share,
 }
 
 /// One principal's sessions, and the locks they hold and wait for.
@@ -116,6 +176,7 @@ pub struct HolderView {
     /// The grant's lock-delay; for a delayed lock (session 0), the delay under way, and `granted_at_ms`
     /// is when it began.
     pub lock_delay_ms: u32,
+    pub shared: bool,
 }
 
 /// Read-only view of a waiter.
@@ -123,14 +184,27 @@ pub struct HolderView {
 pub struct WaiterView {
     pub session: SessionId,
     pub enqueued_at_ms: u64,
+    pub shared: bool,
 }
 
 /// Read-only view of a lock.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LockView {
     pub name: LockName,
+    /// The oldest holder.
     pub holder: HolderView,
+    /// The other holders (of a lock held shared, or a semaphore), in grant order.
+    pub more: Vec<HolderView>,
     pub waiters: Vec<WaiterView>,
+    /// A semaphore's permits; 0 for a lock.
+    pub permits: u32,
+}
+
+impl LockView {
+    /// Every holder, oldest grant first.
+    pub fn holders(&self) -> impl Iterator<Item = &HolderView> {
+        std::iter::once(&self.holder).chain(self.more.iter())
+    }
 }
 
 /// Read-only view of a session.
@@ -233,6 +307,12 @@ impl LockTable {
                 token,
                 now_ms,
             } => self.end_lock_delay(index, name, *token, *now_ms),
+            Command::WithShare { share, command } => {
+                self.acquire_share = *share;
+                let outcome = self.apply(index, command);
+                self.acquire_share = Share::Exclusive;
+                outcome
+            }
         }
     }
 
@@ -244,21 +324,55 @@ impl LockTable {
         token: FencingToken,
         now_ms: u64,
     ) -> Outcome {
+        let placeholder = |h: &Holder| h.session == NO_SESSION && h.token == token;
         match self.locks.get(name) {
-            Some(lock) if lock.holder.session == NO_SESSION && lock.holder.token == token => {
+            Some(lock) if lock.holders().any(placeholder) => {
                 self.changed(name, ChangeKind::DelayEnded, NO_SESSION, Some(token));
-                self.hand_over(index, name, now_ms);
+                self.remove_holder(index, name, placeholder, now_ms);
                 Outcome::Released
             }
             _ => Outcome::Refused(Refusal::NotHolder),
         }
     }
 
-    /// The grant `token` of `name` expired with a lock-delay: a placeholder holds the lock until
-    /// [`Command::EndLockDelay`]. Waiters stay queued.
-    fn delay_lock(&mut self, name: &LockName, token: FencingToken, delay_ms: u32, now_ms: u64) {
+    /// The grant `token` of `name` held by `session` expired with a lock-delay: a placeholder takes its
+    /// place (its mode, its permit) until [`Command::EndLockDelay`]. Waiters stay queued.
+    ///
+    /// Each placeholder of a lock has its own token, so that an `EndLockDelay` (which a leader may
+    /// propose twice) ends one delay at most once. Only shared holders can share a token (one entry
+    /// grants several readers); when the second of them expires with a delay, the placeholder already
+    /// there stands for both: it keeps writers out just the same, and takes the longer delay and the
+    /// later start (the leader times a delay per lock and token, and keeps the later end).
+    fn delay_lock(
+        &mut self,
+        index: u64,
+        name: &LockName,
+        session: SessionId,
+        token: FencingToken,
+        delay_ms: u32,
+        now_ms: u64,
+    ) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
-        lock.holder = Holder {
+        let same = |h: &Holder| h.session == NO_SESSION && h.token == token;
+        if lock.holders().any(same) {
+            let placeholder = if same(&lock.holder) {
+                &mut lock.holder
+            } else {
+                lock.more.iter_mut().find(|h| same(h)).expect("found above")
+            };
+            placeholder.lock_delay_ms = placeholder.lock_delay_ms.max(delay_ms);
+            placeholder.granted_at_ms = now_ms;
+            self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
+            self.events.push(Event::LockDelayed {
+                name: name.clone(),
+                token,
+                delay_ms,
+            });
+            self.remove_holder(index, name, |h| h.session == session, now_ms);
+            return;
+        }
+        let holder = lock.held_by_mut(session).expect("the session holds it");
+        *holder = Holder {
             session: NO_SESSION,
             token,
             request: RequestId(0),
@@ -266,6 +380,7 @@ impl LockTable {
             value: Box::default(),
             attempt: 0,
             lock_delay_ms: delay_ms,
+            shared: holder.shared,
         };
         self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
         self.events.push(Event::LockDelayed {
@@ -438,10 +553,16 @@ impl LockTable {
             quota: QuotaKind::Locks,
             value: quota.locks,
         };
+        let (shared, permits) = self.acquire_share.parts();
         match self.locks.get(name) {
-            Some(lock) if lock.holder.session == session_id => None,
+            Some(lock) if lock.held_by(session_id).is_some() => None,
             None if usage.held + usage.waiting >= quota.locks => Some(locks),
             None => None,
+            // Refused for its own reason.
+            Some(lock) if lock.permits != permits => None,
+            Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) => {
+                (usage.held + usage.waiting >= quota.locks).then_some(locks)
+            }
             Some(_) if mode == AcquireMode::Try => None,
             Some(_) if usage.held + usage.waiting >= quota.locks => Some(locks),
             Some(_) if usage.waiting >= quota.waiting => Some(Refusal::QuotaExceeded {
@@ -560,15 +681,22 @@ impl LockTable {
             });
             self.changed(name, ChangeKind::Cancelled, session, None);
         }
+        // A wait that left the front may let the next ones in (a writer leaving from before readers).
+        // The session's own holds are still in place, so its lock-delays are not yet decided.
+        for name in ended.waiting.keys() {
+            self.promote(index, name, now_ms);
+        }
         let released = ended.held.len() as u32;
         for name in &ended.held {
-            let holder = &self.locks[name].holder;
+            let holder = self.locks[name]
+                .held_by(session)
+                .expect("the session holds it");
             let (token, delay) = (holder.token, holder.lock_delay_ms);
             self.changed(name, how, session, Some(token));
             if how == ChangeKind::Expired && delay > 0 {
-                self.delay_lock(name, token, delay, now_ms);
+                self.delay_lock(index, name, session, token, delay, now_ms);
             } else {
-                self.hand_over(index, name, now_ms);
+                self.remove_holder(index, name, |h| h.session == session, now_ms);
             }
         }
         self.events.push(Event::SessionEnded { session });
@@ -608,10 +736,13 @@ impl LockTable {
         // granted. The retry's call now answers for the wait or grant, so it takes them over.
         let waiting = session.waiting.get(name) == Some(&request);
         if let Some(lock) = self.locks.get_mut(name) {
-            if lock.holder.session == session_id && lock.holder.request == request {
-                lock.holder.attempt = attempt;
+            if let Some(holder) = lock
+                .held_by_mut(session_id)
+                .filter(|h| h.request == request)
+            {
+                holder.attempt = attempt;
                 return Outcome::Granted {
-                    token: lock.holder.token,
+                    token: holder.token,
                 };
             }
             if waiting {
@@ -630,18 +761,54 @@ impl LockTable {
         if let Some(outcome) = self.replay(session, request) {
             return outcome;
         }
+        let (shared, permits) = self.acquire_share.parts();
         let outcome = match lock {
-            Some(lock) if lock.holder.session == session_id => {
+            _ if matches!(self.acquire_share, Share::Permits(n) if n == 0 || n as usize > MAX_HOLDERS_PER_LOCK) => {
+                Outcome::Refused(Refusal::InvalidPermits { permits })
+            }
+            Some(lock) if lock.held_by(session_id).is_some() => {
                 Outcome::Refused(Refusal::AlreadyHolder {
-                    token: lock.holder.token,
+                    token: lock.held_by(session_id).expect("matched").token,
                 })
             }
             _ if session.waiting.contains_key(name) => Outcome::Refused(Refusal::AlreadyWaiting),
+            Some(lock) if lock.permits != permits => Outcome::Refused(Refusal::PermitsMismatch {
+                permits: lock.permits,
+            }),
             _ if session.held.len() + session.waiting.len() >= MAX_LOCKS_PER_SESSION => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::LocksPerSession))
             }
             None if self.locks.len() >= MAX_LOCKS => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::Locks))
+            }
+            Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) => {
+                let token = FencingToken(index);
+                assert!(
+                    lock.holders().all(|h| h.token < token),
+                    "tokens strictly increase per lock"
+                );
+                let holder = Holder {
+                    session: session_id,
+                    token,
+                    request,
+                    granted_at_ms: now_ms,
+                    value: value.into(),
+                    attempt,
+                    lock_delay_ms: self.acquire_lock_delay,
+                    shared,
+                };
+                let lock = self.locks.get_mut(name).expect("matched above");
+                lock.more.push(holder);
+                self.session_mut(session_id).held.insert(name.clone());
+                self.count(session_id, 1, 0);
+                self.changes.push(Change {
+                    name: name.clone(),
+                    kind: ChangeKind::Granted,
+                    session: session_id,
+                    token: Some(token),
+                    value: value.into(),
+                });
+                Outcome::Granted { token }
             }
             None => {
                 let token = FencingToken(index);
@@ -653,14 +820,9 @@ impl LockTable {
                     value: value.into(),
                     attempt,
                     lock_delay_ms: self.acquire_lock_delay,
+                    shared,
                 };
-                self.locks.insert(
-                    name.clone(),
-                    Lock {
-                        holder,
-                        waiters: Queue::default(),
-                    },
-                );
+                self.locks.insert(name.clone(), Lock::new(holder, permits));
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
                 self.changes.push(Change {
@@ -688,6 +850,7 @@ impl LockTable {
                     value: value.into(),
                     attempt,
                     lock_delay_ms: self.acquire_lock_delay,
+                    shared,
                 });
                 let position = lock.waiters.len() as u32;
                 self.waiter_count += 1;
@@ -718,20 +881,21 @@ impl LockTable {
         if let Some(outcome) = self.replay(session, request) {
             return outcome;
         }
-        let outcome = match self.locks.get(name) {
-            Some(lock) if lock.holder.session == session_id && lock.holder.token == token => {
+        let held = self
+            .locks
+            .get(name)
+            .and_then(|l| l.held_by(session_id))
+            .map(|h| h.token);
+        let outcome = match held {
+            Some(current) if current == token => {
                 self.session_mut(session_id).held.remove(name);
                 self.count(session_id, -1, 0);
                 self.changed(name, ChangeKind::Released, session_id, Some(token));
-                self.hand_over(index, name, now_ms);
+                self.remove_holder(index, name, |h| h.session == session_id, now_ms);
                 Outcome::Released
             }
-            Some(lock) if lock.holder.session == session_id => {
-                Outcome::Refused(Refusal::StaleToken {
-                    current: lock.holder.token,
-                })
-            }
-            _ => Outcome::Refused(Refusal::NotHolder),
+            Some(current) => Outcome::Refused(Refusal::StaleToken { current }),
+            None => Outcome::Refused(Refusal::NotHolder),
         };
         self.remember(session_id, request, &outcome);
         outcome
@@ -739,27 +903,25 @@ impl LockTable {
 
     fn cancel_wait(
         &mut self,
-        _index: u64,
+        index: u64,
         session_id: SessionId,
         request: RequestId,
         name: &LockName,
-        _now_ms: u64,
+        now_ms: u64,
     ) -> Outcome {
         let Some(session) = self.sessions.get(&session_id) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
         if session.waiting.get(name) == Some(&request) {
-            self.remove_waiter(session_id, request, name);
+            self.remove_waiter(index, session_id, request, name, now_ms);
             // A retry of the acquire must now learn that it was cancelled, not that it is queued.
             self.update_remembered(session_id, request, Outcome::Cancelled);
             return Outcome::Cancelled;
         }
-        match self.locks.get(name) {
-            Some(lock) if lock.holder.session == session_id && lock.holder.request == request => {
-                Outcome::Granted {
-                    token: lock.holder.token,
-                }
-            }
+        match self.locks.get(name).and_then(|l| l.held_by(session_id)) {
+            Some(holder) if holder.request == request => Outcome::Granted {
+                token: holder.token,
+            },
             _ => Outcome::Refused(Refusal::NotWaiting),
         }
     }
@@ -785,15 +947,16 @@ impl LockTable {
             if !w.is_some_and(|w| ours(w.attempt)) {
                 return Outcome::Refused(Refusal::NotWaiting);
             }
-            self.remove_waiter(session_id, request, name);
+            self.remove_waiter(index, session_id, request, name, now_ms);
             self.update_remembered(session_id, request, Outcome::Abandoned);
             return Outcome::Abandoned;
         }
         let granted = self
             .locks
             .get(name)
-            .filter(|l| l.holder.session == session_id && l.holder.request == request)
-            .map(|l| (l.holder.token, l.holder.attempt));
+            .and_then(|l| l.held_by(session_id))
+            .filter(|h| h.request == request)
+            .map(|h| (h.token, h.attempt));
         if let Some((token, holder_attempt)) = granted {
             if !ours(holder_attempt) {
                 return Outcome::Refused(Refusal::NotWaiting);
@@ -806,7 +969,7 @@ impl LockTable {
             self.session_mut(session_id).held.remove(name);
             self.count(session_id, -1, 0);
             self.changed(name, ChangeKind::Released, session_id, Some(token));
-            self.hand_over(index, name, now_ms);
+            self.remove_holder(index, name, |h| h.session == session_id, now_ms);
             self.update_remembered(session_id, request, Outcome::Abandoned);
             return Outcome::Abandoned;
         }
@@ -835,8 +998,16 @@ impl LockTable {
             .map(|(_, o)| o)
     }
 
-    /// Removes the wait that `request` of `session_id` has in `name`'s queue (the caller checked it exists).
-    fn remove_waiter(&mut self, session_id: SessionId, request: RequestId, name: &LockName) {
+    /// Removes the wait that `request` of `session_id` has in `name`'s queue (the caller checked it
+    /// exists), and grants the waiters behind it that now fit.
+    fn remove_waiter(
+        &mut self,
+        index: u64,
+        session_id: SessionId,
+        request: RequestId,
+        name: &LockName,
+        now_ms: u64,
+    ) {
         let removed = self.session_mut(session_id).waiting.remove(name);
         assert_eq!(removed, Some(request), "the session records this wait");
         self.count(session_id, 0, -1);
@@ -849,31 +1020,82 @@ impl LockTable {
             request,
         });
         self.changed(name, ChangeKind::Cancelled, session_id, None);
+        self.promote(index, name, now_ms);
     }
 
-    /// The holder of `name` is gone (its session already forgot the lock): grant the next waiter with token
-    /// `index`, or delete the lock.
-    fn hand_over(&mut self, index: u64, name: &LockName, now_ms: u64) {
+    /// Removes the first holder of `name` that `which` picks (its session already forgot the lock),
+    /// then grants the waiters that now fit with token `index`, or deletes the lock.
+    fn remove_holder(
+        &mut self,
+        index: u64,
+        name: &LockName,
+        which: impl Fn(&Holder) -> bool,
+        now_ms: u64,
+    ) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
+        if lock.holder_count() > 1 {
+            if which(&lock.holder) {
+                lock.holder = lock.more.remove(0);
+            } else {
+                let at = lock.more.position(&which).expect("the holder to remove");
+                lock.more.remove(at);
+            }
+            self.promote(index, name, now_ms);
+            return;
+        }
+        assert!(which(&lock.holder), "the holder to remove");
+        // The last holder left: the lock goes, unless a waiter takes it (and those behind that fit).
+        let mut lock = self.locks.remove(name).expect("a held lock exists");
         let Some(next) = lock.waiters.pop_front() else {
-            self.locks.remove(name);
             return;
         };
+        let previous = lock.holder.token;
+        lock.holder = self.grant_waiter(index, name, next, previous, now_ms);
+        self.locks.insert(name.clone(), lock);
+        self.promote(index, name, now_ms);
+    }
+
+    /// Grants `name` to the waiters at the front of its queue for as long as they fit, each with token
+    /// `index` (FIFO: a waiter that does not fit stops the ones behind it, so readers never overtake a
+    /// waiting writer).
+    fn promote(&mut self, index: u64, name: &LockName, now_ms: u64) {
+        loop {
+            let Some(lock) = self.locks.get_mut(name) else {
+                return;
+            };
+            match lock.waiters.front() {
+                Some(w) if lock.admits(w.shared) => {}
+                _ => return,
+            }
+            let next = lock.waiters.pop_front().expect("checked above");
+            // Holders granted by this same entry share its token; every earlier one is smaller.
+            let previous = lock
+                .holders()
+                .map(|h| h.token)
+                .filter(|t| t.0 != index)
+                .max()
+                .unwrap_or(FencingToken(0));
+            let holder = self.grant_waiter(index, name, next, previous, now_ms);
+            self.locks
+                .get_mut(name)
+                .expect("still held")
+                .more
+                .push(holder);
+        }
+    }
+
+    /// Makes waiter `next` of `name` a holder with token `index` (the caller puts the holder in place):
+    /// its session's records, counts, remembered outcome, change and event.
+    fn grant_waiter(
+        &mut self,
+        index: u64,
+        name: &LockName,
+        next: Waiter,
+        previous: FencingToken,
+        now_ms: u64,
+    ) -> Holder {
         let token = FencingToken(index);
-        assert!(
-            token > lock.holder.token,
-            "tokens strictly increase per lock"
-        );
-        lock.holder = Holder {
-            session: next.session,
-            token,
-            request: next.request,
-            granted_at_ms: now_ms,
-            value: next.value,
-            attempt: next.attempt,
-            lock_delay_ms: next.lock_delay_ms,
-        };
-        let value = lock.holder.value.clone();
+        assert!(token > previous, "tokens strictly increase per lock");
         self.waiter_count -= 1;
         let session = self.session_mut(next.session);
         let queued_for = session.waiting.remove(name);
@@ -890,7 +1112,7 @@ impl LockTable {
             kind: ChangeKind::Granted,
             session: next.session,
             token: Some(token),
-            value,
+            value: next.value.clone(),
         });
         self.events.push(Event::Granted {
             name: name.clone(),
@@ -898,6 +1120,16 @@ impl LockTable {
             request: next.request,
             token,
         });
+        Holder {
+            session: next.session,
+            token,
+            request: next.request,
+            granted_at_ms: now_ms,
+            value: next.value,
+            attempt: next.attempt,
+            lock_delay_ms: next.lock_delay_ms,
+            shared: next.shared,
+        }
     }
 
     fn remember(&mut self, session_id: SessionId, request: RequestId, outcome: &Outcome) {
@@ -928,8 +1160,11 @@ impl LockTable {
     pub fn delayed_locks(&self) -> Vec<(LockName, FencingToken, u32)> {
         self.locks
             .iter()
-            .filter(|(_, l)| l.holder.session == NO_SESSION)
-            .map(|(n, l)| (n.clone(), l.holder.token, l.holder.lock_delay_ms))
+            .flat_map(|(n, l)| {
+                l.holders()
+                    .filter(|h| h.session == NO_SESSION)
+                    .map(|h| (n.clone(), h.token, h.lock_delay_ms))
+            })
             .collect()
     }
 
@@ -990,24 +1225,52 @@ impl LockTable {
         let mut waiters = 0u64;
         assert!(!self.sessions.contains_key(&NO_SESSION), "no session 0");
         for (name, lock) in &self.locks {
-            if lock.holder.session == NO_SESSION {
-                assert!(lock.holder.lock_delay_ms > 0, "{name}: no holder, no delay");
-            } else {
-                let holder = self
-                    .sessions
-                    .get(&lock.holder.session)
-                    .expect("holder session exists");
+            let mut holding = BTreeSet::new();
+            let mut delays = BTreeSet::new();
+            for holder in lock.holders() {
+                if holder.session == NO_SESSION {
+                    assert!(holder.lock_delay_ms > 0, "{name}: no holder, no delay");
+                    assert!(
+                        delays.insert(holder.token),
+                        "{name}: two delays with one token"
+                    );
+                } else {
+                    assert!(holding.insert(holder.session), "session holds {name} twice");
+                    let session = self
+                        .sessions
+                        .get(&holder.session)
+                        .expect("holder session exists");
+                    assert!(
+                        session.held.contains(name),
+                        "holder's session lists {name} as held"
+                    );
+                }
+                assert!(holder.token.0 > 0, "token 0 is never issued");
+            }
+            if lock.permits > 0 {
                 assert!(
-                    holder.held.contains(name),
-                    "holder's session lists {name} as held"
+                    lock.holder_count() <= lock.permits as usize
+                        && lock.permits as usize <= MAX_HOLDERS_PER_LOCK,
+                    "{name}: more holders than permits"
+                );
+                assert!(
+                    lock.holders().all(|h| !h.shared) && lock.waiters.iter().all(|w| !w.shared),
+                    "{name}: a semaphore held shared"
+                );
+            } else if lock.holder_count() > 1 {
+                assert!(
+                    lock.holders().all(|h| h.shared) && lock.holder_count() <= MAX_HOLDERS_PER_LOCK,
+                    "{name}: an exclusive holder beside others"
                 );
             }
-            assert!(lock.holder.token.0 > 0, "token 0 is never issued");
+            if let Some(front) = lock.waiters.front() {
+                assert!(!lock.admits(front.shared), "{name}: its first waiter fits");
+            }
             let mut seen = BTreeSet::new();
             for w in lock.waiters.iter() {
                 assert!(seen.insert(w.session), "session waits twice for {name}");
-                assert_ne!(
-                    w.session, lock.holder.session,
+                assert!(
+                    !holding.contains(&w.session),
                     "holder also waits for {name}"
                 );
                 let s = self
@@ -1025,9 +1288,10 @@ impl LockTable {
         assert_eq!(waiters, self.waiter_count, "waiter count");
         for (id, s) in &self.sessions {
             for name in &s.held {
-                assert_eq!(
-                    self.locks.get(name).map(|l| l.holder.session),
-                    Some(*id),
+                assert!(
+                    self.locks
+                        .get(name)
+                        .is_some_and(|l| l.held_by(*id).is_some()),
                     "held lock {name} names its holder"
                 );
             }
@@ -1065,24 +1329,32 @@ impl LockTable {
     }
 }
 
+fn holder_view(h: &Holder) -> HolderView {
+    HolderView {
+        session: h.session,
+        token: h.token,
+        granted_at_ms: h.granted_at_ms,
+        value: h.value.clone(),
+        lock_delay_ms: h.lock_delay_ms,
+        shared: h.shared,
+    }
+}
+
 fn lock_view(name: &LockName, lock: &Lock) -> LockView {
     LockView {
         name: name.clone(),
-        holder: HolderView {
-            session: lock.holder.session,
-            token: lock.holder.token,
-            granted_at_ms: lock.holder.granted_at_ms,
-            value: lock.holder.value.clone(),
-            lock_delay_ms: lock.holder.lock_delay_ms,
-        },
+        holder: holder_view(&lock.holder),
+        more: lock.more.iter().map(holder_view).collect(),
         waiters: lock
             .waiters
             .iter()
             .map(|w| WaiterView {
                 session: w.session,
                 enqueued_at_ms: w.enqueued_at_ms,
+                shared: w.shared,
             })
             .collect(),
+        permits: lock.permits,
     }
 }
 
@@ -1112,6 +1384,10 @@ impl Queue {
 
     pub(crate) fn push_back(&mut self, w: Waiter) {
         self.0.get_or_insert_with(Default::default).push_back(w);
+    }
+
+    pub(crate) fn front(&self) -> Option<&Waiter> {
+        self.0.as_ref().and_then(|q| q.front())
     }
 
     pub(crate) fn pop_front(&mut self) -> Option<Waiter> {
@@ -1145,6 +1421,51 @@ impl Queue {
     }
 }
 
+/// A lock's holders after the first, in grant order: like [`Queue`], one null pointer when there are
+/// none (every exclusive lock), never `Some` and empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(
+    clippy::box_collection,
+    reason = "the point: no further holders cost one pointer, not an empty Vec"
+)]
+pub(crate) struct Holders(Option<Box<Vec<Holder>>>);
+
+impl Holders {
+    pub(crate) fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, |v| v.len())
+    }
+
+    pub(crate) fn push(&mut self, h: Holder) {
+        self.0.get_or_insert_with(Default::default).push(h);
+    }
+
+    /// Removes the holder at `at` (which exists).
+    pub(crate) fn remove(&mut self, at: usize) -> Holder {
+        let v = self.0.as_mut().expect("a holder to remove");
+        let h = v.remove(at);
+        if v.is_empty() {
+            self.0 = None;
+        }
+        h
+    }
+
+    fn position(&self, which: impl Fn(&Holder) -> bool) -> Option<usize> {
+        self.iter().position(which)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Holder> {
+        self.0.iter().flat_map(|v| v.iter())
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut Holder> {
+        self.0.iter_mut().flat_map(|v| v.iter_mut())
+    }
+
+    fn is_normal(&self) -> bool {
+        self.0.as_ref().is_none_or(|v| !v.is_empty())
+    }
+}
+
 impl LockTable {
     /// Rebuilds what snapshots leave out (each session's held and waited-for locks) from the locks, sharing
     /// the lock map's names.
@@ -1158,24 +1479,25 @@ impl LockTable {
             s.waiting.clear();
         }
         for (name, lock) in &self.locks {
-            if !lock.waiters.is_normal() {
+            if !lock.waiters.is_normal() || !lock.more.is_normal() {
                 return Err(format!("lock {name} has an empty queue"));
             }
-            if lock.holder.session == NO_SESSION {
-                if lock.holder.lock_delay_ms == 0 {
-                    return Err(format!("lock {name} has no holder and no lock-delay"));
-                }
-            } else {
-                self.sessions
-                    .get_mut(&lock.holder.session)
+            for holder in lock.holders() {
+                if holder.session == NO_SESSION {
+                    if holder.lock_delay_ms == 0 {
+                        return Err(format!("lock {name} has no holder and no lock-delay"));
+                    }
+                } else if !self
+                    .sessions
+                    .get_mut(&holder.session)
                     .ok_or_else(|| {
-                        format!(
-                            "lock {name} is held by unknown session {}",
-                            lock.holder.session
-                        )
+                        format!("lock {name} is held by unknown session {}", holder.session)
                     })?
                     .held
-                    .insert(name.clone());
+                    .insert(name.clone())
+                {
+                    return Err(format!("session {} holds {name} twice", holder.session));
+                }
             }
             for w in lock.waiters.iter() {
                 let s = self.sessions.get_mut(&w.session).ok_or_else(|| {

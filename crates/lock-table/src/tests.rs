@@ -7,10 +7,10 @@ use crate::limits::*;
 use crate::{FencingToken, LockName, LockTable, RequestId, SessionId};
 use proptest::prelude::*;
 
-fn name(s: &str) -> LockName {
+pub(crate) fn name(s: &str) -> LockName {
     LockName::new(s).unwrap()
 }
-fn open(nonce: u128) -> Command {
+pub(crate) fn open(nonce: u128) -> Command {
     Command::OpenSession {
         nonce,
         ttl_ms: DEFAULT_TTL_MS,
@@ -18,10 +18,16 @@ fn open(nonce: u128) -> Command {
     }
 }
 /// An acquire by the call with attempt `1000 * r + 1`: one call per request unless a case says otherwise.
-fn acq(s: u64, r: u64, n: &str, mode: crate::AcquireMode) -> Command {
+pub(crate) fn acq(s: u64, r: u64, n: &str, mode: crate::AcquireMode) -> Command {
     acq_attempt(s, r, n, mode, 1000 * r + 1)
 }
-fn acq_attempt(s: u64, r: u64, n: &str, mode: crate::AcquireMode, attempt: u64) -> Command {
+pub(crate) fn acq_attempt(
+    s: u64,
+    r: u64,
+    n: &str,
+    mode: crate::AcquireMode,
+    attempt: u64,
+) -> Command {
     Command::Acquire {
         session: SessionId(s),
         request: RequestId(r),
@@ -32,7 +38,7 @@ fn acq_attempt(s: u64, r: u64, n: &str, mode: crate::AcquireMode, attempt: u64) 
         now_ms: 0,
     }
 }
-fn rel(s: u64, r: u64, n: &str, t: u64) -> Command {
+pub(crate) fn rel(s: u64, r: u64, n: &str, t: u64) -> Command {
     Command::Release {
         session: SessionId(s),
         request: RequestId(r),
@@ -41,7 +47,7 @@ fn rel(s: u64, r: u64, n: &str, t: u64) -> Command {
         now_ms: 0,
     }
 }
-fn cancel(s: u64, r: u64, n: &str) -> Command {
+pub(crate) fn cancel(s: u64, r: u64, n: &str) -> Command {
     Command::CancelWait {
         session: SessionId(s),
         request: RequestId(r),
@@ -50,7 +56,7 @@ fn cancel(s: u64, r: u64, n: &str) -> Command {
     }
 }
 /// The client gives up on its request (any call's).
-fn abandon(s: u64, r: u64, n: &str) -> Command {
+pub(crate) fn abandon(s: u64, r: u64, n: &str) -> Command {
     Command::AbandonAcquire {
         session: SessionId(s),
         request: RequestId(r),
@@ -69,30 +75,30 @@ fn server_abandon(s: u64, r: u64, n: &str, attempt: u64) -> Command {
         now_ms: 0,
     }
 }
-fn expire(s: u64) -> Command {
+pub(crate) fn expire(s: u64) -> Command {
     Command::ExpireSession {
         session: SessionId(s),
         now_ms: 0,
     }
 }
-fn close(s: u64) -> Command {
+pub(crate) fn close(s: u64) -> Command {
     Command::CloseSession {
         session: SessionId(s),
         now_ms: 0,
     }
 }
-fn opened(s: u64) -> Outcome {
+pub(crate) fn opened(s: u64) -> Outcome {
     SessionOpened {
         session: SessionId(s),
         ttl_ms: DEFAULT_TTL_MS,
     }
 }
-fn granted(t: u64) -> Outcome {
+pub(crate) fn granted(t: u64) -> Outcome {
     Granted {
         token: FencingToken(t),
     }
 }
-fn refused(r: Refusal) -> Outcome {
+pub(crate) fn refused(r: Refusal) -> Outcome {
     Refused(r)
 }
 
@@ -1015,7 +1021,7 @@ proptest! {
                         }
                     }
                 }
-                Command::OpenSessionWithSecret { .. } | Command::Authorized { .. } | Command::Quota { .. } | Command::WithLockDelay { .. } => {
+                Command::OpenSessionWithSecret { .. } | Command::Authorized { .. } | Command::Quota { .. } | Command::WithLockDelay { .. } | Command::WithShare { .. } => {
                     unreachable!("effective() unwraps these")
                 }
             }
@@ -1450,14 +1456,14 @@ fn a_version_5_snapshot_decodes_without_lock_delays() {
     assert!(t.delayed_locks().is_empty());
 }
 
-fn delayed(ms: u32, command: Command) -> Command {
+pub(crate) fn delayed(ms: u32, command: Command) -> Command {
     Command::WithLockDelay {
         lock_delay_ms: ms,
         command: Box::new(command),
     }
 }
 
-fn end_delay(n: &str, token: u64) -> Command {
+pub(crate) fn end_delay(n: &str, token: u64) -> Command {
     Command::EndLockDelay {
         name: name(n),
         token: FencingToken(token),

@@ -176,6 +176,20 @@ pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
             ErrorDetail::default(),
         ),
         Refusal::PermissionDenied => permission_denied(session),
+        Refusal::PermitsMismatch { permits } => status(
+            Code::FailedPrecondition,
+            Reason::PermitsMismatch,
+            if permits == 0 {
+                format!("{name:?} is a lock, not a semaphore: acquire it without permits")
+            } else {
+                format!("{name:?} is a semaphore of {permits} permits: acquire it with permits {permits} (the number is fixed while it is held or waited for)")
+            },
+            ErrorDetail { limit_value: u64::from(permits), ..Default::default() },
+        ),
+        Refusal::InvalidPermits { permits } => invalid(format!(
+            "permits {permits} is outside 1 to {} (max_holders_per_lock)",
+            holdfast_lock_table::limits::MAX_HOLDERS_PER_LOCK
+        )),
         Refusal::RequestIdTooNew { highest } => status(
             Code::InvalidArgument,
             Reason::RequestIdTooNew,

@@ -41,8 +41,25 @@ struct State {
     /// Deadlines, possibly stale (a keepalive pushes a new one without removing the old): each popped
     /// entry is checked against `timers`. Compacted when it grows past 4× the live sessions.
     heap: BinaryHeap<Reverse<(Instant, SessionId)>>,
-    /// Lock-delays under way: when each ends, and the token of the expired grant that began it.
-    delays: std::collections::BTreeMap<(Instant, LockName), FencingToken>,
+    /// Lock-delays under way, in the order they end: (end, lock, token of the expired grant that began
+    /// it). One per lock and token (`delay_ends`), since the table keeps one placeholder per token.
+    delays: std::collections::BTreeSet<(Instant, LockName, FencingToken)>,
+    delay_ends: HashMap<(LockName, FencingToken), Instant>,
+}
+
+impl State {
+    /// Times the delay of `name`'s placeholder `token` to end at `end`, or later if it already ends
+    /// later (a second reader with the same token expired into the same placeholder: the later end).
+    fn delay_until(&mut self, name: LockName, token: FencingToken, end: Instant) {
+        if let Some(&old) = self.delay_ends.get(&(name.clone(), token)) {
+            if old >= end {
+                return;
+            }
+            self.delays.remove(&(old, name.clone(), token));
+        }
+        self.delays.insert((end, name.clone(), token));
+        self.delay_ends.insert((name, token), end);
+    }
 }
 
 /// Why a keepalive renewed nothing.
@@ -109,13 +126,12 @@ impl Leases {
         s.leading = Some(term);
         s.timers.clear();
         s.heap.clear();
-        s.delays = delayed
-            .into_iter()
-            .map(|(name, token, ms)| {
-                let end = now + self.span(Duration::from_millis(u64::from(ms)));
-                ((end, name), token)
-            })
-            .collect();
+        s.delays.clear();
+        s.delay_ends.clear();
+        for (name, token, ms) in delayed {
+            let end = now + self.span(Duration::from_millis(u64::from(ms)));
+            s.delay_until(name, token, end);
+        }
         for (id, ttl_ms, secret) in sessions {
             let ttl = Duration::from_millis(ttl_ms);
             let deadline = now + self.span(ttl);
@@ -229,7 +245,7 @@ impl Leases {
                     delay_ms,
                 } => {
                     let end = now + self.span(Duration::from_millis(u64::from(*delay_ms)));
-                    s.delays.insert((end, name.clone()), *token);
+                    s.delay_until(name.clone(), *token, end);
                     earlier = true;
                 }
                 _ => {}
@@ -287,11 +303,9 @@ impl Leases {
     pub fn take_due_delays(&self, now: Instant) -> Vec<(LockName, FencingToken)> {
         let mut s = self.lock();
         let mut due = Vec::new();
-        while let Some(entry) = s.delays.first_entry() {
-            if entry.key().0 > now {
-                break;
-            }
-            let ((_, name), token) = entry.remove_entry();
+        while s.delays.first().is_some_and(|(end, _, _)| *end <= now) {
+            let (_, name, token) = s.delays.pop_first().expect("checked above");
+            s.delay_ends.remove(&(name.clone(), token));
             due.push((name, token));
         }
         due
@@ -302,7 +316,7 @@ impl Leases {
     pub fn retry_delay(&self, name: LockName, token: FencingToken, at: Instant) {
         let mut s = self.lock();
         if s.leading.is_some() {
-            s.delays.insert((at, name), token);
+            s.delay_until(name, token, at);
         }
         drop(s);
         self.wake.notify_one();
@@ -312,7 +326,7 @@ impl Leases {
     pub fn next_deadline(&self) -> Option<Instant> {
         let s = self.lock();
         let session = s.heap.peek().map(|Reverse((d, _))| *d);
-        let delay = s.delays.keys().next().map(|(d, _)| *d);
+        let delay = s.delays.first().map(|(d, _, _)| *d);
         match (session, delay) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -548,5 +562,47 @@ mod tests {
             .take_due_delays(t1 + Duration::from_secs(5))
             .is_empty());
         assert_eq!(leases.next_deadline(), None);
+    }
+
+    /// A semaphore's two permits in their delays (two tokens, one lock) are timed apart; a second
+    /// delay for a lock and token already timed (a second reader of one grant entry) keeps the later
+    /// end, and is returned once.
+    #[tokio::test(start_paused = true)]
+    async fn delays_are_timed_per_lock_and_token() {
+        use holdfast_lock_table::{FencingToken, LockName};
+        let s = LockName::new("s").unwrap();
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(
+            1,
+            std::iter::empty(),
+            vec![
+                (s.clone(), FencingToken(4), 1_000),
+                (s.clone(), FencingToken(5), 1_000),
+            ],
+            t0,
+        );
+        let due = leases.take_due_delays(t0 + Duration::from_secs(1));
+        assert_eq!(
+            due,
+            vec![(s.clone(), FencingToken(4)), (s.clone(), FencingToken(5))]
+        );
+        let delayed = |ms| Event::LockDelayed {
+            name: s.clone(),
+            token: FencingToken(9),
+            delay_ms: ms,
+        };
+        let t1 = t0 + Duration::from_secs(10);
+        leases.on_events(&[delayed(3_000)], t1);
+        leases.on_events(&[delayed(1_000)], t1 + Duration::from_secs(1));
+        assert_eq!(leases.next_deadline(), Some(t1 + Duration::from_secs(3)));
+        leases.on_events(&[delayed(3_000)], t1 + Duration::from_secs(1));
+        assert!(leases
+            .take_due_delays(t1 + Duration::from_millis(3_999))
+            .is_empty());
+        assert_eq!(
+            leases.take_due_delays(t1 + Duration::from_secs(9)),
+            vec![(s.clone(), FencingToken(9))]
+        );
     }
 }

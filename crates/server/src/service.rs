@@ -13,7 +13,7 @@ use crate::node::NodeShared;
 use crate::now_ms;
 use holdfast_lock_table::{
     group_for, AcquireMode, Command, FencingToken, LockName, LockView, Outcome, Refusal, RequestId,
-    SessionId,
+    SessionId, Share,
 };
 use holdfast_proto::v1 as pb;
 use holdfast_proto::v1::holdfast_server::Holdfast;
@@ -140,6 +140,25 @@ impl ClientService {
 
     fn lock_info(&self, group: &Group, view: LockView) -> pb::LockInfo {
         let now = Instant::now();
+        let remaining = |session| {
+            group
+                .leases
+                .remaining(session, now)
+                .map_or(0, |d| d.as_millis() as u64)
+        };
+        let holders = view
+            .holders()
+            .map(|h| pb::Holder {
+                session_id: h.session.0,
+                token: h.token.0,
+                granted_at_ms: h.granted_at_ms,
+                ttl_remaining_ms: remaining(h.session),
+                value: h.value.to_vec(),
+                lock_delay_ms: h.lock_delay_ms,
+                delayed: h.session.0 == 0,
+                shared: h.shared,
+            })
+            .collect();
         pb::LockInfo {
             name: view.name.as_str().to_string(),
             holder_session_id: view.holder.session.0,
@@ -155,11 +174,14 @@ impl ClientService {
                 .map(|w| pb::Waiter {
                     session_id: w.session.0,
                     enqueued_at_ms: w.enqueued_at_ms,
+                    shared: w.shared,
                 })
                 .collect(),
             holder_value: view.holder.value.to_vec(),
             lock_delay_ms: view.holder.lock_delay_ms,
             delayed: view.holder.session.0 == 0,
+            holders,
+            permits: view.permits,
         }
     }
 
@@ -525,6 +547,26 @@ impl Holdfast for ClientService {
                 ),
             ));
         }
+        let max_permits = holdfast_lock_table::limits::MAX_HOLDERS_PER_LOCK;
+        if r.permits as usize > max_permits {
+            return Err(limit(
+                "max_holders_per_lock",
+                max_permits as u64,
+                format!(
+                    "a semaphore of {} permits is over the limit of {max_permits} (max_holders_per_lock)",
+                    r.permits
+                ),
+            ));
+        }
+        let share =
+            match (r.shared, r.permits) {
+                (false, 0) => Share::Exclusive,
+                (true, 0) => Share::Shared,
+                (false, n) => Share::Permits(n),
+                (true, _) => return Err(invalid(
+                    "shared and permits exclude each other: a semaphore's permits are not shared",
+                )),
+            };
         // From here on, a handler dropped before it answers abandons the acquire through the log, unless
         // the client said it cancels by itself.
         let on_drop = if r.client_cancels {
@@ -569,6 +611,12 @@ impl Holdfast for ClientService {
         if r.lock_delay_ms > 0 {
             command = Command::WithLockDelay {
                 lock_delay_ms: r.lock_delay_ms,
+                command: Box::new(command),
+            };
+        }
+        if share != Share::Exclusive {
+            command = Command::WithShare {
+                share,
                 command: Box::new(command),
             };
         }

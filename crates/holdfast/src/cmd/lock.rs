@@ -46,6 +46,13 @@ pub struct LockArgs {
     /// nobody gets the lock for this long afterwards. For resources that cannot check HOLDFAST_TOKEN.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     lock_delay: Duration,
+    /// Hold the lock shared with other `--shared` holders (readers); without it, exclusively.
+    #[arg(long, conflicts_with = "permits")]
+    shared: bool,
+    /// Treat NAME as a semaphore of N permits (at most 1000) and hold one: at most N commands run at
+    /// once. Every holder must give the same N while the semaphore is in use.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    permits: u32,
     #[command(flatten)]
     conn: Conn,
 }
@@ -59,6 +66,8 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
     let options = holdfast_client::AcquireOptions {
         wait: args.wait,
         lock_delay: args.lock_delay,
+        shared: args.shared,
+        permits: args.permits,
         ..Default::default()
     };
     let guard = match session.acquire_with(&args.name, options).await {

@@ -33,7 +33,9 @@ pub async fn run(args: LocksArgs) -> anyhow::Result<ExitCode> {
             "{:<40} {:>10} {:>10} {:>9} {:>7} {:<14} {}",
             l.name,
             l.token,
-            if l.delayed {
+            if l.holders.len() > 1 || l.permits > 0 {
+                super::describe::mode(l)
+            } else if l.delayed {
                 "delayed".to_string()
             } else {
                 l.holder_session_id.to_string()

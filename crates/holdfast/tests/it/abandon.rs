@@ -87,6 +87,8 @@ async fn a_raw_acquire_whose_call_is_cancelled_is_abandoned_by_the_server() {
         client_cancels: false,
         session_secret: b_secret.clone(),
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     // Dropping the call's future resets its HTTP/2 stream; the connection stays open.
     let dropped = tokio::time::timeout(
@@ -153,6 +155,8 @@ async fn cancel_acquire_releases_a_grant_and_forestalls_a_late_acquire() {
             client_cancels: false,
             session_secret: s.secrets()[0].clone(),
             lock_delay_ms: 0,
+            shared: false,
+            permits: 0,
         })
         .await
         .unwrap_err();
@@ -239,6 +243,8 @@ async fn a_try_retry_of_a_queued_request_ends_its_wait() {
         client_cancels: true,
         session_secret: b_secret.clone(),
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     let dropped = tokio::time::timeout(
         Duration::from_millis(300),

@@ -95,6 +95,8 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
         client_cancels: false,
         session_secret: secret_of(session_id),
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     let token = raw
         .acquire(acq(a, 1, &lock))

@@ -146,6 +146,8 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         session_secret: silent_secret.clone(),
         client_cancels: false,
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     let first = raw.acquire(req).await.unwrap().into_inner().token;
 
@@ -197,6 +199,8 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
         session_secret: silent_secret.clone(),
         client_cancels: false,
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     let err = raw.acquire(req).await.unwrap_err();
     assert_eq!(reason(&err), Reason::SessionUnknown, "{err:?}");
@@ -317,6 +321,8 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         client_cancels: false,
         session_secret: session.secrets()[0].clone(),
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     };
     let r = raw_old.acquire(acquire).await;
     assert!(r.is_err(), "an isolated leader granted a lock: {r:?}");

@@ -17,6 +17,7 @@ mod newcomer;
 mod operations;
 mod proxy;
 mod secrets;
+mod shared;
 mod storage;
 mod tls;
 mod upgrade;

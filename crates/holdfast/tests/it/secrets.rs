@@ -23,6 +23,8 @@ fn acquire(session_id: u64, request_id: u64, name: &str, secret: &[u8]) -> Acqui
         client_cancels: false,
         session_secret: secret.to_vec(),
         lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
     }
 }
 
