@@ -3,9 +3,9 @@
 
 use crate::model::{AuditLine, Op, StoreRecord};
 use crate::properties::{
-    linearizable_locks, linearizable_reads, p10_lock_delay, p1_one_holder, p2_replicas_agree,
-    p3_tokens, p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry, p8_no_unknowing_holder,
-    p9_watch_streams,
+    linearizable_locks, linearizable_reads, p10_lock_delay, p11_shared_holders, p1_one_holder,
+    p2_replicas_agree, p3_tokens, p4_fenced_store, p5_acknowledged_in_log, p6_no_early_expiry,
+    p8_no_unknowing_holder, p9_watch_streams,
 };
 
 #[derive(Debug, Default)]
@@ -29,6 +29,8 @@ pub struct Report {
     pub watch_events_checked: usize,
     /// Lock-delays checked to their end (P10).
     pub lock_delays_checked: usize,
+    /// Grants of shared locks and semaphores checked against their other holders (P11).
+    pub shared_grants_checked: usize,
 }
 
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
@@ -41,11 +43,16 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
         ..Report::default()
     };
     // Which entries' acquires asked for a lock-delay (P10), before the wrappers are taken off below.
+    // And which asked to share (P11).
     let mut asked_delay = std::collections::BTreeMap::new();
+    let mut asked_share = std::collections::BTreeMap::new();
     for (_, lines) in audits {
         for l in lines {
-            if let holdfast_lock_table::Command::WithLockDelay { lock_delay_ms, .. } = &l.command {
-                asked_delay.insert(l.index, *lock_delay_ms);
+            if let Some(ms) = lock_delay_of(&l.command) {
+                asked_delay.insert(l.index, ms);
+            }
+            if let Some(share) = p11_shared_holders::share_of(&l.command) {
+                asked_share.insert(l.index, share);
             }
         }
     }
@@ -66,20 +73,37 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     let audits = &audits[..];
     let merged = p2_replicas_agree::check(audits, &mut r.violations);
     r.applied_entries = merged.len();
-    let (grants, timelines) = p1_one_holder::check(&merged, &mut r.violations);
+    // Shared locks and semaphores: P11's alone where the other checks assume one holder.
+    let multi = p11_shared_holders::multi_holder_names(&merged, &asked_share, history);
+    let all_history = history;
+    let history: Vec<Op> = history
+        .iter()
+        .filter(|o| !multi.contains(&o.lock))
+        .cloned()
+        .collect();
+    let history = &history[..];
+    let (mut grants, timelines) = p1_one_holder::check(&merged, &multi, &mut r.violations);
+    r.shared_grants_checked = p11_shared_holders::check(
+        &merged,
+        &multi,
+        &asked_share,
+        &asked_delay,
+        &mut grants,
+        &mut r.violations,
+    );
     r.reads_checked = linearizable_reads::check(history, &timelines, &mut r.violations);
     p3_tokens::check(history, &mut r.violations);
-    p5_acknowledged_in_log::check(history, &merged, &grants, &mut r.violations);
+    p5_acknowledged_in_log::check(all_history, &merged, &grants, &mut r.violations);
     p4_fenced_store::check(history, store, &mut r.violations);
-    r.expiries_checked = p6_no_early_expiry::check(history, &merged, &mut r.violations);
+    r.expiries_checked = p6_no_early_expiry::check(all_history, &merged, &mut r.violations);
     let lin = linearizable_locks::check(history, &mut r.violations);
     r.unacknowledged_grants_checked =
         p8_no_unknowing_holder::check(history, &merged, &timelines, &mut r.violations);
-    r.watch_events_checked = p9_watch_streams::check(history, &merged, &mut r.violations);
-    r.lock_delays_checked = p10_lock_delay::check(&merged, &asked_delay, &mut r.violations);
+    r.watch_events_checked = p9_watch_streams::check(all_history, &merged, &mut r.violations);
+    r.lock_delays_checked = p10_lock_delay::check(&merged, &asked_delay, &multi, &mut r.violations);
     r.linearized_ops = lin.ops;
     r.linearizability_inconclusive = lin.inconclusive;
-    r.ok_grants = history
+    r.ok_grants = all_history
         .iter()
         .filter(|o| o.op == "acquire" && o.ok())
         .count();
@@ -89,4 +113,16 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
         .filter(|o| o.op == "write" && o.result == "fail")
         .count();
     r
+}
+
+/// The lock-delay an acquire asked for (`Command::WithLockDelay`, under any other wrapper).
+fn lock_delay_of(command: &holdfast_lock_table::Command) -> Option<u32> {
+    use holdfast_lock_table::Command;
+    match command {
+        Command::WithLockDelay { lock_delay_ms, .. } => Some(*lock_delay_ms),
+        Command::Authorized { command, .. }
+        | Command::Quota { command, .. }
+        | Command::WithShare { command, .. } => lock_delay_of(command),
+        _ => None,
+    }
 }

@@ -29,6 +29,10 @@ pub struct Op {
     pub index: Option<u64>,
     #[serde(default)]
     pub kind: Option<String>,
+    /// On `acquire` and `release` of a shared lock or a semaphore: how the acquire asked (`shared`,
+    /// `exclusive` for a writer of a shared lock, `permits:N`). Such names are checked by P11 only.
+    #[serde(default)]
+    pub share: Option<String>,
 }
 
 impl Op {

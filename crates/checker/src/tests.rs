@@ -771,3 +771,157 @@ fn p10_an_expiry_of_a_grant_that_asked_for_a_lock_delay_begins_one() {
     assert_eq!(p10.len(), 1, "{:?}", r.violations);
     assert!(p10[0].contains("did not begin"), "{p10:?}");
 }
+
+// ---- P11: shared locks and semaphores ----
+
+/// The audit lines a real table writes for `commands`, applied at indexes 1, 2, 3, ...
+fn table_log(commands: &[Command]) -> Vec<AuditLine> {
+    let mut t = holdfast_lock_table::LockTable::new();
+    commands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let index = i as u64 + 1;
+            let outcome = t.apply(index, c);
+            AuditLine {
+                index,
+                command: c.clone(),
+                outcome,
+                events: t.take_events(),
+                changes: t.take_changes(),
+            }
+        })
+        .collect()
+}
+
+fn shared_acquire(
+    index: u64,
+    session: u64,
+    lock: &str,
+    share: holdfast_lock_table::Share,
+) -> Command {
+    Command::WithShare {
+        share,
+        command: Box::new(acquire(index, session, lock, granted(index)).command),
+    }
+}
+
+fn p11(log: Vec<AuditLine>) -> (Vec<String>, usize) {
+    let r = check(&[], &[(1, log)], &[]);
+    let p11 = r
+        .violations
+        .into_iter()
+        .filter(|v| v.starts_with("P11"))
+        .collect();
+    (p11, r.shared_grants_checked)
+}
+
+#[test]
+fn p11_accepts_what_the_table_does_with_readers_writers_and_permits() {
+    use holdfast_lock_table::Share::*;
+    let log = table_log(&[
+        open(1).command,
+        open(2).command,
+        open(3).command,
+        shared_acquire(4, 1, "r", Shared),
+        shared_acquire(5, 2, "r", Shared),
+        acquire(6, 3, "r", granted(6)).command,
+        release(7, 1, "r", 4, vec![]).command,
+        release(8, 2, "r", 5, vec![]).command,
+        shared_acquire(9, 1, "s", Permits(2)),
+        shared_acquire(10, 2, "s", Permits(2)),
+        Command::WithLockDelay {
+            lock_delay_ms: 500,
+            command: Box::new(shared_acquire(11, 3, "s", Permits(2))),
+        },
+        release(12, 1, "s", 9, vec![]).command,
+        Command::ExpireSession {
+            session: SessionId(3),
+            now_ms: 1_000,
+        },
+        Command::EndLockDelay {
+            name: name("s"),
+            token: FencingToken(13),
+            now_ms: 1_600,
+        },
+    ]);
+    // The writer is granted at index 8 (the last reader left), the delayed permit at 12.
+    assert!(log[7].events.iter().any(|e| matches!(
+        e,
+        Event::Granted {
+            session: SessionId(3),
+            ..
+        }
+    )));
+    let (v, checked) = p11(log);
+    assert_eq!(v, Vec::<String>::new());
+    assert_eq!(checked, 6);
+}
+
+#[test]
+fn p11_catches_a_writer_beside_a_reader_and_a_permit_too_many() {
+    use holdfast_lock_table::{Change, ChangeKind, Share::*};
+    let grant = |index: u64, session: u64, lock: &str| Change {
+        name: name(lock),
+        kind: ChangeKind::Granted,
+        session: SessionId(session),
+        token: Some(FencingToken(index)),
+        value: Box::default(),
+    };
+    // The writer's acquire queued behind the reader; a buggy table grants it anyway.
+    let mut log = table_log(&[
+        open(1).command,
+        open(2).command,
+        open(3).command,
+        shared_acquire(4, 1, "r", Shared),
+        acquire(5, 2, "r", granted(5)).command,
+    ]);
+    log[4].outcome = granted(5);
+    log[4].changes = vec![grant(5, 2, "r")];
+    let (v, _) = p11(log);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].contains("granted Exclusive"), "{v:?}");
+    // A semaphore of 2 grants a third permit.
+    let mut log = table_log(&[
+        open(1).command,
+        open(2).command,
+        open(3).command,
+        shared_acquire(4, 1, "s", Permits(2)),
+        shared_acquire(5, 2, "s", Permits(2)),
+        shared_acquire(6, 3, "s", Permits(2)),
+    ]);
+    log[5].outcome = granted(6);
+    log[5].changes = vec![grant(6, 3, "s")];
+    let (v, _) = p11(log);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].contains("Permits(2)"), "{v:?}");
+}
+
+#[test]
+fn p11_catches_a_lock_delay_of_a_permit_that_ends_early() {
+    use holdfast_lock_table::Share::*;
+    let log = |end_ms| {
+        table_log(&[
+            open(1).command,
+            open(2).command,
+            Command::WithLockDelay {
+                lock_delay_ms: 500,
+                command: Box::new(shared_acquire(3, 1, "s", Permits(1))),
+            },
+            shared_acquire(4, 2, "s", Permits(1)),
+            Command::ExpireSession {
+                session: SessionId(1),
+                now_ms: 1_000,
+            },
+            Command::EndLockDelay {
+                name: name("s"),
+                token: FencingToken(3),
+                now_ms: end_ms,
+            },
+        ])
+    };
+    assert_eq!(p11(log(1_500)).0, Vec::<String>::new());
+    let (v, _) = p11(log(1_200));
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].contains("before it could"), "{v:?}");
+}

@@ -102,6 +102,7 @@ fn main() -> std::process::ExitCode {
                 "unacknowledged_grants_checked": report.unacknowledged_grants_checked,
                 "watch_events_checked": report.watch_events_checked,
                 "lock_delays_checked": report.lock_delays_checked,
+                "shared_grants_checked": report.shared_grants_checked,
                 "applied_entries": report.applied_entries,
                 "recovered_after_ms": outcome.recovered_after_ms,
                 "converged_after_ms": outcome.converged_after_ms,

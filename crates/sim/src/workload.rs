@@ -5,7 +5,8 @@
 //! caller after a short patience, as a `select!` or a timeout would (recorded `unknown`). Every
 //! operation is recorded with its invoke and complete time (simulated wall clock) and `ok`, `fail` (did
 //! not happen) or `unknown` (may have). Each host also runs a watcher whose events P9 checks against the
-//! log.
+//! log. One round in [`SHARED_ONE_IN`] takes a shared lock instead ([`SHARED_LOCK`], as a reader or a
+//! writer) or a permit of the semaphore [`SEMAPHORE`], holds it a while and releases it (P11).
 
 use crate::cluster::{client_endpoints, STORE_PORT};
 use crate::plan::{Knobs, LOCKS, WORKERS_PER_HOST};
@@ -21,6 +22,16 @@ pub type History = Arc<Mutex<Vec<Op>>>;
 
 /// One acquire in this many is dropped by its caller after a random patience of 10..600 ms.
 const ABANDON_ONE_IN: u64 = 5;
+
+/// One round in this many uses the shared lock or the semaphore instead of a `wl/N` lock.
+const SHARED_ONE_IN: u64 = 3;
+
+/// Taken shared (two times in three) or exclusively.
+pub const SHARED_LOCK: &str = "wl/rw";
+
+/// A semaphore of [`PERMITS`] permits.
+pub const SEMAPHORE: &str = "wl/sem";
+pub const PERMITS: u32 = 2;
 
 /// Simulated wall-clock milliseconds (the same clock on every host).
 pub fn now_ms() -> u64 {
@@ -245,6 +256,10 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knob
                 }
             }
         };
+        if rng.between(0, SHARED_ONE_IN - 1) == 0 {
+            shared_round(&s, &rec, &mut rng, &knobs).await;
+            continue;
+        }
         let lock = format!("wl/{}", rng.between(0, LOCKS - 1));
         // The session's id in the lock's group (what describe reports as the holder).
         let sid = s.id_for(&lock);
@@ -373,4 +388,76 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knob
     if let Some(s) = session {
         let _ = tokio::time::timeout(Duration::from_secs(2), s.close()).await;
     }
+}
+
+/// One round on the shared lock (a reader, or now and then a writer) or the semaphore: acquire (with
+/// the knobs' lock-delays, and abandoned now and then like the other rounds), hold for 0..100 ms,
+/// release. No fenced store: P11 checks these holders against each other in the log.
+async fn shared_round(s: &Session, rec: &Recorder, rng: &mut Rng, knobs: &Knobs) {
+    // Half the rounds on the semaphore, so its permits run out often; a writer in three of the rest.
+    let (lock, share, shared, permits) = match rng.between(0, 5) {
+        0..=2 => (SEMAPHORE, format!("permits:{PERMITS}"), false, PERMITS),
+        3 => (SHARED_LOCK, "exclusive".to_string(), false, 0),
+        _ => (SHARED_LOCK, "shared".to_string(), true, 0),
+    };
+    let sid = s.id_for(lock);
+    let lock_delay =
+        if knobs.lock_delay_one_in > 0 && rng.between(0, knobs.lock_delay_one_in - 1) == 0 {
+            Duration::from_millis(knobs.lock_delay_ms)
+        } else {
+            Duration::ZERO
+        };
+    let invoke = now_ms();
+    let acquire = s.acquire_with(
+        lock,
+        holdfast_client::AcquireOptions {
+            wait: Duration::from_secs(1),
+            lock_delay,
+            shared,
+            permits,
+            ..Default::default()
+        },
+    );
+    let acquired = if rng.between(0, ABANDON_ONE_IN - 1) == 0 {
+        let patience = Duration::from_millis(rng.between(10, 600));
+        match tokio::time::timeout(patience, acquire).await {
+            Ok(r) => r,
+            Err(_) => {
+                rec.record("acquire", lock, invoke, "unknown", |o| {
+                    o.session = Some(sid);
+                    o.share = Some(share.clone());
+                });
+                return;
+            }
+        }
+    } else {
+        acquire.await
+    };
+    let guard = match acquired {
+        Ok(g) => g,
+        Err(e) => {
+            rec.record("acquire", lock, invoke, classify(&e), |o| {
+                o.session = Some(sid);
+                o.share = Some(share.clone());
+            });
+            return;
+        }
+    };
+    let token = guard.token();
+    rec.record("acquire", lock, invoke, "ok", |o| {
+        o.session = Some(sid);
+        o.token = Some(token);
+        o.share = Some(share.clone());
+    });
+    tokio::time::sleep(Duration::from_millis(rng.between(0, 100))).await;
+    let invoke = now_ms();
+    let result = match guard.release().await {
+        Ok(()) => "ok",
+        Err(e) => classify(&e),
+    };
+    rec.record("release", lock, invoke, result, |o| {
+        o.session = Some(sid);
+        o.token = Some(token);
+        o.share = Some(share.clone());
+    });
 }

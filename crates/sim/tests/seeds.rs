@@ -36,6 +36,7 @@ struct Totals {
     unacknowledged: u64,
     watch_events: u64,
     lock_delays: u64,
+    shared_grants: u64,
     replacements: u64,
     transfers: u64,
 }
@@ -84,6 +85,7 @@ fn seeds_hold_every_invariant() {
                     t.unacknowledged += n("unacknowledged_grants_checked");
                     t.watch_events += n("watch_events_checked");
                     t.lock_delays += n("lock_delays_checked");
+                    t.shared_grants += n("shared_grants_checked");
                     t.replacements += n("replacements");
                     t.transfers += n("leader_transfers");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
@@ -102,7 +104,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events and {} lock-delays checked, {} servers replaced by a new member, {} leader transfers, {} seeds failed",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} seeds failed",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -116,6 +118,7 @@ fn seeds_hold_every_invariant() {
         t.unacknowledged,
         t.watch_events,
         t.lock_delays,
+        t.shared_grants,
         t.replacements,
         t.transfers,
         failures.len()
@@ -126,6 +129,11 @@ fn seeds_hold_every_invariant() {
         t.ops >= count * 300,
         "too few operations ran ({}): the workload is not exercising the cluster",
         t.ops
+    );
+    assert!(
+        t.shared_grants >= count * 10,
+        "too few shared or semaphore grants checked ({}): P11 is not exercised",
+        t.shared_grants
     );
 }
 

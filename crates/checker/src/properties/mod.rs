@@ -13,11 +13,14 @@
 //! 8. [`linearizable_locks`] searches the history alone for a linearization of each lock's operations;
 //! 9. [`p8_no_unknowing_holder`] checks that grants no client acknowledged end, from the [`Timelines`];
 //! 10. [`p9_watch_streams`] checks the events watchers received against the changes in the [`MergedLog`];
-//! 11. [`p10_lock_delay`] checks that no lock is granted during a lock-delay, from the [`MergedLog`].
+//! 11. [`p10_lock_delay`] checks that no lock is granted during a lock-delay, from the [`MergedLog`];
+//! 12. [`p11_shared_holders`] checks shared locks and semaphores (whose names 2–11 skip where they
+//!     assume one holder), from the [`MergedLog`], adding their grants to [`Grants`] before P5.
 
 pub mod linearizable_locks;
 pub mod linearizable_reads;
 pub mod p10_lock_delay;
+pub mod p11_shared_holders;
 pub mod p1_one_holder;
 pub mod p2_replicas_agree;
 pub mod p3_tokens;

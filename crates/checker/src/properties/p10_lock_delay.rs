@@ -19,8 +19,14 @@ use std::collections::BTreeMap;
 /// Slack for the leaders' wall clocks (they share the machine's, which NTP may slew), like P6's.
 pub const MARGIN_MS: u64 = 100;
 
-/// P10. Returns how many lock-delays were checked to their end.
-pub fn check(merged: &MergedLog<'_>, asked: &BTreeMap<u64, u32>, v: &mut Vec<String>) -> usize {
+/// P10. Returns how many lock-delays were checked to their end. Names in `multi` (shared locks and
+/// semaphores, several placeholders at once) are left to P11.
+pub fn check(
+    merged: &MergedLog<'_>,
+    asked: &BTreeMap<u64, u32>,
+    multi: &std::collections::BTreeSet<String>,
+    v: &mut Vec<String>,
+) -> usize {
     // Lock -> (token of the expired grant, when the expiry was stamped, delay).
     let mut delayed: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
     // Grants whose acquire asked for a delay: (lock, token) -> delay; and such acquires still queued:
@@ -70,7 +76,11 @@ pub fn check(merged: &MergedLog<'_>, asked: &BTreeMap<u64, u32>, v: &mut Vec<Str
                 _ => {}
             }
         }
-        for c in &line.changes {
+        for c in line
+            .changes
+            .iter()
+            .filter(|c| !multi.contains(c.name.as_str()))
+        {
             let name = c.name.as_str().to_string();
             match c.kind {
                 ChangeKind::Expired | ChangeKind::Released => {

@@ -17,7 +17,7 @@
 
 use super::MergedLog;
 use holdfast_lock_table::{Command, Event, Outcome, SessionId};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Every grant in the log, as (lock, session, token).
 pub type Grants = HashSet<(String, u64, u64)>;
@@ -26,8 +26,12 @@ pub type Grants = HashSet<(String, u64, u64)>;
 pub type Timelines = HashMap<String, Vec<(u64, Option<(u64, u64)>)>>;
 
 /// P1 and the log side of P3: replays the merged log; returns every grant as (lock, session, token) and
-/// each lock's holder timeline.
-pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines) {
+/// each lock's holder timeline. Names in `multi` (shared locks and semaphores) are left to P11.
+pub fn check(
+    merged: &MergedLog<'_>,
+    multi: &BTreeSet<String>,
+    v: &mut Vec<String>,
+) -> (Grants, Timelines) {
     let mut timelines: Timelines = HashMap::new();
     let mut holders: HashMap<String, (SessionId, u64)> = HashMap::new();
     let mut last_token: HashMap<String, u64> = HashMap::new();
@@ -38,6 +42,9 @@ pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines)
                      index: u64,
                      holders: &mut HashMap<String, (SessionId, u64)>,
                      v: &mut Vec<String>| {
+        if multi.contains(name) {
+            return;
+        }
         if let Some((other, t)) = holders.get(name) {
             v.push(format!("P1: at index {index} lock {name:?} granted to session {} while session {} holds it (token {t})", session.0, other.0));
         }
@@ -99,6 +106,7 @@ pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines)
             (Command::Acquire { session, name, .. }, Outcome::Granted { token }) if token.0 == index => {
                 grant(name.as_str(), *session, token.0, index, &mut holders, v);
             }
+            (Command::Release { name, .. }, _) if multi.contains(name.as_str()) => {}
             (Command::Release { session, name, token, .. }, Outcome::Released) => match holders.get(name.as_str()) {
                 Some((s, t)) if s == session && *t == token.0 => {
                     holders.remove(name.as_str());
@@ -112,6 +120,7 @@ pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines)
         }
         for e in &line.events {
             match e {
+                Event::GrantAbandoned { name, .. } if multi.contains(name.as_str()) => {}
                 Event::GrantAbandoned {
                     name,
                     session,
@@ -131,7 +140,7 @@ pub fn check(merged: &MergedLog<'_>, v: &mut Vec<String>) -> (Grants, Timelines)
                 _ => {}
             }
         }
-        for name in touched {
+        for name in touched.into_iter().filter(|n| !multi.contains(n)) {
             let now = holders.get(&name).map(|(s, t)| (s.0, *t));
             let timeline = timelines.entry(name).or_default();
             if timeline.last().map(|(_, h)| *h) != Some(now) {

@@ -43,6 +43,7 @@ pub struct Totals {
     pub unacknowledged_grants_checked: usize,
     pub watch_events_checked: usize,
     pub lock_delays_checked: usize,
+    pub shared_grants_checked: usize,
 }
 
 impl Totals {
@@ -59,6 +60,7 @@ impl Totals {
         self.unacknowledged_grants_checked += r.unacknowledged_grants_checked;
         self.watch_events_checked += r.watch_events_checked;
         self.lock_delays_checked += r.lock_delays_checked;
+        self.shared_grants_checked += r.shared_grants_checked;
     }
 }
 
@@ -66,7 +68,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events and {} lock-delays checked",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -77,7 +79,8 @@ impl std::fmt::Display for Totals {
             self.linearizability_inconclusive,
             self.unacknowledged_grants_checked,
             self.watch_events_checked,
-            self.lock_delays_checked
+            self.lock_delays_checked,
+            self.shared_grants_checked
         )
     }
 }
