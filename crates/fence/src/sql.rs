@@ -35,6 +35,67 @@ pub const CHECK_AND_RAISE: &str = "INSERT INTO holdfast_fence (resource, token) 
 /// Reads the highest token seen for `resource` ($1), to name it in an error.
 pub const SEEN: &str = "SELECT token FROM holdfast_fence WHERE resource = $1";
 
+/// For a shared lock (docs/api.md, "Shared locks and semaphores"): per resource the highest token seen
+/// from anyone (`any_token`) and from a writer (`write_token`).
+///
+/// ```sql
+/// -- a writer (exclusive holder): no newer reader or writer was here
+/// INSERT INTO holdfast_fence_rw VALUES ($1, $2, $2) ON CONFLICT (resource) DO UPDATE
+///   SET any_token = excluded.any_token, write_token = excluded.write_token
+///   WHERE holdfast_fence_rw.any_token <= excluded.any_token;
+/// -- a reader (shared holder): no newer writer was here; raise any_token
+/// INSERT INTO holdfast_fence_rw VALUES ($1, $2, 0) ON CONFLICT (resource) DO UPDATE
+///   SET any_token = CASE WHEN holdfast_fence_rw.any_token > excluded.any_token
+///                        THEN holdfast_fence_rw.any_token ELSE excluded.any_token END
+///   WHERE holdfast_fence_rw.write_token < excluded.any_token;
+/// ```
+///
+/// Like [`CHECK_AND_RAISE`], each statement locks the fence row for the rest of its transaction, so a
+/// reader's transaction and a writer's are serialized (readers serialize among themselves too: the
+/// price of checking both marks in one row).
+pub const RW_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS holdfast_fence_rw (resource TEXT PRIMARY KEY, any_token BIGINT NOT NULL, write_token BIGINT NOT NULL)";
+
+/// A writer's check on `resource` ($1) with `token` ($2); 1 row affected means it passed.
+pub const CHECK_WRITER: &str = "INSERT INTO holdfast_fence_rw (resource, any_token, write_token) VALUES ($1, $2, $2) \
+     ON CONFLICT (resource) DO UPDATE SET any_token = excluded.any_token, write_token = excluded.write_token \
+     WHERE holdfast_fence_rw.any_token <= excluded.any_token";
+
+/// A reader's check on `resource` ($1) with `token` ($2); 1 row affected means it passed.
+pub const CHECK_READER: &str = "INSERT INTO holdfast_fence_rw (resource, any_token, write_token) VALUES ($1, $2, 0) \
+     ON CONFLICT (resource) DO UPDATE SET any_token = CASE WHEN holdfast_fence_rw.any_token > excluded.any_token \
+     THEN holdfast_fence_rw.any_token ELSE excluded.any_token END \
+     WHERE holdfast_fence_rw.write_token < excluded.any_token";
+
+/// The marks of `resource` ($1): (any_token, write_token), to name the one a refused check lost to.
+pub const SEEN_RW: &str =
+    "SELECT any_token, write_token FROM holdfast_fence_rw WHERE resource = $1";
+
+/// Which holder of a shared lock a fenced transaction runs for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A shared holder: refused only after a newer writer.
+    Reader,
+    /// The exclusive holder: refused after any newer holder.
+    Writer,
+}
+
+impl Role {
+    pub(crate) fn check(self) -> &'static str {
+        match self {
+            Role::Reader => CHECK_READER,
+            Role::Writer => CHECK_WRITER,
+        }
+    }
+
+    /// The mark a refused check lost to.
+    pub(crate) fn seen(self, any_token: i64, write_token: i64) -> u64 {
+        match self {
+            Role::Reader => write_token as u64,
+            Role::Writer => any_token as u64,
+        }
+    }
+}
+
 #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub(crate) fn to_sql_token(token: u64) -> Result<i64, crate::FenceError> {
     i64::try_from(token)

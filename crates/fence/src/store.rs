@@ -2,9 +2,13 @@
 //! write). A write or read with a token below the mark is refused; otherwise the mark rises to the token.
 //! Every change is appended to one file and `fdatasync`ed before it is acknowledged.
 //!
+//! For a shared lock's readers, [`FencedStore::read_shared`] checks a second mark, the highest token of
+//! an exclusive read or write (`write_mark`): a reader is refused only once a newer writer has been
+//! here, never because of another reader (docs/api.md, "Shared locks and semaphores").
+//!
 //! Record: `len u32 | crc32(body) u32 | body`, body = `kind u8 | token u64 | key_len u16 | key | value`
-//! (kind 1 = write, 2 = mark raised by a read). A bad record at the very end of the file is a torn write
-//! and is cut; a bad record followed by valid ones refuses to open.
+//! (kind 1 = write, 2 = mark raised by a read, 3 = mark raised by a shared read). A bad record at the
+//! very end of the file is a torn write and is cut; a bad record followed by valid ones refuses to open.
 
 use crate::fs::{File, OpenOptions};
 use crate::FenceError;
@@ -20,10 +24,13 @@ pub const MAX_VALUE_BYTES: usize = 1 << 20;
 
 const KIND_WRITE: u8 = 1;
 const KIND_MARK: u8 = 2;
+const KIND_SHARED_MARK: u8 = 3;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Entry {
     pub mark: u64,
+    /// The highest token of an exclusive read or write (what a shared read is checked against).
+    pub write_mark: u64,
     pub value: Option<Vec<u8>>,
     /// The token of the write that stored `value`.
     pub value_token: u64,
@@ -70,6 +77,9 @@ impl FencedStore {
                 Some((kind, token, key, value, len)) => {
                     let e = keys.entry(key).or_default();
                     e.mark = e.mark.max(token);
+                    if kind != KIND_SHARED_MARK {
+                        e.write_mark = e.write_mark.max(token);
+                    }
                     if kind == KIND_WRITE {
                         e.value = Some(value);
                         e.value_token = token;
@@ -111,6 +121,7 @@ impl FencedStore {
         inner.append(KIND_WRITE, token, key, value)?;
         let e = inner.keys.entry(key.to_string()).or_default();
         e.mark = token;
+        e.write_mark = token;
         e.value = Some(value.to_vec());
         e.value_token = token;
         Ok(token)
@@ -128,12 +139,39 @@ impl FencedStore {
                 seen: entry.mark,
             });
         }
-        if token > entry.mark {
+        if token > entry.write_mark {
             inner.append(KIND_MARK, token, key, &[])?;
-            inner.keys.entry(key.to_string()).or_default().mark = token;
+            let e = inner.keys.entry(key.to_string()).or_default();
+            e.mark = token;
+            e.write_mark = token;
         }
         Ok(Entry {
             mark: token,
+            write_mark: token,
+            ..entry
+        })
+    }
+
+    /// Reads `key` for a **shared** holder: refused only if an exclusive read or write with a token at
+    /// or above `token` was here (a newer writer); raises the mark to `token` (durably), so a writer
+    /// older than this reader is refused from then on. Readers never refuse each other.
+    pub fn read_shared(&self, key: &str, token: u64) -> Result<Entry, FenceError> {
+        check(key, &[])?;
+        let mut inner = self.inner.lock().expect("fenced store lock");
+        let entry = inner.keys.get(key).cloned().unwrap_or_default();
+        if token <= entry.write_mark {
+            return Err(FenceError::Stale {
+                resource: key.to_string(),
+                token,
+                seen: entry.write_mark,
+            });
+        }
+        if token > entry.mark {
+            inner.append(KIND_SHARED_MARK, token, key, &[])?;
+            inner.keys.entry(key.to_string()).or_default().mark = token;
+        }
+        Ok(Entry {
+            mark: entry.mark.max(token),
             ..entry
         })
     }
@@ -179,7 +217,7 @@ fn decode(buf: &[u8]) -> Option<(u8, u64, String, Vec<u8>, usize)> {
         return None;
     }
     let kind = body[0];
-    if kind != KIND_WRITE && kind != KIND_MARK {
+    if !matches!(kind, KIND_WRITE | KIND_MARK | KIND_SHARED_MARK) {
         return None;
     }
     let token = u64::from_le_bytes(body[1..9].try_into().ok()?);

@@ -8,6 +8,115 @@ use holdfast_fence::store::FencedStore;
 use holdfast_fence::FenceError;
 use std::sync::Arc;
 
+/// A shared lock's readers against the store: a reader is refused only after a newer writer, an old
+/// writer after any newer reader, and readers never refuse each other; the marks survive a restart.
+#[test]
+fn the_store_fences_readers_only_against_newer_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fence.log");
+    let store = FencedStore::open(&path).unwrap();
+    store.write("k", 5, b"w5").unwrap();
+    // Readers granted after that writer (tokens 7 and 6, in any order) both read.
+    assert_eq!(
+        store.read_shared("k", 7).unwrap().value.as_deref(),
+        Some(&b"w5"[..])
+    );
+    assert_eq!(
+        store.read_shared("k", 6).unwrap().value.as_deref(),
+        Some(&b"w5"[..])
+    );
+    // The writer (5) is older than a reader seen: its late write is refused.
+    assert!(matches!(
+        store.write("k", 5, b"late"),
+        Err(FenceError::Stale { seen: 7, .. })
+    ));
+    // A reader older than the writer is refused.
+    assert!(matches!(
+        store.read_shared("k", 4),
+        Err(FenceError::Stale { seen: 5, .. })
+    ));
+    // A newer writer: from then on the old readers are refused.
+    store.write("k", 8, b"w8").unwrap();
+    drop(store);
+    let store = FencedStore::open(&path).unwrap();
+    let e = store.peek("k").unwrap();
+    assert_eq!((e.mark, e.write_mark), (8, 8));
+    assert!(matches!(
+        store.read_shared("k", 7),
+        Err(FenceError::Stale { seen: 8, .. })
+    ));
+    assert_eq!(
+        store.read_shared("k", 9).unwrap().value.as_deref(),
+        Some(&b"w8"[..])
+    );
+    drop(store);
+    // A reader's mark survives a restart too: the writer 8 is now older than a reader seen.
+    let store = FencedStore::open(&path).unwrap();
+    assert_eq!(
+        (
+            store.peek("k").unwrap().mark,
+            store.peek("k").unwrap().write_mark
+        ),
+        (9, 8)
+    );
+    assert!(matches!(
+        store.write("k", 8, b"late"),
+        Err(FenceError::Stale { seen: 9, .. })
+    ));
+}
+
+/// The same rule on SQLite, through `fenced_rw_transaction`.
+#[test]
+fn sqlite_fences_readers_only_against_newer_writers() {
+    use holdfast_fence::sql::Role::{Reader, Writer};
+    use holdfast_fence::sqlite::{fenced_rw_transaction, install};
+    let dir = tempfile::tempdir().unwrap();
+    let mut conn = rusqlite::Connection::open(dir.path().join("db.sqlite")).unwrap();
+    install(&conn).unwrap();
+    let ok = |_: &rusqlite::Transaction<'_>| Ok(());
+    fenced_rw_transaction(&mut conn, "doc", 5, Writer, ok).unwrap();
+    fenced_rw_transaction(&mut conn, "doc", 7, Reader, ok).unwrap();
+    fenced_rw_transaction(&mut conn, "doc", 6, Reader, ok).unwrap();
+    let err = fenced_rw_transaction(&mut conn, "doc", 5, Writer, ok).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 5,
+                seen: 7,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = fenced_rw_transaction(&mut conn, "doc", 4, Reader, ok).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 4,
+                seen: 5,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    fenced_rw_transaction(&mut conn, "doc", 8, Writer, ok).unwrap();
+    let err = fenced_rw_transaction(&mut conn, "doc", 7, Reader, ok).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FenceError::Stale {
+                token: 7,
+                seen: 8,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    fenced_rw_transaction(&mut conn, "doc", 9, Reader, ok).unwrap();
+}
+
 #[test]
 fn the_store_refuses_stale_tokens_and_keeps_its_marks_across_restarts() {
     let dir = tempfile::tempdir().unwrap();
@@ -207,6 +316,41 @@ fn postgres_fences_whole_transactions() {
         ),
         "{err}"
     );
+
+    // A shared lock's holders: readers refused only after a newer writer, writers after any newer holder.
+    {
+        use holdfast_fence::postgres::fenced_rw_transaction;
+        use holdfast_fence::sql::Role::{Reader, Writer};
+        let ok = |_: &mut postgres::Transaction<'_>| Ok(());
+        fenced_rw_transaction(&mut client, "doc", 5, Writer, ok).unwrap();
+        fenced_rw_transaction(&mut client, "doc", 7, Reader, ok).unwrap();
+        fenced_rw_transaction(&mut client, "doc", 6, Reader, ok).unwrap();
+        let err = fenced_rw_transaction(&mut client, "doc", 5, Writer, ok).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FenceError::Stale {
+                    token: 5,
+                    seen: 7,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        fenced_rw_transaction(&mut client, "doc", 8, Writer, ok).unwrap();
+        let err = fenced_rw_transaction(&mut client, "doc", 7, Reader, ok).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FenceError::Stale {
+                    token: 7,
+                    seen: 8,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
 
     // Concurrency: B (token 11) holds the fence row in an open transaction; A (stale, token 10) blocks on
     // it, then is refused when B commits.
