@@ -115,6 +115,29 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
             reason_of(raw.acquire(acq(a, 2, &long)).await),
         ),
         (
+            "semaphore over 1,000 permits",
+            Reason::LimitExceeded,
+            reason_of(
+                raw.acquire(AcquireRequest {
+                    permits: 1_001,
+                    ..acq(a, 2, "sem")
+                })
+                .await,
+            ),
+        ),
+        (
+            "shared semaphore",
+            Reason::InvalidArgument,
+            reason_of(
+                raw.acquire(AcquireRequest {
+                    permits: 2,
+                    shared: true,
+                    ..acq(a, 2, "sem")
+                })
+                .await,
+            ),
+        ),
+        (
             "control character in name",
             Reason::InvalidArgument,
             reason_of(raw.acquire(acq(a, 3, "a\u{7}b")).await),
@@ -273,8 +296,17 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
                 .unwrap()
                 .into_inner()
                 .lock;
+            // The remaining TTLs count down between the two reads; everything else must not change.
             lock.map(|l| LockInfo {
                 holder_ttl_remaining_ms: 0,
+                holders: l
+                    .holders
+                    .iter()
+                    .map(|h| holdfast_proto::v1::Holder {
+                        ttl_remaining_ms: 0,
+                        ..h.clone()
+                    })
+                    .collect(),
                 ..l
             })
         }
@@ -311,6 +343,16 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
     assert_eq!(r, Reason::NotHolder);
     let (r, _, _) = reason_of(raw.acquire(acq(a, 11, &lock)).await);
     assert_eq!(r, Reason::AlreadyHeld);
+    // The lock asked for as a semaphore: refused, naming what it is (0 permits: a lock).
+    let (r, d, msg) = reason_of(
+        raw.acquire(AcquireRequest {
+            permits: 2,
+            ..acq(b, 3, &lock)
+        })
+        .await,
+    );
+    assert_eq!((r, d.limit_value), (Reason::PermitsMismatch, 0), "{msg}");
+    assert!(msg.contains("is a lock, not a semaphore"), "{msg}");
     let (r, _, _) = reason_of(raw.acquire(acq(999_999, 1, &lock)).await);
     assert_eq!(r, Reason::SessionUnknown);
     let (r, _, _) = reason_of(
