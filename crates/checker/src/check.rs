@@ -83,7 +83,7 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
         .collect();
     let history = &history[..];
     let (mut grants, timelines) = p1_one_holder::check(&merged, &multi, &mut r.violations);
-    r.shared_grants_checked = p11_shared_holders::check(
+    let (shared_grants_checked, shared_held) = p11_shared_holders::check(
         &merged,
         &multi,
         &asked_share,
@@ -91,6 +91,7 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
         &mut grants,
         &mut r.violations,
     );
+    r.shared_grants_checked = shared_grants_checked;
     r.reads_checked = linearizable_reads::check(history, &timelines, &mut r.violations);
     p3_tokens::check(history, &mut r.violations);
     p5_acknowledged_in_log::check(all_history, &merged, &grants, &mut r.violations);
@@ -99,6 +100,21 @@ pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRec
     let lin = linearizable_locks::check(history, &mut r.violations);
     r.unacknowledged_grants_checked =
         p8_no_unknowing_holder::check(history, &merged, &timelines, &mut r.violations);
+    // P8 for shared locks and semaphores: each grant alone, as a timeline of its own.
+    let mut by_name: std::collections::BTreeMap<&str, Vec<Op>> = Default::default();
+    for o in all_history.iter().filter(|o| multi.contains(&o.lock)) {
+        by_name.entry(o.lock.as_str()).or_default().push(o.clone());
+    }
+    for h in &shared_held {
+        let Some(ops) = by_name.get(h.name.as_str()) else {
+            continue;
+        };
+        let mut timeline = vec![(h.from, Some((h.session, h.token)))];
+        timeline.extend(h.until.map(|until| (until, None)));
+        let timelines = std::iter::once((h.name.clone(), timeline)).collect();
+        r.unacknowledged_grants_checked +=
+            p8_no_unknowing_holder::check(ops, &merged, &timelines, &mut r.violations);
+    }
     r.watch_events_checked = p9_watch_streams::check(all_history, &merged, &mut r.violations);
     r.lock_delays_checked = p10_lock_delay::check(&merged, &asked_delay, &multi, &mut r.violations);
     r.linearized_ops = lin.ops;

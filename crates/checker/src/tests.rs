@@ -675,6 +675,8 @@ fn p10_no_grant_inside_a_lock_delay() {
                 name: name("l"),
                 token: FencingToken(3),
                 delay_ms: 500,
+                began: 4,
+                shared: false,
             },
             Event::SessionEnded {
                 session: SessionId(1),
@@ -922,6 +924,87 @@ fn p11_catches_a_lock_delay_of_a_permit_that_ends_early() {
     };
     assert_eq!(p11(log(1_500)).0, Vec::<String>::new());
     let (v, _) = p11(log(1_200));
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].contains("before it could"), "{v:?}");
+}
+
+#[test]
+fn p11_catches_a_reader_that_overtakes_a_waiting_writer() {
+    use holdfast_lock_table::{Change, ChangeKind, Share::*};
+    let mut log = table_log(&[
+        open(1).command,
+        open(2).command,
+        open(3).command,
+        shared_acquire(4, 1, "r", Shared),
+        acquire(5, 2, "r", granted(5)).command,
+        shared_acquire(6, 3, "r", Shared),
+    ]);
+    assert!(matches!(log[5].outcome, Outcome::Queued { .. }));
+    // A buggy table lets the late reader join the reader ahead of the waiting writer.
+    log[5].outcome = granted(6);
+    log[5].changes = vec![Change {
+        name: name("r"),
+        kind: ChangeKind::Granted,
+        session: SessionId(3),
+        token: Some(FencingToken(6)),
+        value: Box::default(),
+    }];
+    let (v, _) = p11(log);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].contains("granted at once"), "{v:?}");
+}
+
+/// Two readers granted by one entry expire one after the other: an end of the first delay that names
+/// only the token (as a stale or repeated proposal would) ends the second one early.
+#[test]
+fn p11_catches_an_end_that_cuts_a_newer_delay_with_the_same_token_short() {
+    use holdfast_lock_table::Share::*;
+    let reader = |index, session| Command::WithLockDelay {
+        lock_delay_ms: 500,
+        command: Box::new(shared_acquire(index, session, "r", Shared)),
+    };
+    let log = |second_end: Command| {
+        table_log(&[
+            open(1).command,
+            open(2).command,
+            open(3).command,
+            acquire(4, 1, "r", granted(4)).command,
+            reader(5, 2),
+            reader(6, 3),
+            release(7, 1, "r", 4, vec![]).command,
+            Command::ExpireSession {
+                session: SessionId(2),
+                now_ms: 1_000,
+            },
+            Command::EndLockDelayAt {
+                name: name("r"),
+                token: FencingToken(7),
+                began: 8,
+                now_ms: 1_500,
+            },
+            Command::ExpireSession {
+                session: SessionId(3),
+                now_ms: 1_600,
+            },
+            second_end,
+        ])
+    };
+    let at = |began, now_ms| Command::EndLockDelayAt {
+        name: name("r"),
+        token: FencingToken(7),
+        began,
+        now_ms,
+    };
+    // The repeated end of the first delay changes nothing; the second ends on time.
+    assert_eq!(p11(log(at(8, 1_700))).0, Vec::<String>::new());
+    assert_eq!(p11(log(at(10, 2_100))).0, Vec::<String>::new());
+    // A plain end by token alone takes the second delay 100 ms after it began.
+    let plain = Command::EndLockDelay {
+        name: name("r"),
+        token: FencingToken(7),
+        now_ms: 1_700,
+    };
+    let (v, _) = p11(log(plain));
     assert_eq!(v.len(), 1, "{v:?}");
     assert!(v[0].contains("before it could"), "{v:?}");
 }

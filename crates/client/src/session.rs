@@ -609,8 +609,9 @@ pub struct AcquireOptions<'a> {
     /// drain. A release or a close frees the lock at once.
     pub lock_delay: Duration,
     /// Hold the lock shared (a reader): with other shared holders, never beside an exclusive one.
-    /// FIFO: a reader that arrives while a writer waits queues behind it. Each shared holder gets its
-    /// own token (docs/api.md, "Shared locks and semaphores", says what a resource compares).
+    /// FIFO: a reader that arrives while a writer waits queues behind it. Each shared holder gets a
+    /// token, shared with the readers granted by the same entry (docs/api.md, "Shared locks and
+    /// semaphores", says what a resource compares).
     pub shared: bool,
     /// Non-zero: the name is a semaphore of this many permits (at most 1,000) and the grant is one of
     /// them. The first acquire of a free name fixes the number; asking for another is

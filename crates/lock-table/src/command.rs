@@ -168,6 +168,52 @@ pub enum Command {
     /// leave, waiters are granted from the front of the queue for as long as they fit, all with the
     /// token of that entry.
     WithShare { share: Share, command: Box<Command> },
+    /// [`Command::EndLockDelay`] of the one delay that the expiry at log index `began` started. Two
+    /// readers granted by one entry share a token, and each expiry starts a delay of its own, so a
+    /// token alone cannot say which of them ends (nor tell an `EndLockDelay` of a delay already over
+    /// from one for a newer delay with the same token). The leader proposes this for delays of shared
+    /// holders, and the plain `EndLockDelay` for the others, whose tokens are unique per lock (so that
+    /// a cluster still running the release before this one reads it).
+    EndLockDelayAt {
+        name: LockName,
+        token: FencingToken,
+        began: u64,
+        now_ms: u64,
+    },
+}
+
+/// A lock-delay under way, as a leader times it ([`crate::LockTable::delayed_locks`],
+/// [`Event::LockDelayed`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delay {
+    pub name: LockName,
+    /// The expired grant's.
+    pub token: FencingToken,
+    /// The log index of the expiry that began it.
+    pub began: u64,
+    /// The expired grant was shared.
+    pub shared: bool,
+    pub delay_ms: u32,
+}
+
+impl Delay {
+    /// The command that ends this delay (see [`Command::EndLockDelayAt`]).
+    pub fn end(&self, now_ms: u64) -> Command {
+        if self.shared {
+            Command::EndLockDelayAt {
+                name: self.name.clone(),
+                token: self.token,
+                began: self.began,
+                now_ms,
+            }
+        } else {
+            Command::EndLockDelay {
+                name: self.name.clone(),
+                token: self.token,
+                now_ms,
+            }
+        }
+    }
 }
 
 /// Per-principal bounds carried by [`Command::Quota`].
@@ -263,6 +309,7 @@ impl Command {
             | Command::CancelWait { now_ms, .. }
             | Command::AbandonAcquire { now_ms, .. }
             | Command::EndLockDelay { now_ms, .. }
+            | Command::EndLockDelayAt { now_ms, .. }
             | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
             Command::Authorized { command, .. }
             | Command::Quota { command, .. }
@@ -457,10 +504,16 @@ pub enum Event {
     /// A session was closed or expired.
     SessionEnded { session: SessionId },
     /// The grant `token` of `name` expired with a lock-delay: the leader proposes
-    /// [`Command::EndLockDelay`] `delay_ms` later.
+    /// [`Delay::end`] `delay_ms` later.
     LockDelayed {
         name: LockName,
         token: FencingToken,
         delay_ms: u32,
+        /// The index of the expiry (0 in audit lines from before shared locks).
+        #[serde(default)]
+        began: u64,
+        /// The expired grant was shared.
+        #[serde(default)]
+        shared: bool,
     },
 }

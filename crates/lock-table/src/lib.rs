@@ -31,8 +31,8 @@ pub mod table;
 pub mod types;
 
 pub use command::{
-    AcquireMode, Change, ChangeKind, Command, Event, Outcome, QuotaKind, QuotaLimits, Refusal,
-    Share,
+    AcquireMode, Change, ChangeKind, Command, Delay, Event, Outcome, QuotaKind, QuotaLimits,
+    Refusal, Share,
 };
 pub use name::{group_for, validate_name, NameError};
 pub use snapshot::SnapshotError;

@@ -244,8 +244,9 @@ fn describe_shows_every_holder_and_mode() {
             .collect::<Vec<_>>(),
         vec![(4, false)]
     );
-    // Two readers granted in one entry share a token; both expire into delays with it, and one
-    // placeholder stands for both: one `EndLockDelay` ends it, a second changes nothing.
+    // Two readers granted in one entry share a token; each expiry starts its own delay, named by the
+    // token and the expiry's index. Ending one (even twice, as a leader may propose it) leaves the
+    // other in place; only when both ended does the writer get the lock.
     let mut t = LockTable::new();
     for i in 1..=4 {
         t.apply(i, &open(i as u128));
@@ -257,11 +258,24 @@ fn describe_shows_every_holder_and_mode() {
     t.apply(9, &rel(1, 2, "r", 5));
     t.apply(10, &expire(2));
     t.apply(11, &expire(3));
+    assert_eq!(holders(&t, "r"), vec![(0, 9, true), (0, 9, true)]);
+    let delays = t.delayed_locks();
+    let began: Vec<_> = delays
+        .iter()
+        .map(|d| (d.token.0, d.began, d.shared, d.delay_ms))
+        .collect();
+    assert_eq!(began, vec![(9, 10, true, 500), (9, 11, true, 500)]);
+    let end_first = delays[0].end(0);
+    assert!(
+        matches!(end_first, Command::EndLockDelayAt { began: 10, .. }),
+        "{end_first:?}"
+    );
+    assert_eq!(t.apply(12, &end_first), Released);
+    assert_eq!(t.apply(13, &end_first), refused(Refusal::NotHolder));
     assert_eq!(holders(&t, "r"), vec![(0, 9, true)]);
-    assert_eq!(t.delayed_locks(), vec![(name("r"), FencingToken(9), 500)]);
-    assert_eq!(t.apply(12, &end_delay("r", 9)), Released);
-    assert_eq!(holders(&t, "r"), vec![(4, 12, false)]);
-    assert_eq!(t.apply(13, &end_delay("r", 9)), refused(Refusal::NotHolder));
+    t.check_invariants();
+    assert_eq!(t.apply(14, &delays[1].end(0)), Released);
+    assert_eq!(holders(&t, "r"), vec![(4, 14, false)]);
     t.check_invariants();
 }
 
@@ -275,7 +289,14 @@ fn a_version_6_snapshot_decodes_with_exclusive_locks() {
     assert_eq!(holders(&t, "a"), vec![(1, 4, false)]);
     assert_eq!(holders(&t, "b"), vec![(2, 6, false)]);
     assert_eq!(holders(&t, "c"), vec![(0, 7, false)]);
-    assert_eq!(t.delayed_locks(), vec![(name("c"), FencingToken(7), 3_000)]);
+    let delays = t.delayed_locks();
+    assert_eq!(delays.len(), 1);
+    assert_eq!(
+        (delays[0].token, delays[0].began, delays[0].delay_ms),
+        (FencingToken(7), 0, 3_000)
+    );
+    // A delay from before shared locks is ended the old way, by its token.
+    assert!(matches!(delays[0].end(0), Command::EndLockDelay { .. }));
     let a = t.describe(&name("a")).unwrap();
     assert_eq!((a.holder.lock_delay_ms, a.permits), (2_000, 0));
     // Exclusive still: a reader queues behind the waiter.
@@ -290,7 +311,8 @@ fn a_version_6_snapshot_decodes_with_exclusive_locks() {
     assert_eq!(holders(&t, "a"), vec![(0, 12, false)]);
     assert!(t
         .delayed_locks()
-        .contains(&(name("a"), FencingToken(12), 1_000)));
+        .iter()
+        .any(|d| (&d.name, d.token, d.delay_ms) == (&name("a"), FencingToken(12), 1_000)));
 }
 
 // ---- property test of multi-holder locks against a reference model ----
@@ -353,14 +375,10 @@ impl Model {
             let Some(at) = l.holders.iter().position(|h| h.0 == s) else {
                 continue;
             };
-            let token = l.holders[at].1;
-            if expired && l.holders[at].4 > 0 && l.holders.iter().any(|h| h.0 == 0 && h.1 == token)
-            {
-                // One placeholder per token stands for every expired grant with it.
-                l.holders.remove(at);
-                self.settle(n, index);
-            } else if expired && l.holders[at].4 > 0 {
+            if expired && l.holders[at].4 > 0 {
+                // A placeholder, named by its token and the expiry's index (in the request slot).
                 l.holders[at].0 = 0;
+                l.holders[at].2 = index;
             } else {
                 l.holders.remove(at);
                 self.settle(n, index);
@@ -379,7 +397,8 @@ enum Op {
     Acquire(usize, usize, u8, bool, bool),
     Release(usize, usize, bool),
     Cancel(usize, usize),
-    EndDelay(usize),
+    /// End the first (or, `.1`, the last) lock-delay under way on a lock.
+    EndDelay(usize, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -391,7 +410,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(s, n, how, w, d)| Op::Acquire(s, n, how, w, d)),
         5 => (0..5usize, 0..2usize, proptest::bool::weighted(0.1)).prop_map(|(s, n, stale)| Op::Release(s, n, stale)),
         3 => (0..5usize, 0..2usize).prop_map(|(s, n)| Op::Cancel(s, n)),
-        1 => (0..2usize).prop_map(Op::EndDelay),
+        2 => (0..2usize, any::<bool>()).prop_map(|(n, last)| Op::EndDelay(n, last)),
     ]
 }
 
@@ -513,19 +532,24 @@ proptest! {
                     };
                     (command, expected)
                 }
-                Op::EndDelay(n) => {
+                Op::EndDelay(n, last) => {
+                    // The first delay under way (or, `last`, the last one), ended as the leader
+                    // would: by token and start for a shared one, by token for the others.
                     let n = names[n];
-                    let placeholder = m.locks.get(n).and_then(|l| l.holders.iter().position(|h| h.0 == 0));
-                    let token = placeholder.map_or(1, |at| m.locks[n].holders[at].1);
-                    let expected = match placeholder {
+                    let placeholders: Vec<usize> = m.locks.get(n).map(|l| (0..l.holders.len()).filter(|&i| l.holders[i].0 == 0).collect()).unwrap_or_default();
+                    let pick = if last { placeholders.last() } else { placeholders.first() }.copied();
+                    match pick {
                         Some(at) => {
+                            let (_, token, began, sh, d) = m.locks[n].holders[at];
+                            let command = crate::Delay { name: name(n), token: FencingToken(token), began, shared: sh, delay_ms: d }.end(0);
+                            // A plain end takes the first delay with its token.
+                            let at = if sh { at } else { m.locks[n].holders.iter().position(|h| h.0 == 0 && h.1 == token).unwrap() };
                             m.locks.get_mut(n).unwrap().holders.remove(at);
                             m.settle(n, index);
-                            Released
+                            (command, Released)
                         }
-                        None => refused(Refusal::NotHolder),
-                    };
-                    (end_delay(n, token), expected)
+                        None => (end_delay(n, 1), refused(Refusal::NotHolder)),
+                    }
                 }
             };
             let got = t.apply(index, &command);

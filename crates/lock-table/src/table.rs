@@ -306,7 +306,13 @@ impl LockTable {
                 name,
                 token,
                 now_ms,
-            } => self.end_lock_delay(index, name, *token, *now_ms),
+            } => self.end_lock_delay(index, name, *token, None, *now_ms),
+            Command::EndLockDelayAt {
+                name,
+                token,
+                began,
+                now_ms,
+            } => self.end_lock_delay(index, name, *token, Some(*began), *now_ms),
             Command::WithShare { share, command } => {
                 self.acquire_share = *share;
                 let outcome = self.apply(index, command);
@@ -316,15 +322,21 @@ impl LockTable {
         }
     }
 
-    /// [`Command::EndLockDelay`].
+    /// [`Command::EndLockDelay`] (`began` None: the first delay with `token`) and
+    /// [`Command::EndLockDelayAt`].
     fn end_lock_delay(
         &mut self,
         index: u64,
         name: &LockName,
         token: FencingToken,
+        began: Option<u64>,
         now_ms: u64,
     ) -> Outcome {
-        let placeholder = |h: &Holder| h.session == NO_SESSION && h.token == token;
+        let placeholder = |h: &Holder| {
+            h.session == NO_SESSION
+                && h.token == token
+                && began.is_none_or(|b| h.request == RequestId(b))
+        };
         match self.locks.get(name) {
             Some(lock) if lock.holders().any(placeholder) => {
                 self.changed(name, ChangeKind::DelayEnded, NO_SESSION, Some(token));
@@ -335,14 +347,15 @@ impl LockTable {
         }
     }
 
-    /// The grant `token` of `name` held by `session` expired with a lock-delay: a placeholder takes its
-    /// place (its mode, its permit) until [`Command::EndLockDelay`]. Waiters stay queued.
+    /// The grant `token` of `name` held by `session` expired with a lock-delay (in the entry at `index`):
+    /// a placeholder takes its place (its mode, its permit) until [`Delay::end`]. Waiters stay queued.
     ///
-    /// Each placeholder of a lock has its own token, so that an `EndLockDelay` (which a leader may
-    /// propose twice) ends one delay at most once. Only shared holders can share a token (one entry
-    /// grants several readers); when the second of them expires with a delay, the placeholder already
-    /// there stands for both: it keeps writers out just the same, and takes the longer delay and the
-    /// later start (the leader times a delay per lock and token, and keeps the later end).
+    /// A placeholder is named by its token and the index of the expiry that began it (kept in its
+    /// `request`), which no other delay of the lock shares: readers granted by one entry share a token
+    /// but expire in different entries. So an end command, which a leader may propose twice, ends one
+    /// delay at most once and never a newer one.
+    ///
+    /// [`Delay::end`]: crate::Delay::end
     fn delay_lock(
         &mut self,
         index: u64,
@@ -353,40 +366,25 @@ impl LockTable {
         now_ms: u64,
     ) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
-        let same = |h: &Holder| h.session == NO_SESSION && h.token == token;
-        if lock.holders().any(same) {
-            let placeholder = if same(&lock.holder) {
-                &mut lock.holder
-            } else {
-                lock.more.iter_mut().find(|h| same(h)).expect("found above")
-            };
-            placeholder.lock_delay_ms = placeholder.lock_delay_ms.max(delay_ms);
-            placeholder.granted_at_ms = now_ms;
-            self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
-            self.events.push(Event::LockDelayed {
-                name: name.clone(),
-                token,
-                delay_ms,
-            });
-            self.remove_holder(index, name, |h| h.session == session, now_ms);
-            return;
-        }
         let holder = lock.held_by_mut(session).expect("the session holds it");
+        let shared = holder.shared;
         *holder = Holder {
             session: NO_SESSION,
             token,
-            request: RequestId(0),
+            request: RequestId(index),
             granted_at_ms: now_ms,
             value: Box::default(),
             attempt: 0,
             lock_delay_ms: delay_ms,
-            shared: holder.shared,
+            shared,
         };
         self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
         self.events.push(Event::LockDelayed {
             name: name.clone(),
             token,
             delay_ms,
+            began: index,
+            shared,
         });
     }
 
@@ -1157,13 +1155,19 @@ impl LockTable {
 
     /// Locks in their lock-delay: (name, the expired grant's token, the delay). A new leader times each
     /// with the full delay from when it starts leading.
-    pub fn delayed_locks(&self) -> Vec<(LockName, FencingToken, u32)> {
+    pub fn delayed_locks(&self) -> Vec<crate::Delay> {
         self.locks
             .iter()
             .flat_map(|(n, l)| {
                 l.holders()
                     .filter(|h| h.session == NO_SESSION)
-                    .map(|h| (n.clone(), h.token, h.lock_delay_ms))
+                    .map(|h| crate::Delay {
+                        name: n.clone(),
+                        token: h.token,
+                        began: h.request.0,
+                        shared: h.shared,
+                        delay_ms: h.lock_delay_ms,
+                    })
             })
             .collect()
     }
@@ -1231,8 +1235,8 @@ impl LockTable {
                 if holder.session == NO_SESSION {
                     assert!(holder.lock_delay_ms > 0, "{name}: no holder, no delay");
                     assert!(
-                        delays.insert(holder.token),
-                        "{name}: two delays with one token"
+                        delays.insert((holder.token, holder.request)),
+                        "{name}: two delays with one token and one start"
                     );
                 } else {
                     assert!(holding.insert(holder.session), "session holds {name} twice");

@@ -1007,6 +1007,7 @@ proptest! {
                     }
                 }
                 Command::AcquireBeforeAttempts { .. } => unreachable!("the property test always proposes attempts"),
+                Command::EndLockDelayAt { .. } => unreachable!("exclusive delays end by token"),
                 Command::AbandonAcquire { session, request, name, attempt: None, .. } => {
                     let s = session.0;
                     let n = name.as_str();
@@ -1497,6 +1498,8 @@ fn a_lock_delay_follows_an_expiry_and_only_an_expiry() {
         name: name("x"),
         token: FencingToken(4),
         delay_ms: 5_000,
+        began: 6,
+        shared: false,
     }));
     let kinds: Vec<_> = t.take_changes().iter().map(|c| c.kind).collect();
     assert_eq!(
@@ -1509,7 +1512,12 @@ fn a_lock_delay_follows_an_expiry_and_only_an_expiry() {
         (x.holder.session, x.holder.token, x.holder.lock_delay_ms),
         (SessionId(0), FencingToken(4), 5_000)
     );
-    assert_eq!(t.delayed_locks(), vec![(name("x"), FencingToken(4), 5_000)]);
+    let delays: Vec<_> = t
+        .delayed_locks()
+        .into_iter()
+        .map(|d| (d.name, d.token, d.began, d.delay_ms))
+        .collect();
+    assert_eq!(delays, vec![(name("x"), FencingToken(4), 6, 5_000)]);
     // Nobody gets it meanwhile: a try is refused, a wait queues behind the first waiter.
     assert_eq!(
         t.apply(7, &acq(3, 1, "x", Try)),

@@ -609,38 +609,34 @@ impl Group {
                 _ = self.leases.wake.notified() => continue,
                 _ = shutdown.changed() => return,
             }
-            for (name, token) in self.leases.take_due_delays(Instant::now()) {
+            for delay in self.leases.take_due_delays(Instant::now()) {
                 let group = self.clone();
                 tokio::spawn(async move {
-                    let command = Command::EndLockDelay {
-                        name: name.clone(),
-                        token,
-                        now_ms: crate::now_ms(),
-                    };
-                    match group.propose(command).await {
+                    match group.propose(delay.end(crate::now_ms())).await {
                         Ok(outcome) => tracing::info!(
                             group = group.id,
-                            name = name.as_str(),
-                            token = token.0,
+                            name = delay.name.as_str(),
+                            token = delay.token.0,
+                            began = delay.began,
                             ?outcome,
                             "lock-delay ended"
                         ),
                         Err(ProposeError::NotLeader(Some(_))) => {}
                         // NotLeader(None) includes a leader whose lease lapsed for a moment in the same
                         // term (no new start_leading would time this delay again): retry, which stops
-                        // by itself once this server no longer leads. Ending a delay twice is harmless.
+                        // by itself once this server no longer leads. Ending a delay twice is harmless:
+                        // the end names its delay (token, and for a shared one the expiry's index), so
+                        // a second one changes nothing and never ends a newer delay.
                         Err(e) => {
                             tracing::warn!(
                                 group = group.id,
-                                name = name.as_str(),
+                                name = delay.name.as_str(),
                                 ?e,
                                 "lock-delay end not committed; will retry"
                             );
-                            group.leases.retry_delay(
-                                name,
-                                token,
-                                Instant::now() + Duration::from_millis(500),
-                            );
+                            group
+                                .leases
+                                .retry_delay(delay, Instant::now() + Duration::from_millis(500));
                         }
                     }
                 });

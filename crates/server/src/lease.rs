@@ -13,7 +13,7 @@
 //! - Lock-delays are timed the same way: a leader proposes `EndLockDelay` a full delay after it applied
 //!   the expiry that began it, or after it started leading, never earlier.
 
-use holdfast_lock_table::{Event, FencingToken, LockName, SessionId};
+use holdfast_lock_table::{Delay, Event, FencingToken, LockName, SessionId};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Mutex;
@@ -41,24 +41,24 @@ struct State {
     /// Deadlines, possibly stale (a keepalive pushes a new one without removing the old): each popped
     /// entry is checked against `timers`. Compacted when it grows past 4× the live sessions.
     heap: BinaryHeap<Reverse<(Instant, SessionId)>>,
-    /// Lock-delays under way, in the order they end: (end, lock, token of the expired grant that began
-    /// it). One per lock and token (`delay_ends`), since the table keeps one placeholder per token.
-    delays: std::collections::BTreeSet<(Instant, LockName, FencingToken)>,
-    delay_ends: HashMap<(LockName, FencingToken), Instant>,
+    /// Lock-delays under way, in the order they end: (end, lock, token of the expired grant, index of
+    /// the expiry that began it) and the delay. One per delay (`delay_ends`, by lock, token and start).
+    delays: std::collections::BTreeMap<(Instant, LockName, FencingToken, u64), Delay>,
+    delay_ends: HashMap<(LockName, FencingToken, u64), Instant>,
 }
 
 impl State {
-    /// Times the delay of `name`'s placeholder `token` to end at `end`, or later if it already ends
-    /// later (a second reader with the same token expired into the same placeholder: the later end).
-    fn delay_until(&mut self, name: LockName, token: FencingToken, end: Instant) {
-        if let Some(&old) = self.delay_ends.get(&(name.clone(), token)) {
+    /// Times `delay` to end at `end`, or later if it is already timed to end later.
+    fn delay_until(&mut self, delay: Delay, end: Instant) {
+        let id = (delay.name.clone(), delay.token, delay.began);
+        if let Some(&old) = self.delay_ends.get(&id) {
             if old >= end {
                 return;
             }
-            self.delays.remove(&(old, name.clone(), token));
+            self.delays.remove(&(old, id.0.clone(), id.1, id.2));
         }
-        self.delays.insert((end, name.clone(), token));
-        self.delay_ends.insert((name, token), end);
+        self.delays.insert((end, id.0.clone(), id.1, id.2), delay);
+        self.delay_ends.insert(id, end);
     }
 }
 
@@ -119,7 +119,7 @@ impl Leases {
         &self,
         term: u64,
         sessions: impl Iterator<Item = (SessionId, u64, u128)>,
-        delayed: Vec<(LockName, FencingToken, u32)>,
+        delayed: Vec<Delay>,
         now: Instant,
     ) {
         let mut s = self.lock();
@@ -128,9 +128,9 @@ impl Leases {
         s.heap.clear();
         s.delays.clear();
         s.delay_ends.clear();
-        for (name, token, ms) in delayed {
-            let end = now + self.span(Duration::from_millis(u64::from(ms)));
-            s.delay_until(name, token, end);
+        for delay in delayed {
+            let end = now + self.span(Duration::from_millis(u64::from(delay.delay_ms)));
+            s.delay_until(delay, end);
         }
         for (id, ttl_ms, secret) in sessions {
             let ttl = Duration::from_millis(ttl_ms);
@@ -243,9 +243,18 @@ impl Leases {
                     name,
                     token,
                     delay_ms,
+                    began,
+                    shared,
                 } => {
                     let end = now + self.span(Duration::from_millis(u64::from(*delay_ms)));
-                    s.delay_until(name.clone(), *token, end);
+                    let delay = Delay {
+                        name: name.clone(),
+                        token: *token,
+                        began: *began,
+                        shared: *shared,
+                        delay_ms: *delay_ms,
+                    };
+                    s.delay_until(delay, end);
                     earlier = true;
                 }
                 _ => {}
@@ -300,23 +309,27 @@ impl Leases {
     }
 
     /// Lock-delays that have run their full time: each is returned once.
-    pub fn take_due_delays(&self, now: Instant) -> Vec<(LockName, FencingToken)> {
+    pub fn take_due_delays(&self, now: Instant) -> Vec<Delay> {
         let mut s = self.lock();
         let mut due = Vec::new();
-        while s.delays.first().is_some_and(|(end, _, _)| *end <= now) {
-            let (_, name, token) = s.delays.pop_first().expect("checked above");
-            s.delay_ends.remove(&(name.clone(), token));
-            due.push((name, token));
+        while s
+            .delays
+            .first_key_value()
+            .is_some_and(|((end, ..), _)| *end <= now)
+        {
+            let ((_, name, token, began), delay) = s.delays.pop_first().expect("checked above");
+            s.delay_ends.remove(&(name, token, began));
+            due.push(delay);
         }
         due
     }
 
     /// An `EndLockDelay` proposal failed for a reason other than losing leadership: propose it again
     /// at `at` (ending a delay twice changes nothing).
-    pub fn retry_delay(&self, name: LockName, token: FencingToken, at: Instant) {
+    pub fn retry_delay(&self, delay: Delay, at: Instant) {
         let mut s = self.lock();
         if s.leading.is_some() {
-            s.delay_until(name, token, at);
+            s.delay_until(delay, at);
         }
         drop(s);
         self.wake.notify_one();
@@ -326,7 +339,7 @@ impl Leases {
     pub fn next_deadline(&self) -> Option<Instant> {
         let s = self.lock();
         let session = s.heap.peek().map(|Reverse((d, _))| *d);
-        let delay = s.delays.first().map(|(d, _, _)| *d);
+        let delay = s.delays.first_key_value().map(|((d, ..), _)| *d);
         match (session, delay) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -519,9 +532,28 @@ mod tests {
         assert!(leases.lock().heap.len() <= 4 * 100 + 1024 + 100);
     }
 
+    fn delay(name: &LockName, token: u64, began: u64, shared: bool, delay_ms: u32) -> Delay {
+        Delay {
+            name: name.clone(),
+            token: FencingToken(token),
+            began,
+            shared,
+            delay_ms,
+        }
+    }
+
+    fn delayed_event(d: &Delay) -> Event {
+        Event::LockDelayed {
+            name: d.name.clone(),
+            token: d.token,
+            delay_ms: d.delay_ms,
+            began: d.began,
+            shared: d.shared,
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_lock_delay_ends_a_full_delay_after_the_expiry_or_the_new_term() {
-        use holdfast_lock_table::{FencingToken, LockName};
         let x = LockName::new("x").unwrap();
         let leases = Leases::default();
         let t0 = Instant::now();
@@ -529,7 +561,7 @@ mod tests {
         leases.start_leading(
             1,
             std::iter::empty(),
-            vec![(x.clone(), FencingToken(4), 3_000)],
+            vec![delay(&x, 4, 5, false, 3_000)],
             t0,
         );
         assert_eq!(leases.next_deadline(), Some(t0 + Duration::from_secs(3)));
@@ -537,7 +569,7 @@ mod tests {
             .take_due_delays(t0 + Duration::from_millis(2_999))
             .is_empty());
         let due = leases.take_due_delays(t0 + Duration::from_secs(3));
-        assert_eq!(due, vec![(x.clone(), FencingToken(4))]);
+        assert_eq!(due, vec![delay(&x, 4, 5, false, 3_000)]);
         assert!(
             leases
                 .take_due_delays(t0 + Duration::from_secs(9))
@@ -547,14 +579,7 @@ mod tests {
         // One that begins while leading runs from the apply.
         let y = LockName::new("y").unwrap();
         let t1 = t0 + Duration::from_secs(10);
-        leases.on_events(
-            &[Event::LockDelayed {
-                name: y.clone(),
-                token: FencingToken(9),
-                delay_ms: 1_000,
-            }],
-            t1,
-        );
+        leases.on_events(&[delayed_event(&delay(&y, 9, 12, false, 1_000))], t1);
         assert_eq!(leases.next_deadline(), Some(t1 + Duration::from_secs(1)));
         // A follower keeps no delay timers.
         leases.stop_leading();
@@ -564,45 +589,43 @@ mod tests {
         assert_eq!(leases.next_deadline(), None);
     }
 
-    /// A semaphore's two permits in their delays (two tokens, one lock) are timed apart; a second
-    /// delay for a lock and token already timed (a second reader of one grant entry) keeps the later
-    /// end, and is returned once.
+    /// Two delays of one lock are timed apart, whether they differ in token (a semaphore's permits) or
+    /// only in start (two readers granted by one entry, expired one after the other); each is returned
+    /// once, with what ends it.
     #[tokio::test(start_paused = true)]
-    async fn delays_are_timed_per_lock_and_token() {
-        use holdfast_lock_table::{FencingToken, LockName};
+    async fn delays_are_timed_per_lock_token_and_start() {
         let s = LockName::new("s").unwrap();
         let leases = Leases::default();
         let t0 = Instant::now();
         leases.start_leading(
             1,
             std::iter::empty(),
-            vec![
-                (s.clone(), FencingToken(4), 1_000),
-                (s.clone(), FencingToken(5), 1_000),
-            ],
+            vec![delay(&s, 4, 6, false, 1_000), delay(&s, 5, 7, false, 1_000)],
             t0,
         );
         let due = leases.take_due_delays(t0 + Duration::from_secs(1));
         assert_eq!(
-            due,
-            vec![(s.clone(), FencingToken(4)), (s.clone(), FencingToken(5))]
+            due.iter().map(|d| d.token.0).collect::<Vec<_>>(),
+            vec![4, 5]
         );
-        let delayed = |ms| Event::LockDelayed {
-            name: s.clone(),
-            token: FencingToken(9),
-            delay_ms: ms,
-        };
         let t1 = t0 + Duration::from_secs(10);
-        leases.on_events(&[delayed(3_000)], t1);
-        leases.on_events(&[delayed(1_000)], t1 + Duration::from_secs(1));
-        assert_eq!(leases.next_deadline(), Some(t1 + Duration::from_secs(3)));
-        leases.on_events(&[delayed(3_000)], t1 + Duration::from_secs(1));
-        assert!(leases
-            .take_due_delays(t1 + Duration::from_millis(3_999))
-            .is_empty());
+        let first = delay(&s, 9, 11, true, 3_000);
+        let second = delay(&s, 9, 12, true, 1_000);
+        leases.on_events(&[delayed_event(&first)], t1);
+        leases.on_events(&[delayed_event(&second)], t1 + Duration::from_secs(1));
+        assert_eq!(leases.next_deadline(), Some(t1 + Duration::from_secs(2)));
         assert_eq!(
-            leases.take_due_delays(t1 + Duration::from_secs(9)),
-            vec![(s.clone(), FencingToken(9))]
+            leases.take_due_delays(t1 + Duration::from_secs(2)),
+            vec![second.clone()]
         );
+        assert!(matches!(
+            second.end(0),
+            holdfast_lock_table::Command::EndLockDelayAt { began: 12, .. }
+        ));
+        assert_eq!(
+            leases.take_due_delays(t1 + Duration::from_secs(3)),
+            vec![first]
+        );
+        assert_eq!(leases.next_deadline(), None);
     }
 }

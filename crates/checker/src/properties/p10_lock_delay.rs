@@ -89,7 +89,7 @@ pub fn check(
                         continue;
                     };
                     let began = line.events.iter().any(|e| {
-                        matches!(e, Event::LockDelayed { name: n, token: t, delay_ms } if n == &c.name && t.0 == token && *delay_ms == ms)
+                        matches!(e, Event::LockDelayed { name: n, token: t, delay_ms, .. } if n == &c.name && t.0 == token && *delay_ms == ms)
                     });
                     if c.kind == ChangeKind::Expired && !began {
                         v.push(format!(

@@ -9,7 +9,10 @@
 //! - a lock-delay's placeholder takes the expired grant's place (its mode, its permit) until its
 //!   `DelayEnded`, which comes no earlier than the delay after the expiry (leader wall clock, less
 //!   [`super::p10_lock_delay::MARGIN_MS`]), and every expiry of a grant that asked for a delay begins
-//!   one.
+//!   one;
+//! - FIFO: an acquire is granted at once only if nobody waits, a waiter only from the front of the
+//!   queue, and after every entry the first waiter does not fit beside the holders (so readers never
+//!   overtake a waiting writer, and a holder or waiter leaving lets in whoever now fits).
 //!
 //! Input: the [`MergedLog`]'s changes, and which entries' acquires asked for a share or a lock-delay
 //! (the wrappers the merged log no longer shows). Each grant's mode is its acquire's: the entry's own
@@ -25,7 +28,7 @@
 use super::p10_lock_delay::MARGIN_MS;
 use super::{Grants, MergedLog};
 use crate::model::Op;
-use holdfast_lock_table::{ChangeKind, Command, Outcome, Share};
+use holdfast_lock_table::{ChangeKind, Command, Event, Share};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// How an acquire asked to share, if it asked (`Command::WithShare`, under any other wrapper).
@@ -71,8 +74,9 @@ struct Holder {
     shared: bool,
     /// The lock-delay the grant asked for.
     delay_ms: u32,
-    /// A placeholder's earliest end (leader wall clock): its expiry's stamp plus the delay, the latest
-    /// of those if several grants with its token expired into it.
+    /// A placeholder's start: the index of the expiry that began it.
+    began: u64,
+    /// A placeholder's earliest end (leader wall clock): its expiry's stamp plus the delay.
     ends_ms: u64,
 }
 
@@ -80,11 +84,37 @@ struct Holder {
 struct Lock {
     permits: u32,
     holders: Vec<Holder>,
+    /// Waiting sessions in queue order, with how they asked.
+    queue: Vec<(u64, Share)>,
     /// The largest token of an entry before the current one.
     last_token: u64,
 }
 
-/// P11. Adds every grant on these names to `grants` (for P5); returns how many grants it checked.
+impl Lock {
+    /// Whether a grant asked as `share` fits beside the holders.
+    fn fits(&self, share: Share) -> bool {
+        let others = self.holders.len();
+        match share {
+            Share::Exclusive => others == 0,
+            Share::Shared => self.holders.iter().all(|h| h.shared),
+            Share::Permits(n) => (others == 0 || self.permits == n) && others < n as usize,
+        }
+    }
+}
+
+/// One grant of a shared lock or a semaphore: from the index that made it to the one that ended it
+/// (`None`: still held when the log ends). P8 judges those no client acknowledged, one at a time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub name: String,
+    pub session: u64,
+    pub token: u64,
+    pub from: u64,
+    pub until: Option<u64>,
+}
+
+/// P11. Adds every grant on these names to `grants` (for P5); returns how many grants it checked, and
+/// each grant's time held.
 pub fn check(
     merged: &MergedLog<'_>,
     names: &BTreeSet<String>,
@@ -92,29 +122,42 @@ pub fn check(
     asked_delay: &BTreeMap<u64, u32>,
     grants: &mut Grants,
     v: &mut Vec<String>,
-) -> usize {
+) -> (usize, Vec<Held>) {
+    let mut held: Vec<Held> = Vec::new();
+    // (name, session, token) -> its entry in `held` while it is held.
+    let mut holding: BTreeMap<(String, u64, u64), usize> = BTreeMap::new();
     let mut locks: BTreeMap<String, Lock> = BTreeMap::new();
-    // (session, name) -> the share and delay of the session's latest acquire of the name.
-    let mut acquires: BTreeMap<(u64, String), (Share, u32)> = BTreeMap::new();
+    // (session, request) -> how the acquire asked: its share and lock-delay (the first entry of the
+    // request decides; a retry's outcome is the first one's).
+    let mut requests: BTreeMap<(u64, u64), (Share, u32)> = BTreeMap::new();
     let mut checked = 0;
     for (&index, line) in merged {
-        if let (
-            Command::Acquire { session, name, .. },
-            Outcome::Granted { .. } | Outcome::Queued { .. },
-        ) = (&line.command, &line.outcome)
+        // The acquire this entry is, if any: (session, request), for its own grant or queuing.
+        let mut this_acquire = None;
+        if let Command::Acquire {
+            session,
+            request,
+            name,
+            ..
+        } = &line.command
         {
             if names.contains(name.as_str()) {
                 let share = asked_share.get(&index).copied().unwrap_or_default();
                 let delay = asked_delay.get(&index).copied().unwrap_or(0);
-                acquires.insert((session.0, name.as_str().to_string()), (share, delay));
+                requests
+                    .entry((session.0, request.0))
+                    .or_insert((share, delay));
+                this_acquire = Some((session.0, request.0));
             }
         }
         let now_ms = line.command.now_ms();
+        let mut touched = BTreeSet::new();
         for (at, c) in line.changes.iter().enumerate() {
             let name = c.name.as_str();
             if !names.contains(name) {
                 continue;
             }
+            touched.insert(name.to_string());
             let token = c.token.map_or(0, |t| t.0);
             let lock = locks.entry(name.to_string()).or_default();
             if lock.holders.is_empty() {
@@ -124,20 +167,48 @@ pub fn check(
                 ChangeKind::Granted => {
                     checked += 1;
                     grants.insert((name.to_string(), c.session.0, token));
-                    let (share, delay_ms) = acquires
-                        .get(&(c.session.0, name.to_string()))
+                    holding.insert((name.to_string(), c.session.0, token), held.len());
+                    held.push(Held {
+                        name: name.to_string(),
+                        session: c.session.0,
+                        token,
+                        from: index,
+                        until: None,
+                    });
+                    // A waiter's grant comes with its `Granted` event; otherwise it is this entry's
+                    // own acquire, granted at once.
+                    let waiter = line.events.iter().find_map(|e| match e {
+                        Event::Granted {
+                            name: n,
+                            session,
+                            request,
+                            ..
+                        } if n == &c.name && session.0 == c.session.0 => Some(request.0),
+                        _ => None,
+                    });
+                    let request = waiter.or(this_acquire.map(|(_, r)| r)).unwrap_or(0);
+                    let (share, delay_ms) = requests
+                        .get(&(c.session.0, request))
                         .copied()
                         .unwrap_or_default();
-                    let (shared, permits) = share.parts();
-                    let others = lock.holders.len();
-                    let fits = match share {
-                        Share::Exclusive => others == 0,
-                        Share::Shared => lock.holders.iter().all(|h| h.shared),
-                        Share::Permits(n) => {
-                            (others == 0 || lock.permits == n) && others < n as usize
+                    match waiter {
+                        Some(_) if lock.queue.first().map(|w| w.0) != Some(c.session.0) => {
+                            v.push(format!(
+                                "P11: at index {index} {name} was granted to waiting session {} out of queue order {:?}",
+                                c.session.0, lock.queue
+                            ));
+                            lock.queue.retain(|w| w.0 != c.session.0);
                         }
-                    };
-                    if !fits {
+                        Some(_) => {
+                            lock.queue.remove(0);
+                        }
+                        None if !lock.queue.is_empty() => v.push(format!(
+                            "P11: at index {index} {name} was granted at once to session {} while {:?} waited",
+                            c.session.0, lock.queue
+                        )),
+                        None => {}
+                    }
+                    if !lock.fits(share) {
                         v.push(format!(
                             "P11: at index {index} {name} was granted {share:?} to session {} while held by {:?} (permits {})",
                             c.session.0, lock.holders, lock.permits
@@ -149,14 +220,15 @@ pub fn check(
                             lock.last_token
                         ));
                     }
-                    if others == 0 {
-                        lock.permits = permits;
+                    if lock.holders.is_empty() {
+                        lock.permits = share.parts().1;
                     }
                     lock.holders.push(Holder {
                         session: c.session.0,
                         token,
-                        shared,
+                        shared: share.parts().0,
                         delay_ms,
+                        began: 0,
                         ends_ms: 0,
                     });
                 }
@@ -173,37 +245,36 @@ pub fn check(
                         continue;
                     };
                     let gone = lock.holders.remove(pos);
+                    if let Some(at) = holding.remove(&(name.to_string(), c.session.0, token)) {
+                        held[at].until = Some(index);
+                    }
                     let delay_follows = line.changes[at + 1..].iter().any(|d| {
                         d.kind == ChangeKind::Delayed && d.name == c.name && d.token == c.token
                     });
                     if c.kind == ChangeKind::Expired && gone.delay_ms > 0 {
-                        // Its placeholder (added by the Delayed change) takes its place.
+                        // Its placeholder (announced by the Delayed change) takes its place.
                         if !delay_follows {
                             v.push(format!(
                                 "P11: at index {index} grant {token} of {name} expired, but its {} ms lock-delay did not begin",
                                 gone.delay_ms
                             ));
                         }
-                        let ends_ms = now_ms + u64::from(gone.delay_ms);
-                        let merged_into = lock
-                            .holders
-                            .iter_mut()
-                            .find(|h| h.session == 0 && h.token == token);
-                        match merged_into {
-                            Some(p) => p.ends_ms = p.ends_ms.max(ends_ms),
-                            None => lock.holders.push(Holder {
+                        lock.holders.insert(
+                            pos,
+                            Holder {
                                 session: 0,
-                                ends_ms,
+                                began: index,
+                                ends_ms: now_ms + u64::from(gone.delay_ms),
                                 ..gone
-                            }),
-                        }
+                            },
+                        );
                     }
                 }
                 ChangeKind::Delayed => {
                     if !lock
                         .holders
                         .iter()
-                        .any(|h| h.session == 0 && h.token == token)
+                        .any(|h| h.session == 0 && h.token == token && h.began == index)
                     {
                         v.push(format!(
                             "P11: at index {index} {name} entered a lock-delay for token {token} that no expired grant with a delay began"
@@ -211,11 +282,14 @@ pub fn check(
                     }
                 }
                 ChangeKind::DelayEnded => {
-                    let Some(pos) = lock
-                        .holders
-                        .iter()
-                        .position(|h| h.session == 0 && h.token == token)
-                    else {
+                    // An `EndLockDelayAt` names the delay's start; a plain end, the first with the token.
+                    let began = match &line.command {
+                        Command::EndLockDelayAt { began, .. } => Some(*began),
+                        _ => None,
+                    };
+                    let Some(pos) = lock.holders.iter().position(|h| {
+                        h.session == 0 && h.token == token && began.is_none_or(|b| h.began == b)
+                    }) else {
                         v.push(format!("P11: at index {index} a lock-delay of {name} (token {token}) ended that never began"));
                         continue;
                     };
@@ -227,15 +301,31 @@ pub fn check(
                         ));
                     }
                 }
-                ChangeKind::Queued | ChangeKind::Cancelled => {}
+                ChangeKind::Queued => {
+                    let share = this_acquire
+                        .and_then(|r| requests.get(&r))
+                        .map_or(Share::Exclusive, |(s, _)| *s);
+                    lock.queue.push((c.session.0, share));
+                }
+                ChangeKind::Cancelled => lock.queue.retain(|w| w.0 != c.session.0),
             }
         }
-        // Tokens of this entry's grants are the floor for the next entries'.
-        for c in &line.changes {
-            if let (ChangeKind::Granted, Some(lock)) = (c.kind, locks.get_mut(c.name.as_str())) {
-                lock.last_token = lock.last_token.max(c.token.map_or(0, |t| t.0));
+        for name in touched {
+            let lock = locks.get_mut(&name).expect("touched above");
+            // Tokens of this entry's grants are the floor for the next entries'.
+            if let Some(t) = lock.holders.iter().map(|h| h.token).max() {
+                lock.last_token = lock.last_token.max(t);
+            }
+            // After every entry the first waiter does not fit: it would have been granted.
+            if let Some(&(session, share)) = lock.queue.first() {
+                if lock.fits(share) {
+                    v.push(format!(
+                        "P11: after index {index} session {session} still waits for {name} ({share:?}) although it fits beside {:?}",
+                        lock.holders
+                    ));
+                }
             }
         }
     }
-    checked
+    (checked, held)
 }
