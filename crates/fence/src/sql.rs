@@ -79,6 +79,7 @@ pub enum Role {
     Writer,
 }
 
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 impl Role {
     pub(crate) fn check(self) -> &'static str {
         match self {

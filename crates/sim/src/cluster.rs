@@ -48,6 +48,14 @@ pub struct Shared {
     pub cluster_id: Mutex<Option<u64>>,
     /// Membership operations for the admin host, in order.
     pub admin: Mutex<std::collections::VecDeque<AdminOp>>,
+    /// Damage to do to each server's data dir before its next start (`Fault::Corrupt`).
+    pub corrupt: Mutex<Vec<Option<crate::corrupt::Corruption>>>,
+    /// Servers that refused to start on a damaged file, with the error, for the driver to replace.
+    pub refused: Mutex<Vec<Option<String>>>,
+    /// What each corruption did and how the server took it, for the fault log; and the violations
+    /// (a server that started on a damaged file, or refused without naming it).
+    pub corruption_log: Mutex<Vec<String>>,
+    pub corruption_violations: Mutex<Vec<String>>,
 }
 
 /// What the admin host does (see `run::admin_host`).
@@ -71,6 +79,8 @@ impl Shared {
             boots: Mutex::new(vec![0; crate::plan::SERVERS]),
             ids: Mutex::new((1..=crate::plan::SERVERS as u64).collect()),
             wipe: Mutex::new(vec![false; crate::plan::SERVERS]),
+            corrupt: Mutex::new(vec![None; crate::plan::SERVERS]),
+            refused: Mutex::new(vec![None; crate::plan::SERVERS]),
             ..Shared::default()
         })
     }
@@ -162,7 +172,52 @@ pub fn add_hosts(sim: &mut turmoil::Sim<'_>, plan: &Plan, shared: &Arc<Shared>) 
                         .unwrap()
                         .map(|c| format!("{c:016x}"));
                 }
-                let node = Node::start(config).await?;
+                // A `Corrupt` fault: damage a file first; the server must then refuse to start.
+                let corruption = shared.corrupt.lock().unwrap()[i].take();
+                let damaged = match corruption {
+                    Some(c) => crate::corrupt::apply(&config.data_dir, c)?,
+                    None => None,
+                };
+                if corruption.is_some() {
+                    shared.corruption_log.lock().unwrap().push(format!(
+                        "server {} boot {boot}: {}",
+                        i + 1,
+                        damaged
+                            .as_ref()
+                            .map_or("nothing to damage".into(), |d| d.1.clone())
+                    ));
+                }
+                let node = match (Node::start(config).await, damaged) {
+                    (Ok(node), None) => node,
+                    (Ok(node), Some((_, what))) => {
+                        shared.corruption_violations.lock().unwrap().push(format!(
+                            "server {} started on a damaged file ({what})",
+                            i + 1
+                        ));
+                        node
+                    }
+                    (Err(e), Some((path, _))) => {
+                        let msg = e.to_string();
+                        let file = path.file_name().map(|f| f.to_string_lossy().into_owned());
+                        if !file.is_some_and(|f| msg.contains(&f)) {
+                            shared.corruption_violations.lock().unwrap().push(format!(
+                                "server {} refused to start on damaged {} without naming it: {msg}",
+                                i + 1,
+                                path.display()
+                            ));
+                        }
+                        shared
+                            .corruption_log
+                            .lock()
+                            .unwrap()
+                            .push(format!("server {} refused to start: {msg}", i + 1));
+                        shared.refused.lock().unwrap()[i] = Some(msg);
+                        // Down until the driver replaces it (which restarts this host).
+                        std::future::pending::<()>().await;
+                        unreachable!("a pending future never completes")
+                    }
+                    (Err(e), None) => return Err(e.into()),
+                };
                 shared
                     .cluster_id
                     .lock()

@@ -10,8 +10,9 @@
 //! (`ServerConfig::rng_seed`), client nonces (`ClientOptions::nonce_seed`) and the fault plan.
 //!
 //! - [`plan`]: the seed's fault rates and schedule (partitions, one-way links, held messages, crashes,
-//!   leader crashes, client pauses longer than the TTL, lost disks replaced by a new member, leader
-//!   transfers).
+//!   leader crashes, client pauses longer than the TTL, lost disks replaced by a new member, corrupted
+//!   files, leader transfers).
+//! - [`corrupt`]: the damage a `Corrupt` fault does to a stopped server's WAL or snapshot.
 //! - [`cluster`]: the server and store hosts.
 //! - [`admin`]: the operator host: membership changes (replacing a server whose disk was lost) and
 //!   leader transfers, through the real RPCs.
@@ -25,6 +26,7 @@
 
 pub mod admin;
 pub mod cluster;
+pub mod corrupt;
 pub mod invariants;
 pub mod plan;
 pub mod rng;

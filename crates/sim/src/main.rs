@@ -88,6 +88,7 @@ fn main() -> std::process::ExitCode {
         }
         let report = holdfast_sim::invariants::check_all(&outcome);
         totals.add(&report);
+        totals.corruptions_detected += outcome.corruptions_detected;
         if json {
             let line = serde_json::json!({
                 "seed": seed,
@@ -108,6 +109,7 @@ fn main() -> std::process::ExitCode {
                 "converged_after_ms": outcome.converged_after_ms,
                 "replacements": outcome.replacements_done,
                 "leader_transfers": outcome.leader_transfers,
+                "corruptions_detected": outcome.corruptions_detected,
                 "violations": report.violations,
             });
             println!("{line}");

@@ -98,6 +98,13 @@ pub enum Fault {
     /// The admin host asks for a leader transfer of group 0 (`TransferLeader`), as before a planned
     /// restart.
     TransferLeader,
+    /// A server crashes, and while it is down one of its files is damaged (`crate::corrupt`); when the
+    /// fault ends it starts again and must refuse to, naming the file. The driver then replaces it as
+    /// for `Replace` (empty disk, new id, add and remove through the admin host).
+    Corrupt {
+        server: usize,
+        corruption: crate::corrupt::Corruption,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -249,6 +256,23 @@ impl Plan {
                 at_ms: ops.between(500, work_ms.saturating_sub(1_500).max(600)),
                 duration_ms: 0,
                 fault: Fault::TransferLeader,
+            });
+        }
+        // Corruption faults: their own stream too, drawn after the others.
+        let mut bad = Rng::new(seed ^ 0x636f_7272_7570_7421);
+        if bad.chance(0.3) {
+            use crate::corrupt::{Corruption, Damage, Target};
+            events.push(Event {
+                at_ms: bad.between(500, work_ms.saturating_sub(4_000).max(600)),
+                duration_ms: bad.between(200, 1_500),
+                fault: Fault::Corrupt {
+                    server: bad.between(0, SERVERS as u64 - 1) as usize,
+                    corruption: Corruption {
+                        target: bad.pick(&[Target::WalFrame, Target::WalFrame, Target::Snapshot]),
+                        damage: bad.pick(&[Damage::BitFlip, Damage::ZeroedSector]),
+                        pick: bad.next_u64(),
+                    },
+                },
             });
         }
         events.sort_by_key(|e| e.at_ms);

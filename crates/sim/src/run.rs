@@ -50,6 +50,10 @@ pub struct Outcome {
     pub replacements_done: u64,
     /// Leader transfers the admin asked for and that returned a new leader.
     pub leader_transfers: u64,
+    /// Damaged files a server refused to start on (`Fault::Corrupt`), and what went wrong with one
+    /// (a server that started on one, or refused without naming it).
+    pub corruptions_detected: u64,
+    pub corruption_violations: Vec<String>,
 }
 
 /// The links a partition cuts: between the servers in `side` (with the client hosts `clients`) and the
@@ -158,13 +162,13 @@ impl Driver<'_> {
                     self.sim.hold(c.as_str(), s.as_str());
                 }
             }
-            Fault::Replace { server } => {
+            Fault::Replace { server } | Fault::Corrupt { server, .. } => {
                 // One replacement at a time per server, and not of a server already down.
-                let replacing = self
-                    .ending
-                    .iter()
-                    .any(|a| matches!(a.fault, Fault::Replace { server: s } if s == *server));
-                if !replacing && !self.down.contains(server) {
+                let replacing = self.ending.iter().any(|a| {
+                    matches!(a.fault, Fault::Replace { server: s } | Fault::Corrupt { server: s, .. } if s == *server)
+                });
+                let refused = self.shared.refused.lock().unwrap()[*server].is_some();
+                if !replacing && !refused && !self.down.contains(server) {
                     crashed = Some(*server);
                 }
             }
@@ -197,6 +201,44 @@ impl Driver<'_> {
             crashed,
             cuts,
         });
+    }
+
+    /// The disk of server `s` is gone: it starts empty under the next unused id, and the admin adds
+    /// that id and removes the old one.
+    fn replace_disk(&mut self, s: usize) {
+        let (old, new) = {
+            let mut ids = self.shared.ids.lock().unwrap();
+            let new = ids.iter().max().unwrap() + 1;
+            let old = std::mem::replace(&mut ids[s], new);
+            (old, new)
+        };
+        self.shared.wipe.lock().unwrap()[s] = true;
+        self.sim.bounce(server_name(s));
+        self.shared
+            .admin
+            .lock()
+            .unwrap()
+            .push_back(crate::cluster::AdminOp::Replace {
+                server: s,
+                old,
+                new,
+            });
+        self.log(format!("server {} now runs node {new} (was {old})", s + 1));
+    }
+
+    /// A server that refused to start on a damaged file is replaced, as an operator would.
+    fn replace_refused(&mut self) {
+        let refused: Vec<usize> = {
+            let mut r = self.shared.refused.lock().unwrap();
+            (0..r.len()).filter(|&s| r[s].take().is_some()).collect()
+        };
+        let lines = std::mem::take(&mut *self.shared.corruption_log.lock().unwrap());
+        for line in lines {
+            self.log(line);
+        }
+        for s in refused {
+            self.replace_disk(s);
+        }
     }
 
     fn stop(&mut self, fault: &Fault, crashed: Option<usize>, cuts: Vec<(String, String)>) {
@@ -233,29 +275,18 @@ impl Driver<'_> {
                     self.sim.release(c.as_str(), s.as_str());
                 }
             }
-            Fault::Replace { server } => {
+            Fault::Replace { .. } => {
                 if let Some(s) = crashed {
-                    // The disk is gone: the server starts empty under the next unused id, and the admin
-                    // adds that id and removes the old one.
-                    let (old, new) = {
-                        let mut ids = self.shared.ids.lock().unwrap();
-                        let new = ids.iter().max().unwrap() + 1;
-                        let old = std::mem::replace(&mut ids[s], new);
-                        (old, new)
-                    };
-                    self.shared.wipe.lock().unwrap()[s] = true;
+                    self.down.remove(&s);
+                    self.replace_disk(s);
+                }
+            }
+            Fault::Corrupt { corruption, .. } => {
+                if let Some(s) = crashed {
+                    // It starts on its damaged disk; once it refuses, `replace_refused` replaces it.
+                    self.shared.corrupt.lock().unwrap()[s] = Some(*corruption);
                     self.down.remove(&s);
                     self.sim.bounce(server_name(s));
-                    self.shared
-                        .admin
-                        .lock()
-                        .unwrap()
-                        .push_back(crate::cluster::AdminOp::Replace {
-                            server: *server,
-                            old,
-                            new,
-                        });
-                    self.log(format!("server {} now runs node {new} (was {old})", s + 1));
                 }
             }
             Fault::TransferLeader => {}
@@ -396,6 +427,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
                 i += 1;
             }
         }
+        d.replace_refused();
         if !healed && now >= heal_ms {
             d.heal();
             healed = true;
@@ -458,6 +490,11 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         .iter()
         .filter(|l| l.contains(" admin replaced "))
         .count() as u64;
+    let corruptions_detected = trace
+        .iter()
+        .filter(|l| l.contains(" refused to start: "))
+        .count() as u64;
+    let corruption_violations = std::mem::take(&mut *shared.corruption_violations.lock().unwrap());
     let leader_transfers = admin_lines
         .iter()
         .filter(|l| l.contains(" admin transfer leader: now "))
@@ -481,6 +518,8 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         replacements_asked,
         replacements_done,
         leader_transfers,
+        corruptions_detected,
+        corruption_violations,
         trace,
         fault_log_len,
         sim_error,

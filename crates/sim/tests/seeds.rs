@@ -39,6 +39,7 @@ struct Totals {
     shared_grants: u64,
     replacements: u64,
     transfers: u64,
+    corruptions: u64,
 }
 
 #[test]
@@ -88,6 +89,7 @@ fn seeds_hold_every_invariant() {
                     t.shared_grants += n("shared_grants_checked");
                     t.replacements += n("replacements");
                     t.transfers += n("leader_transfers");
+                    t.corruptions += n("corruptions_detected");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
                     if !violations.is_empty() || !out.status.success() {
                         failures.lock().unwrap().push(format!(
@@ -104,7 +106,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} seeds failed",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} damaged files refused, {} seeds failed",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -121,6 +123,7 @@ fn seeds_hold_every_invariant() {
         t.shared_grants,
         t.replacements,
         t.transfers,
+        t.corruptions,
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -18,6 +18,11 @@ pub fn check_all(run: &Outcome) -> Report {
         r.violations.insert(0, format!("a host failed: {e}"));
     }
     r.violations.extend(p7_liveness::check(run));
+    r.violations.extend(
+        run.corruption_violations
+            .iter()
+            .map(|v| format!("storage corruption not refused: {v}")),
+    );
     if run.replacements_done < run.replacements_asked {
         r.violations.push(format!(
             "P7: {} of {} server replacements did not complete (new member added, old removed) by the end",
@@ -44,6 +49,8 @@ pub struct Totals {
     pub watch_events_checked: usize,
     pub lock_delays_checked: usize,
     pub shared_grants_checked: usize,
+    /// Damaged files a server refused to start on (`Fault::Corrupt`).
+    pub corruptions_detected: u64,
 }
 
 impl Totals {
@@ -68,7 +75,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -80,7 +87,8 @@ impl std::fmt::Display for Totals {
             self.unacknowledged_grants_checked,
             self.watch_events_checked,
             self.lock_delays_checked,
-            self.shared_grants_checked
+            self.shared_grants_checked,
+            self.corruptions_detected
         )
     }
 }
