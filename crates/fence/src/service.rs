@@ -50,9 +50,15 @@ impl FencedStoreApi for Service {
     ) -> Result<Response<pb::FencedReadResponse>, Status> {
         let r = r.into_inner();
         let store = self.store.clone();
-        let e = blocking(move || store.read(&r.key, r.token))
-            .await?
-            .map_err(status)?;
+        let e = blocking(move || {
+            if r.shared {
+                store.read_shared(&r.key, r.token)
+            } else {
+                store.read(&r.key, r.token)
+            }
+        })
+        .await?
+        .map_err(status)?;
         Ok(Response::new(pb::FencedReadResponse {
             found: e.value.is_some(),
             value: e.value.unwrap_or_default(),
@@ -127,11 +133,30 @@ impl FenceClient {
         key: &str,
         token: u64,
     ) -> Result<Option<(Vec<u8>, u64)>, FenceError> {
+        self.read_as(key, token, false).await
+    }
+
+    /// [`FenceClient::read`] for a shared lock's reader ([`crate::store::FencedStore::read_shared`]).
+    pub async fn read_shared(
+        &mut self,
+        key: &str,
+        token: u64,
+    ) -> Result<Option<(Vec<u8>, u64)>, FenceError> {
+        self.read_as(key, token, true).await
+    }
+
+    async fn read_as(
+        &mut self,
+        key: &str,
+        token: u64,
+        shared: bool,
+    ) -> Result<Option<(Vec<u8>, u64)>, FenceError> {
         match self
             .inner
             .read(pb::FencedReadRequest {
                 key: key.into(),
                 token,
+                shared,
             })
             .await
         {

@@ -1238,6 +1238,16 @@ impl LockTable {
                         delays.insert((holder.token, holder.request)),
                         "{name}: two delays with one token and one start"
                     );
+                    // Only readers share tokens: the others' delays end by token alone.
+                    assert!(
+                        holder.shared
+                            || lock
+                                .holders()
+                                .filter(|h| h.session == NO_SESSION && h.token == holder.token)
+                                .count()
+                                == 1,
+                        "{name}: an exclusive or permit delay shares its token"
+                    );
                 } else {
                     assert!(holding.insert(holder.session), "session holds {name} twice");
                     let session = self

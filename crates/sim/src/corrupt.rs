@@ -5,7 +5,9 @@
 //! there is not drawn.) The server must refuse to start, naming the file; the driver then replaces the
 //! replica as an operator would, and the cluster must stay correct meanwhile.
 
-use holdfast_wal::format::{FRAME_HEADER_BYTES, FRAME_MAGIC, SEGMENT_HEADER_BYTES};
+use holdfast_wal::format::{
+    FRAME_HEADER_BYTES, FRAME_MAGIC, SEGMENT_HEADER_BYTES, SEGMENT_STATE_OFFSET,
+};
 use holdfast_wal::fs;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -105,6 +107,14 @@ fn wal_frames(dir: &Path) -> std::io::Result<Vec<(PathBuf, u64, u64)>> {
     let mut frames = Vec::new();
     for path in segments {
         let buf = fs::read(&path)?;
+        // Only a segment in use (state 0): recovery cuts whatever follows a standby's header unread
+        // (a crash can keep the frames of its first batch but lose the write that put it in use).
+        let state = buf
+            .get(SEGMENT_STATE_OFFSET as usize..SEGMENT_HEADER_BYTES as usize)
+            .map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")));
+        if state != Some(0) {
+            continue;
+        }
         let mut at = SEGMENT_HEADER_BYTES as usize;
         while at + FRAME_HEADER_BYTES <= buf.len() {
             let word = |o: usize| u32::from_le_bytes(buf[o..o + 4].try_into().expect("4 bytes"));

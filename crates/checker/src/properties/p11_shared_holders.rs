@@ -19,8 +19,9 @@
 //! for an immediate grant, the session's latest acquire of the name for a waiter granted later (a
 //! session waits at most once per name).
 //!
-//! P1, P3, P4, P8, P10 and the linearizability checks keep to exclusive locks; these names are left to
-//! this check (and to P2, P5, P6 and P9, which hold for every lock alike).
+//! P1, P3, P4, P10 and the linearizability checks keep to exclusive locks; these names are left to
+//! this check (and to P2, P5, P6 and P9, which hold for every lock alike, and P8, which `check.rs` runs
+//! on each of their grants alone, from the [`Held`] list this check returns).
 //!
 //! Why it matters: a writer beside a reader, or N + 1 permit holders, is the shared-lock version of two
 //! holders at once.

@@ -216,6 +216,21 @@ async fn the_store_over_grpc() {
         store.peek("acct").unwrap().value.as_deref(),
         Some(&b"100"[..])
     );
+    // Shared reads: readers 13 and 12 both read after the exclusive read at 11; the writer 12 is
+    // then older than a reader seen, and a reader 11 is not newer than the exclusive read at 11.
+    assert_eq!(
+        client.read_shared("acct", 13).await.unwrap(),
+        Some((b"100".to_vec(), 10))
+    );
+    assert!(client.read_shared("acct", 12).await.is_ok());
+    assert!(matches!(
+        client.write("acct", 12, b"late").await,
+        Err(FenceError::Stale { seen: 13, .. })
+    ));
+    assert!(matches!(
+        client.read_shared("acct", 11).await,
+        Err(FenceError::Stale { seen: 11, .. })
+    ));
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
