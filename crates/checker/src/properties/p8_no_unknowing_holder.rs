@@ -4,7 +4,10 @@
 //! expires. Checked from the merged log's holder timelines (see [`super::p1_one_holder`]), in leader time
 //! (the `now_ms` the leader stamps into entries). Two endings are violations:
 //! - the session's own `CloseSession` ends it more than [`CLOSE_BOUND_MS`] after the grant and after the
-//!   client gave up on the call (the `acquire` op that was under way when it was granted ended): the
+//!   client gave up on the call (the `acquire` op that was under way when it was granted ended) and
+//!   could reach the cluster again (the first operation of its process invoked after that which got
+//!   through, or the close itself if none did: a paused or cut-off client cannot cancel until it is
+//!   heard again): the
 //!   client was alive and reaching the leader (it closed), yet nothing cancelled a grant it never used,
 //!   which is what a process that forgets an abandoned acquire looks like;
 //! - it is still held when the log ends, more than [`UNKNOWING_BOUND_MS`] after the grant.
@@ -46,17 +49,31 @@ pub fn check(
         .filter_map(|o| Some((o.lock.as_str(), o.session?, o.token?)))
         .collect();
     // When the client stopped waiting for a grant: the end of its unacknowledged acquire of the lock
-    // that was under way when the grant was made (a call can outlast a grant it never hears of).
+    // that was under way when the grant was made (a call can outlast a grant it never hears of). And
+    // from when it could have cancelled: the first operation of that client process that got through
+    // after it gave up. A process whose every message is held (a paused client) cannot cancel until
+    // the pause ends, however long it lasts; its session may meanwhile outlive the pause (each new
+    // leader gives it a fresh TTL) and be closed right after (seeds 1000058, 1001668, 1002574).
     let gave_up = |lock: &str, session: u64, granted_ms: u64| {
-        history
+        let call = history
             .iter()
             .filter(|o| {
                 o.op == "acquire" && !o.ok() && o.lock == lock && o.session == Some(session)
             })
             .filter(|o| o.invoke_ms <= granted_ms && granted_ms <= o.complete_ms)
+            .max_by_key(|o| o.complete_ms);
+        let Some(call) = call else {
+            return granted_ms;
+        };
+        // (`lost` is the client's own record, not an answer from anyone.) If nothing got through before
+        // the log ends, the close itself was the first message to.
+        let heard_again = history
+            .iter()
+            .filter(|o| o.process == call.process && o.ok() && o.op != "lost")
+            .filter(|o| o.invoke_ms >= call.complete_ms)
             .map(|o| o.complete_ms)
-            .max()
-            .unwrap_or(granted_ms)
+            .min();
+        heard_again.unwrap_or(u64::MAX).max(call.complete_ms)
     };
     let now_at = |index: u64| merged.get(&index).map(|l| l.command.now_ms());
     let last_ms = merged.values().next_back().map(|l| l.command.now_ms());
