@@ -264,14 +264,7 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knob
         // The session's id in the lock's group (what describe reports as the holder).
         let sid = s.id_for(&lock);
         let invoke = now_ms();
-        // Some acquires ask for a lock-delay (`Knobs`): an expiry of its session (a paused client) then
-        // leaves the lock to nobody for that long, timed by whichever server leads then.
-        let lock_delay =
-            if knobs.lock_delay_one_in > 0 && rng.between(0, knobs.lock_delay_one_in - 1) == 0 {
-                Duration::from_millis(knobs.lock_delay_ms)
-            } else {
-                Duration::ZERO
-            };
+        let lock_delay = draw_lock_delay(&knobs, &mut rng);
         let acquire = s.acquire_with(
             &lock,
             holdfast_client::AcquireOptions {
@@ -280,21 +273,11 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knob
                 ..Default::default()
             },
         );
-        // Now and then the caller gives up early and drops the acquire (a select!, a timeout, a
-        // shutdown): its wait or grant must not outlive that (P8). It may have been granted meanwhile.
-        let acquired = if rng.between(0, ABANDON_ONE_IN - 1) == 0 {
-            let patience = Duration::from_millis(rng.between(10, 600));
-            match tokio::time::timeout(patience, acquire).await {
-                Ok(r) => r,
-                Err(_) => {
-                    rec.record("acquire", &lock, invoke, "unknown", |o| {
-                        o.session = Some(sid)
-                    });
-                    continue;
-                }
-            }
-        } else {
-            acquire.await
+        let Some(acquired) = maybe_abandoned(acquire, &mut rng).await else {
+            rec.record("acquire", &lock, invoke, "unknown", |o| {
+                o.session = Some(sid)
+            });
+            continue;
         };
         let guard = match acquired {
             Ok(g) => {
@@ -401,12 +384,7 @@ async fn shared_round(s: &Session, rec: &Recorder, rng: &mut Rng, knobs: &Knobs)
         _ => (SHARED_LOCK, "shared".to_string(), true, 0),
     };
     let sid = s.id_for(lock);
-    let lock_delay =
-        if knobs.lock_delay_one_in > 0 && rng.between(0, knobs.lock_delay_one_in - 1) == 0 {
-            Duration::from_millis(knobs.lock_delay_ms)
-        } else {
-            Duration::ZERO
-        };
+    let lock_delay = draw_lock_delay(knobs, rng);
     let invoke = now_ms();
     let acquire = s.acquire_with(
         lock,
@@ -418,20 +396,12 @@ async fn shared_round(s: &Session, rec: &Recorder, rng: &mut Rng, knobs: &Knobs)
             ..Default::default()
         },
     );
-    let acquired = if rng.between(0, ABANDON_ONE_IN - 1) == 0 {
-        let patience = Duration::from_millis(rng.between(10, 600));
-        match tokio::time::timeout(patience, acquire).await {
-            Ok(r) => r,
-            Err(_) => {
-                rec.record("acquire", lock, invoke, "unknown", |o| {
-                    o.session = Some(sid);
-                    o.share = Some(share.clone());
-                });
-                return;
-            }
-        }
-    } else {
-        acquire.await
+    let Some(acquired) = maybe_abandoned(acquire, rng).await else {
+        rec.record("acquire", lock, invoke, "unknown", |o| {
+            o.session = Some(sid);
+            o.share = Some(share.clone());
+        });
+        return;
     };
     let guard = match acquired {
         Ok(g) => g,
@@ -460,4 +430,29 @@ async fn shared_round(s: &Session, rec: &Recorder, rng: &mut Rng, knobs: &Knobs)
         o.token = Some(token);
         o.share = Some(share.clone());
     });
+}
+
+/// Some acquires ask for a lock-delay (`Knobs`): an expiry of its session (a paused client) then
+/// leaves the lock to nobody for that long, timed by whichever server leads then.
+fn draw_lock_delay(knobs: &Knobs, rng: &mut Rng) -> Duration {
+    if knobs.lock_delay_one_in > 0 && rng.between(0, knobs.lock_delay_one_in - 1) == 0 {
+        Duration::from_millis(knobs.lock_delay_ms)
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// Awaits `acquire`, except that one in [`ABANDON_ONE_IN`] callers give up early and drop it (a
+/// select!, a timeout, a shutdown): None then. Its wait or grant must not outlive that (P8); it may
+/// have been granted meanwhile.
+async fn maybe_abandoned<T>(
+    acquire: impl std::future::Future<Output = T>,
+    rng: &mut Rng,
+) -> Option<T> {
+    if rng.between(0, ABANDON_ONE_IN - 1) == 0 {
+        let patience = Duration::from_millis(rng.between(10, 600));
+        tokio::time::timeout(patience, acquire).await.ok()
+    } else {
+        Some(acquire.await)
+    }
 }
