@@ -180,6 +180,13 @@ pub enum Command {
         began: u64,
         now_ms: u64,
     },
+    /// From this entry on, the group's table may use at most `bytes` of accounted memory
+    /// ([`crate::LockTable::table_bytes`]); 0 lifts the budget. An open, grant or wait that would take
+    /// the table past it is [`Refusal::TableFull`] and changes nothing; what frees memory (a release, a
+    /// close, an expiry, a cancel) is never refused. A rule switched on by a log entry, not a constant,
+    /// so that a log written before budgets existed replays to the same outcomes. The leader proposes
+    /// it when its configured budget differs from the table's (`--table-budget-mib`).
+    SetTableBudget { bytes: u64, now_ms: u64 },
 }
 
 /// A lock-delay under way, as a leader times it ([`crate::LockTable::delayed_locks`],
@@ -310,6 +317,7 @@ impl Command {
             | Command::AbandonAcquire { now_ms, .. }
             | Command::EndLockDelay { now_ms, .. }
             | Command::EndLockDelayAt { now_ms, .. }
+            | Command::SetTableBudget { now_ms, .. }
             | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
             Command::Authorized { command, .. }
             | Command::Quota { command, .. }
@@ -345,6 +353,10 @@ pub enum Outcome {
     /// The acquire was abandoned ([`Command::AbandonAcquire`]): its wait or grant is gone. Also what a
     /// retry of that acquire gets, so the caller knows to start again with a new request id.
     Abandoned,
+    /// [`Command::SetTableBudget`] applied; `previous` is the budget it replaced (0: none).
+    BudgetSet {
+        previous: u64,
+    },
 }
 
 /// Why a command changed nothing.
@@ -398,6 +410,12 @@ pub enum Refusal {
     /// A semaphore of 0 permits, or more than [`crate::limits::MAX_HOLDERS_PER_LOCK`].
     InvalidPermits {
         permits: u32,
+    },
+    /// The open, grant or wait would take the table past its memory budget
+    /// ([`Command::SetTableBudget`]): `budget` is that budget in bytes, `used` what the table uses.
+    TableFull {
+        budget: u64,
+        used: u64,
     },
 }
 

@@ -44,3 +44,6 @@ mod tests;
 
 #[cfg(test)]
 mod shared_tests;
+
+#[cfg(test)]
+mod budget_tests;

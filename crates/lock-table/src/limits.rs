@@ -61,3 +61,17 @@ pub const MAX_LOCK_DELAY_MS: u32 = 60_000;
 /// keeps (about 64 bytes) and releasing one searches them, so the bound keeps both small; a thousand
 /// concurrent readers of one name is already more than any lock use we know.
 pub const MAX_HOLDERS_PER_LOCK: usize = 1_000;
+
+/// What the table charges against its memory budget ([`crate::Command::SetTableBudget`]) for one
+/// session: the session record, its deduplication window when full ([`DEDUP_WINDOW`] outcomes) and its
+/// map entries. An estimate of the allocator's real use, fixed so that every replica computes the same
+/// total (`docs/operations.md`, "Memory", says how it compares with a measured server).
+pub const SESSION_BYTES: u64 = 1_024;
+
+/// Charged for one lock besides its grants and waits: the map entry, the shared name's allocation and
+/// the lock record. The name's bytes are charged on top.
+pub const LOCK_BYTES: u64 = 192;
+
+/// Charged for one grant or one wait (they cost the same, so granting a waiter changes nothing): the
+/// record and its entry in the session's sets. The grant's value bytes are charged on top.
+pub const GRANT_BYTES: u64 = 96;

@@ -571,3 +571,26 @@ proptest! {
         }
     }
 }
+
+/// A version 7 snapshot (`testdata/snapshot-v7.bin`, made by the build before memory budgets: sessions
+/// 1 and 2 share `r` and session 3 waits for it, session 4 holds a permit of the 2-permit `s` and holds
+/// `x`) decodes with no budget and is charged what it holds.
+#[test]
+fn a_version_7_snapshot_decodes_without_a_budget() {
+    use crate::limits::{GRANT_BYTES, LOCK_BYTES, SESSION_BYTES};
+    let mut t = LockTable::decode_snapshot(include_bytes!("../testdata/snapshot-v7.bin")).unwrap();
+    t.check_invariants();
+    assert_eq!(holders(&t, "r"), vec![(1, 5, true), (2, 6, true)]);
+    assert_eq!(holders(&t, "s"), vec![(4, 8, false)]);
+    assert_eq!(t.describe(&name("s")).unwrap().permits, 2);
+    assert_eq!(t.table_budget(), 0);
+    // 4 sessions, 3 one-byte names, 4 grants and 1 wait, no values.
+    assert_eq!(
+        t.table_bytes(),
+        4 * SESSION_BYTES + 3 * (LOCK_BYTES + 1) + 5 * GRANT_BYTES
+    );
+    assert_eq!(t.apply(10, &rel(1, 2, "r", 5)), Released);
+    assert_eq!(t.apply(11, &rel(2, 2, "r", 6)), Released);
+    assert_eq!(holders(&t, "r"), vec![(3, 11, false)]);
+    t.check_invariants();
+}

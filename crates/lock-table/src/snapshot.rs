@@ -4,7 +4,8 @@
 //! little-endian CRC-32 of everything before it. Ordered maps make the encoding canonical, so equal tables
 //! have equal bytes and the digest (FNV-1a 64 of the bytes) can be compared across replicas (property P2).
 //!
-//! Versions: 7 (written now) adds shared holders and semaphores (each lock's further holders and
+//! Versions: 8 (written now) adds the table's memory budget (`Command::SetTableBudget`; older
+//! versions decode with none); 7 added shared holders and semaphores (each lock's further holders and
 //! permits, each grant's and wait's mode); 6 added each grant's and wait's lock-delay; 5 added the principal that owns
 //! each session opened under a quota; 4 added each session's secret; 3 added each wait's and grant's
 //! acquire attempt. 6, 5, 4, 3 and 2 are still read: their locks are exclusive (one holder, no
@@ -15,7 +16,7 @@
 use crate::table::LockTable;
 
 const MAGIC: &[u8; 4] = b"HFLT";
-const VERSION: u16 = 7;
+const VERSION: u16 = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -66,6 +67,9 @@ impl LockTable {
         let decode = |e: postcard::Error| SnapshotError::Decode(e.to_string());
         let mut table: LockTable = match version {
             VERSION => postcard::from_bytes(&body[6..]).map_err(decode)?,
+            7 => postcard::from_bytes::<v7::LockTable>(&body[6..])
+                .map_err(decode)?
+                .into(),
             6 => postcard::from_bytes::<v6::LockTable>(&body[6..])
                 .map_err(decode)?
                 .into(),
@@ -98,6 +102,39 @@ impl LockTable {
     fn validate_decoded(&self) -> Result<(), String> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check_invariants()))
             .map_err(|_| "snapshot breaks a lock table invariant".to_string())
+    }
+}
+
+/// Format version 7: today's sessions and locks, no memory budget.
+mod v7 {
+    use crate::table::{self, Lock, Session};
+    use crate::types::{LockName, SessionId};
+    use serde::Deserialize;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Deserialize)]
+    pub(super) struct LockTable {
+        sessions: BTreeMap<SessionId, Session>,
+        locks: BTreeMap<LockName, Lock>,
+        open_nonces: BTreeMap<u128, (SessionId, u64)>,
+        open_nonce_order: VecDeque<u128>,
+        waiter_count: u64,
+        owners: BTreeMap<SessionId, Box<str>>,
+    }
+
+    impl From<LockTable> for table::LockTable {
+        fn from(t: LockTable) -> Self {
+            table::LockTable {
+                sessions: t.sessions,
+                locks: t.locks,
+                open_nonces: t.open_nonces,
+                open_nonce_order: t.open_nonce_order,
+                waiter_count: t.waiter_count,
+                owners: t.owners,
+                budget: 0,
+                ..table::LockTable::default()
+            }
+        }
     }
 }
 
@@ -309,6 +346,8 @@ mod v4 {
     impl From<LockTable> for table::LockTable {
         fn from(t: LockTable) -> Self {
             table::LockTable {
+                budget: 0,
+                bytes: 0,
                 sessions: t.sessions,
                 locks: super::v5::locks(t.locks),
                 open_nonces: t.open_nonces,
@@ -366,6 +405,8 @@ mod v3 {
     impl From<LockTable> for table::LockTable {
         fn from(t: LockTable) -> Self {
             table::LockTable {
+                budget: 0,
+                bytes: 0,
                 sessions: t
                     .sessions
                     .into_iter()
@@ -466,6 +507,8 @@ mod v2 {
                 })
                 .collect();
             table::LockTable {
+                budget: 0,
+                bytes: 0,
                 sessions: t
                     .sessions
                     .into_iter()

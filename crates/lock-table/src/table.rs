@@ -8,8 +8,9 @@ use crate::command::{
     Refusal, Share,
 };
 use crate::limits::{
-    DEDUP_WINDOW, MAX_HOLDERS_PER_LOCK, MAX_LOCKS, MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD,
-    MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS, OPEN_NONCE_WINDOW,
+    DEDUP_WINDOW, GRANT_BYTES, LOCK_BYTES, MAX_HOLDERS_PER_LOCK, MAX_LOCKS, MAX_LOCKS_PER_SESSION,
+    MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS,
+    OPEN_NONCE_WINDOW, SESSION_BYTES,
 };
 use crate::types::{FencingToken, LockName, RequestId, SessionId};
 use serde::{Deserialize, Serialize};
@@ -141,6 +142,12 @@ pub struct LockTable {
     pub(crate) waiter_count: u64,
     /// The principal each session opened under a [`Command::Quota`] belongs to.
     pub(crate) owners: BTreeMap<SessionId, Box<str>>,
+    /// The memory budget in bytes ([`Command::SetTableBudget`]); 0: none.
+    pub(crate) budget: u64,
+    /// What the table is charged now against `budget` (see [`LockTable::table_bytes`]). Derived (not
+    /// in snapshots; recounted on decode).
+    #[serde(skip)]
+    pub(crate) bytes: u64,
     /// What each principal's sessions hold and wait for. Derived from `owners` and the sessions (not in
     /// snapshots; rebuilt on decode).
     #[serde(skip)]
@@ -319,7 +326,34 @@ impl LockTable {
                 self.acquire_share = Share::Exclusive;
                 outcome
             }
+            Command::SetTableBudget { bytes, .. } => Outcome::BudgetSet {
+                previous: std::mem::replace(&mut self.budget, *bytes),
+            },
         }
+    }
+
+    /// Whether `more` bytes fit in the budget; Err is the refusal.
+    fn charge_fits(&self, more: u64) -> Result<(), Refusal> {
+        if self.budget == 0 || self.bytes.saturating_add(more) <= self.budget {
+            Ok(())
+        } else {
+            Err(Refusal::TableFull {
+                budget: self.budget,
+                used: self.bytes,
+            })
+        }
+    }
+
+    fn charge(&mut self, bytes: u64) {
+        self.bytes += bytes;
+    }
+
+    fn discharge(&mut self, bytes: u64) {
+        debug_assert!(
+            self.bytes >= bytes,
+            "the table is charged for what it frees"
+        );
+        self.bytes = self.bytes.saturating_sub(bytes);
     }
 
     /// [`Command::EndLockDelay`] (`began` None: the first delay with `token`) and
@@ -368,6 +402,7 @@ impl LockTable {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
         let holder = lock.held_by_mut(session).expect("the session holds it");
         let shared = holder.shared;
+        let freed = holder.value.len() as u64;
         *holder = Holder {
             session: NO_SESSION,
             token,
@@ -378,6 +413,8 @@ impl LockTable {
             lock_delay_ms: delay_ms,
             shared,
         };
+        // The placeholder keeps the grant's charge but not its value.
+        self.discharge(freed);
         self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
         self.events.push(Event::LockDelayed {
             name: name.clone(),
@@ -614,6 +651,10 @@ impl LockTable {
         if self.sessions.len() >= MAX_SESSIONS {
             return Outcome::Refused(Refusal::LimitExceeded(Limit::Sessions));
         }
+        if let Err(full) = self.charge_fits(SESSION_BYTES) {
+            return Outcome::Refused(full);
+        }
+        self.charge(SESSION_BYTES);
         let session = SessionId(index);
         self.sessions.insert(
             session,
@@ -650,6 +691,7 @@ impl LockTable {
         let Some(ended) = self.sessions.remove(&session) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
+        self.discharge(SESSION_BYTES);
         if let Some(owner) = self.owners.remove(&session) {
             // Derived counters: `check_invariants` recounts them; never stop a replica over them.
             let u = self.usage.entry(owner.clone()).or_default();
@@ -665,12 +707,20 @@ impl LockTable {
         for (name, request) in &ended.waiting {
             let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
             let before = lock.waiters.len();
-            lock.waiters.retain(|w| w.session != session);
+            let mut freed = 0;
+            lock.waiters.retain(|w| {
+                let keep = w.session != session;
+                if !keep {
+                    freed = grant_bytes(&w.value);
+                }
+                keep
+            });
             assert_eq!(
                 before,
                 lock.waiters.len() + 1,
                 "a session waits at most once per lock"
             );
+            self.discharge(freed);
             self.waiter_count -= 1;
             self.events.push(Event::WaiterRemoved {
                 name: name.clone(),
@@ -760,6 +810,9 @@ impl LockTable {
             return outcome;
         }
         let (shared, permits) = self.acquire_share.parts();
+        // What a new grant or wait, and a new lock with its grant, would be charged.
+        let fits_grant = self.charge_fits(grant_bytes(value));
+        let fits_lock = self.charge_fits(lock_bytes(name) + grant_bytes(value));
         let outcome = match lock {
             _ if matches!(self.acquire_share, Share::Permits(n) if n == 0 || n as usize > MAX_HOLDERS_PER_LOCK) => {
                 Outcome::Refused(Refusal::InvalidPermits { permits })
@@ -779,6 +832,10 @@ impl LockTable {
             None if self.locks.len() >= MAX_LOCKS => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::Locks))
             }
+            Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) && fits_grant.is_err() => {
+                Outcome::Refused(fits_grant.expect_err("matched"))
+            }
+            None if fits_lock.is_err() => Outcome::Refused(fits_lock.expect_err("matched")),
             Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) => {
                 let token = FencingToken(index);
                 assert!(
@@ -797,6 +854,7 @@ impl LockTable {
                 };
                 let lock = self.locks.get_mut(name).expect("matched above");
                 lock.more.push(holder);
+                self.charge(grant_bytes(value));
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
                 self.changes.push(Change {
@@ -821,6 +879,7 @@ impl LockTable {
                     shared,
                 };
                 self.locks.insert(name.clone(), Lock::new(holder, permits));
+                self.charge(lock_bytes(name) + grant_bytes(value));
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
                 self.changes.push(Change {
@@ -839,6 +898,7 @@ impl LockTable {
             Some(lock) if lock.waiters.len() >= MAX_WAITERS_PER_LOCK => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::WaitersPerLock))
             }
+            Some(_) if fits_grant.is_err() => Outcome::Refused(fits_grant.expect_err("matched")),
             Some(_) => {
                 let lock = self.locks.get_mut(name).expect("matched above");
                 lock.waiters.push_back(Waiter {
@@ -851,6 +911,7 @@ impl LockTable {
                     shared,
                 });
                 let position = lock.waiters.len() as u32;
+                self.charge(grant_bytes(value));
                 self.waiter_count += 1;
                 self.session_mut(session_id)
                     .waiting
@@ -1010,7 +1071,15 @@ impl LockTable {
         assert_eq!(removed, Some(request), "the session records this wait");
         self.count(session_id, 0, -1);
         let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-        lock.waiters.retain(|w| w.session != session_id);
+        let mut freed = 0;
+        lock.waiters.retain(|w| {
+            let keep = w.session != session_id;
+            if !keep {
+                freed = grant_bytes(&w.value);
+            }
+            keep
+        });
+        self.discharge(freed);
         self.waiter_count -= 1;
         self.events.push(Event::WaiterRemoved {
             name: name.clone(),
@@ -1032,19 +1101,22 @@ impl LockTable {
     ) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
         if lock.holder_count() > 1 {
-            if which(&lock.holder) {
-                lock.holder = lock.more.remove(0);
+            let removed = if which(&lock.holder) {
+                std::mem::replace(&mut lock.holder, lock.more.remove(0))
             } else {
                 let at = lock.more.position(&which).expect("the holder to remove");
-                lock.more.remove(at);
-            }
+                lock.more.remove(at)
+            };
+            self.discharge(grant_bytes(&removed.value));
             self.promote(index, name, now_ms);
             return;
         }
         assert!(which(&lock.holder), "the holder to remove");
         // The last holder left: the lock goes, unless a waiter takes it (and those behind that fit).
         let mut lock = self.locks.remove(name).expect("a held lock exists");
+        self.discharge(grant_bytes(&lock.holder.value));
         let Some(next) = lock.waiters.pop_front() else {
+            self.discharge(lock_bytes(name));
             return;
         };
         let previous = lock.holder.token;
@@ -1322,9 +1394,44 @@ impl LockTable {
             assert!(s.dedup.len() <= DEDUP_WINDOW);
         }
         assert_eq!(self.usage, self.recount_usage(), "per-principal usage");
+        assert_eq!(
+            self.bytes,
+            self.recount_bytes(),
+            "the table's charged bytes"
+        );
         for id in self.owners.keys() {
             assert!(self.sessions.contains_key(id), "owned session {id} exists");
         }
+    }
+
+    /// What the table is charged, counted from scratch.
+    fn recount_bytes(&self) -> u64 {
+        let sessions = self.sessions.len() as u64 * SESSION_BYTES;
+        let locks: u64 = self
+            .locks
+            .iter()
+            .map(|(name, lock)| {
+                lock_bytes(name)
+                    + lock.holders().map(|h| grant_bytes(&h.value)).sum::<u64>()
+                    + lock
+                        .waiters
+                        .iter()
+                        .map(|w| grant_bytes(&w.value))
+                        .sum::<u64>()
+            })
+            .sum();
+        sessions + locks
+    }
+
+    /// The memory the table is charged for now: [`SESSION_BYTES`] per session, [`LOCK_BYTES`] plus
+    /// the name per lock, [`GRANT_BYTES`] plus the value per grant and per wait. Equal on every replica.
+    pub fn table_bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The memory budget ([`Command::SetTableBudget`]); 0: none.
+    pub fn table_budget(&self) -> u64 {
+        self.budget
     }
 
     /// Per-principal usage counted from scratch.
@@ -1530,6 +1637,17 @@ impl LockTable {
             return Err(format!("owned session {id} does not exist"));
         }
         self.usage = self.recount_usage();
+        self.bytes = self.recount_bytes();
         Ok(())
     }
+}
+
+/// What one grant or wait with `value` is charged.
+fn grant_bytes(value: &[u8]) -> u64 {
+    GRANT_BYTES + value.len() as u64
+}
+
+/// What one lock named `name` is charged besides its grants and waits.
+fn lock_bytes(name: &LockName) -> u64 {
+    LOCK_BYTES + name.as_str().len() as u64
 }

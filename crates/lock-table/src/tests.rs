@@ -1008,6 +1008,7 @@ proptest! {
                 }
                 Command::AcquireBeforeAttempts { .. } => unreachable!("the property test always proposes attempts"),
                 Command::EndLockDelayAt { .. } => unreachable!("exclusive delays end by token"),
+                Command::SetTableBudget { .. } => unreachable!("the property test sets no budget"),
                 Command::AbandonAcquire { session, request, name, attempt: None, .. } => {
                     let s = session.0;
                     let n = name.as_str();

@@ -190,6 +190,11 @@ pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
             "permits {permits} is outside 1 to {} (max_holders_per_lock)",
             holdfast_lock_table::limits::MAX_HOLDERS_PER_LOCK
         )),
+        Refusal::TableFull { budget, used } => limit(
+            "max_table_bytes",
+            budget,
+            format!("the group's lock table is full: it is charged {used} of its {budget} bytes (max_table_bytes; the servers' --table-budget-mib split between the groups); release locks or close sessions, or raise the budget"),
+        ),
         Refusal::RequestIdTooNew { highest } => status(
             Code::InvalidArgument,
             Reason::RequestIdTooNew,

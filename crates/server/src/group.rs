@@ -153,6 +153,9 @@ pub struct Group {
     /// This leader is handing leadership over ([`Group::hand_over`]): it has stopped timing and renewing
     /// sessions and must not start again in this term.
     handing_over: std::sync::atomic::AtomicBool,
+    /// The memory budget this server's configuration gives the group's table (0: none); a leader puts
+    /// it into the log when the table's differs.
+    table_budget: u64,
 }
 
 /// A just-elected leader refuses requests until a quorum has acknowledged it (LeaseExpired, no leader
@@ -199,6 +202,7 @@ impl Group {
             renew_guard,
             handing_over: Default::default(),
             log_bytes,
+            table_budget: config.group_table_budget(),
         }
     }
 
@@ -578,6 +582,9 @@ impl Group {
                                 sessions = s.table.session_count(),
                                 "leading: session timers started with a fresh TTL"
                             );
+                            if s.table.table_budget() != self.table_budget {
+                                tokio::spawn(self.clone().set_table_budget(term));
+                            }
                         }
                         continue;
                     }
@@ -592,6 +599,37 @@ impl Group {
             }
             if rx.changed().await.is_err() {
                 return;
+            }
+        }
+    }
+
+    /// Puts this server's table budget into the log while it leads in `term`, retrying an unknown
+    /// outcome (proposing it twice is harmless: the second sets the same budget).
+    async fn set_table_budget(self: Arc<Self>, term: u64) {
+        let command = Command::SetTableBudget {
+            bytes: self.table_budget,
+            now_ms: crate::now_ms(),
+        };
+        while self.leases.leading_term() == Some(term) {
+            match self.propose(command.clone()).await {
+                Ok(outcome) => {
+                    tracing::info!(
+                        group = self.id,
+                        bytes = self.table_budget,
+                        ?outcome,
+                        "table budget set"
+                    );
+                    return;
+                }
+                Err(ProposeError::NotLeader(Some(_))) => return,
+                Err(e) => {
+                    tracing::warn!(
+                        group = self.id,
+                        ?e,
+                        "table budget not committed; will retry"
+                    );
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
             }
         }
     }

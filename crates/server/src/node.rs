@@ -531,6 +531,8 @@ impl NodeShared {
                     waiters: s.table.waiter_count(),
                     digest: if with_digest { s.table.digest() } else { 0 },
                     leader_confirmed: g.quorum_confirmed(),
+                    table_bytes: s.table.table_bytes(),
+                    table_budget: s.table.table_budget(),
                 }
             })
             .collect();
@@ -849,7 +851,7 @@ impl NodeShared {
             "Acquires abandoned through the log by this server as leader: their caller went away before the answer, or sent CancelAcquire.",
             &per_group(&|g| g.metrics.abandons.load(Relaxed)),
         );
-        let gauges: Vec<(String, [u64; 6])> = self
+        let gauges: Vec<(String, [u64; 8])> = self
             .groups
             .iter()
             .map(|g| {
@@ -862,6 +864,8 @@ impl NodeShared {
                     m.current_term,
                     s.last_applied.map_or(0, |l| l.index),
                     u64::from(m.state == ServerState::Leader),
+                    s.table.table_bytes(),
+                    s.table.table_budget(),
                 ];
                 (label(g), values)
             })
@@ -873,6 +877,14 @@ impl NodeShared {
             ("holdfast_raft_term", "Current Raft term."),
             ("holdfast_applied_index", "Last applied log index."),
             ("holdfast_is_leader", "1 if this server leads the group."),
+            (
+                "holdfast_table_bytes",
+                "What the lock table is charged against its memory budget (sessions, locks, grants, waits).",
+            ),
+            (
+                "holdfast_table_budget_bytes",
+                "The lock table's memory budget (0: none); past it opens, grants and waits are refused.",
+            ),
         ];
         for (i, (name, help)) in names.iter().enumerate() {
             let values: Vec<(String, u64)> =

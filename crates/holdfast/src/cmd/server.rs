@@ -113,6 +113,10 @@ pub struct ServerArgs {
     /// Largest TTL accepted (default 300000).
     #[arg(long)]
     max_ttl_ms: Option<u64>,
+    /// Memory for this server's lock tables in MiB, split between the groups (default 1024; 0: no
+    /// budget). Sessions, grants and waits past it are refused LIMIT_EXCEEDED max_table_bytes.
+    #[arg(long)]
+    table_budget_mib: Option<u64>,
 }
 
 impl ServerArgs {
@@ -143,7 +147,8 @@ impl ServerArgs {
             min_ttl_ms,
             max_ttl_ms,
             max_client_connections,
-            max_streams_per_connection
+            max_streams_per_connection,
+            table_budget_mib
         );
         if self.audit_log {
             c.audit_log = true;

@@ -127,6 +127,26 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             clusters.iter().copied().collect::<Vec<_>>().join(", ")
         ));
     }
+    // A table near its budget refuses opens and acquires soon: say so before it does.
+    let mut near_full = std::collections::BTreeSet::new();
+    for g in answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .flat_map(|s| s.groups.iter())
+    {
+        if g.table_budget > 0
+            && g.table_bytes >= g.table_budget / 10 * 9
+            && near_full.insert(g.group)
+        {
+            problems.push(format!(
+                "group {}'s lock table is at {}% of its memory budget ({} of {} bytes): past it opens and acquires are refused (max_table_bytes); raise --table-budget-mib or free locks",
+                g.group,
+                g.table_bytes * 100 / g.table_budget,
+                g.table_bytes,
+                g.table_budget
+            ));
+        }
+    }
     for group in 0..group_count {
         let views: Vec<_> = answers
             .iter()
@@ -175,6 +195,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                         "committed_index": g.committed_index, "applied_index": g.applied_index,
                         "snapshot_index": g.snapshot_index, "purged_index": g.purged_index, "lag": leader_last(g.group).map(|l| l.saturating_sub(g.applied_index)),
                         "sessions": g.sessions, "locks": g.locks, "waiters": g.waiters, "digest": format!("{:016x}", g.digest),
+                        "table_bytes": g.table_bytes, "table_budget": g.table_budget,
                     })).collect::<Vec<_>>(),
                     "members": s.members.iter().map(|m| json!({"node_id": m.node_id, "client": m.client_endpoint, "peer": m.peer_endpoint})).collect::<Vec<_>>(),
                 }),
@@ -187,7 +208,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             println!("cluster {only}");
         }
         println!(
-            "{:<5} {:<21} {:>5} {:<9} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7}",
+            "{:<5} {:<21} {:>5} {:<9} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7} {:>13}",
             "NODE",
             "ENDPOINT",
             "GROUP",
@@ -199,7 +220,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "APPLIED",
             "LAG",
             "SESSIONS",
-            "LOCKS"
+            "LOCKS",
+            "TABLE-MIB"
         );
         for (ep, a) in &answers {
             match a {
@@ -220,8 +242,9 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                             g.role.as_str()
                         };
                         println!(
-                            "{:<5} {:<21} {:>5} {:<9} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7}",
-                            s.node_id, ep, g.group, role, g.term, leader, g.last_log_index, g.committed_index, g.applied_index, lag, g.sessions, g.locks
+                            "{:<5} {:<21} {:>5} {:<9} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7} {:>13}",
+                            s.node_id, ep, g.group, role, g.term, leader, g.last_log_index, g.committed_index, g.applied_index, lag, g.sessions, g.locks,
+                            table_mib(g.table_bytes, g.table_budget)
                         );
                     }
                 }
@@ -247,4 +270,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// A table's charge and budget in MiB ("0.3/1024"; "0.3/-" without a budget).
+fn table_mib(bytes: u64, budget: u64) -> String {
+    let used = bytes as f64 / f64::from(1 << 20);
+    if budget == 0 {
+        format!("{used:.1}/-")
+    } else {
+        format!("{used:.1}/{}", budget >> 20)
+    }
 }

@@ -174,3 +174,87 @@ async fn http_connections_are_capped() {
     let refused = c.metrics(1).await["holdfast_connections_refused_total{port=\"http\"}"];
     assert_eq!(refused, 70 - holdfast_server::http::MAX_CONNECTIONS as u64);
 }
+
+/// A cluster whose servers give the table 1 MiB: acquires with values fill it until a grant is refused
+/// LIMIT_EXCEEDED `max_table_bytes` (naming the budget), every server reports the same charge, never
+/// above the budget, and a new session is refused too; releasing a lock makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room() {
+    const BUDGET: u64 = 1 << 20;
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        server_args: vec!["--table-budget-mib=1".into()],
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(30)).await.unwrap();
+    // The leader put its budget into the log: every server has it.
+    c.wait_converged(0, Duration::from_secs(10)).await;
+    for id in 1..=3 {
+        let g = c.group_status(id, 0).await.unwrap();
+        assert_eq!(g.table_budget, BUDGET, "node {id}");
+    }
+    // Fill it: first with 1 KiB values, then with empty ones, each until refused.
+    let mut guards = Vec::new();
+    let mut refusal = None;
+    for (i, value) in [vec![b'v'; 1024], Vec::new()].iter().enumerate() {
+        for n in 0.. {
+            let name = format!("full/{i}/{n}");
+            match session
+                .acquire_with_value(&name, Duration::ZERO, value)
+                .await
+            {
+                Ok(guard) => guards.push(guard),
+                Err(e) => {
+                    refusal = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+    match refusal.unwrap() {
+        holdfast_client::Error::LimitExceeded { limit, value, .. } => {
+            assert_eq!((limit.as_str(), value), ("max_table_bytes", BUDGET));
+        }
+        other => panic!("expected max_table_bytes, got {other}"),
+    }
+    assert!(
+        guards.len() > 700,
+        "only {} locks fit in 1 MiB",
+        guards.len()
+    );
+    // Less than an empty grant is left, so a session (1,024 bytes) does not fit either.
+    match client.open_session(Duration::from_secs(30)).await {
+        Err(holdfast_client::Error::LimitExceeded { limit, .. }) => {
+            assert_eq!(limit, "max_table_bytes")
+        }
+        Err(e) => panic!("expected max_table_bytes for a new session, got {e}"),
+        Ok(_) => panic!("a new session was opened in a full table"),
+    }
+    c.wait_converged(0, Duration::from_secs(10)).await;
+    let charged: Vec<u64> = {
+        let mut v = Vec::new();
+        for id in 1..=3 {
+            v.push(c.group_status(id, 0).await.unwrap().table_bytes);
+        }
+        v
+    };
+    assert!(
+        charged.iter().all(|&b| b == charged[0] && b <= BUDGET),
+        "{charged:?}"
+    );
+    let metrics = c.metrics(leader).await;
+    assert_eq!(metrics["holdfast_table_bytes{group=\"0\"}"], charged[0]);
+    assert_eq!(metrics["holdfast_table_budget_bytes{group=\"0\"}"], BUDGET);
+    // `holdfast status` warns that the table is nearly full.
+    let out = c.holdfast().args(["status"]).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("of its memory budget"), "{stderr}");
+    // A release frees a lock with its value: a new session and a lock fit again.
+    guards.swap_remove(0).release().await.unwrap();
+    let other = client.open_session(Duration::from_secs(30)).await.unwrap();
+    other.try_acquire("full/after").await.unwrap();
+}
