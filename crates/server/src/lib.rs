@@ -42,6 +42,8 @@ pub mod tls;
 pub mod watch;
 
 pub use config::{Member, ServerConfig};
+/// Crash points for the fault suite (see `holdfast_wal::failpoint`).
+pub use holdfast_wal::failpoint;
 pub use node::Node;
 
 /// Wall-clock milliseconds since the Unix epoch, stamped into commands for display (granted-at). No

@@ -261,6 +261,7 @@ fn apply_one(s: &mut SmState, entry: Entry) -> Response {
     match entry.payload {
         EntryPayload::Blank => Response::None,
         EntryPayload::Normal(Request(command)) => {
+            holdfast_wal::failpoint::hit("apply");
             let outcome = s.table.apply(log_id.index, &command);
             let opened = match &command {
                 holdfast_lock_table::Command::Quota { command, .. } => &**command,

@@ -25,6 +25,7 @@
 //!
 //! On-disk format: see [`format`].
 
+pub mod failpoint;
 pub mod format;
 pub mod fs;
 mod recover;

@@ -68,6 +68,10 @@ pub struct ServerArgs {
     /// Test hook: WAL segment size in bytes (default 64 MiB).
     #[arg(long, hide = true)]
     wal_segment_bytes: Option<u64>,
+    /// Test hook (debug builds only): crash the process the Nth time it reaches failpoint NAME
+    /// (`NAME` or `NAME=N`; the names are in `holdfast_wal::failpoint`).
+    #[arg(long, hide = true)]
+    failpoint: Option<String>,
     /// Test hook: append every applied command to DATA_DIR/audit-gN.jsonl for the fault tests' checker.
     #[arg(long, hide = true)]
     audit_log: bool,
@@ -305,6 +309,13 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
         .with_writer(std::io::stderr)
         .init();
     let exit_on_stdin_close = args.exit_on_stdin_close;
+    if let Some(spec) = &args.failpoint {
+        holdfast_server::failpoint::arm(spec).map_err(|e| anyhow!("--failpoint: {e}"))?;
+        tracing::warn!(
+            failpoint = spec,
+            "failpoint armed: this server will crash when it reaches it"
+        );
+    }
     let config = args.into_config()?;
     let node = Node::start(config).await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

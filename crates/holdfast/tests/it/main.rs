@@ -7,6 +7,7 @@ mod bad_input;
 mod cli;
 mod client;
 mod cluster;
+mod failpoints;
 mod faults;
 mod fencing;
 mod harness;
