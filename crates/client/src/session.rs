@@ -119,8 +119,29 @@ impl Drop for PendingAcquire<'_> {
 }
 
 impl Client {
+    /// Best effort: closes the sessions `ids` (one per group from 0, with their secrets) that an
+    /// [`Client::open_session`] opened before it failed.
+    async fn close_opened(&self, ids: &[u64], secrets: &[Vec<u8>]) {
+        for (group, (&session_id, secret)) in ids.iter().zip(secrets).enumerate() {
+            let group = group as u32;
+            let _ = self
+                .call(group, Duration::ZERO, |mut c| {
+                    let session_secret = secret.clone();
+                    async move {
+                        c.close_session(pb::CloseSessionRequest {
+                            group,
+                            session_id,
+                            session_secret,
+                        })
+                        .await
+                    }
+                })
+                .await;
+        }
+    }
+
     /// Opens a session with `ttl` (zero for the server's default) and starts keeping it alive every
-    /// TTL/3.
+    /// TTL/3. If the open fails in one group, the sessions it opened in the others are closed.
     pub async fn open_session(&self, ttl: Duration) -> Result<Session, Error> {
         let started = Instant::now();
         let started_wall_ms = wall_ms();
@@ -140,7 +161,16 @@ impl Client {
                     })
                     .await
                 })
-                .await?;
+                .await;
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => {
+                    // The sessions opened in the groups before would hold their groups' memory until
+                    // their TTL ran out, and a caller that retries would open more: close them now.
+                    self.close_opened(&ids, &secrets).await;
+                    return Err(e);
+                }
+            };
             ids.push(r.session_id);
             secrets.push(r.session_secret);
             granted = granted.min(Duration::from_millis(r.ttl_ms));

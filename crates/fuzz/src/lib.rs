@@ -157,7 +157,7 @@ pub fn lock_table_snapshot(bytes: &[u8]) {
 /// CRC, once for every format version this build reads, so that each version's decoding and the
 /// invariant validation are reached.
 pub fn lock_table_body(bytes: &[u8]) {
-    for version in 2u16..=6 {
+    for version in 2u16..=8 {
         let mut framed = b"HFLT".to_vec();
         framed.extend_from_slice(&version.to_le_bytes());
         framed.extend_from_slice(bytes);

@@ -8,7 +8,7 @@
 //! versions decode with none); 7 added shared holders and semaphores (each lock's further holders and
 //! permits, each grant's and wait's mode); 6 added each grant's and wait's lock-delay; 5 added the principal that owns
 //! each session opened under a quota; 4 added each session's secret; 3 added each wait's and grant's
-//! acquire attempt. 6, 5, 4, 3 and 2 are still read: their locks are exclusive (one holder, no
+//! acquire attempt. 7, 6, 5, 4, 3 and 2 are still read (7 with no budget): their locks are exclusive (one holder, no
 //! permits), grants and waits before 6 have no lock-delay, sessions
 //! before 5 have no owner, 3's and 2's get secret 0 (none), and version 2's waits and grants attempt
 //! 0, which no server's abandon matches, so a data directory written by an older release still starts.

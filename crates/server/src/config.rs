@@ -103,9 +103,10 @@ pub struct ServerConfig {
     /// TTL bounds this server accepts (within the lock table's hard limits 2 s ..= 5 min).
     pub min_ttl_ms: u64,
     pub max_ttl_ms: u64,
-    /// Memory for the lock tables of this server, in MiB, split evenly between the groups: the leader
-    /// of each group puts `table_budget_mib / groups` into the log as the group's budget
-    /// (`Command::SetTableBudget`) when the group's differs. 0: no budget (the leader lifts one).
+    /// The memory budget of each group's lock table, in MiB: the leader of a group puts it into the log
+    /// as the group's budget (`Command::SetTableBudget`) when the group's differs. Per group, like
+    /// `max_sessions` and `max_locks`, since a client has a session in every group: a server holds at
+    /// most `groups` times this in lock tables. 0: no budget (the leader lifts one).
     pub table_budget_mib: u64,
 }
 
@@ -162,8 +163,9 @@ impl std::fmt::Debug for AuditSink {
     }
 }
 
-/// The default memory for lock tables per server: about 2.5 times what the design's load (1,000,000
-/// locks in 100,000 sessions) is charged, in one group.
+/// The default memory budget per group: about 2.5 times what the design's load (1,000,000 locks in
+/// 100,000 sessions) is charged in one group, and more than enough for it spread over several (each
+/// client session is charged in every group, its locks only in theirs).
 pub const DEFAULT_TABLE_BUDGET_MIB: u64 = 1_024;
 
 /// Largest number of groups; each costs a Raft instance (tasks, timers, heartbeats) on every server.
@@ -250,7 +252,7 @@ impl ServerConfig {
 
     /// The memory budget of each group's table in bytes (0: none).
     pub fn group_table_budget(&self) -> u64 {
-        (self.table_budget_mib << 20) / u64::from(self.groups.max(1))
+        self.table_budget_mib << 20
     }
 
     pub fn me(&self) -> &Member {

@@ -193,7 +193,7 @@ pub fn refusal(r: Refusal, session: u64, name: &str) -> Status {
         Refusal::TableFull { budget, used } => limit(
             "max_table_bytes",
             budget,
-            format!("the group's lock table is full: it is charged {used} of its {budget} bytes (max_table_bytes; the servers' --table-budget-mib split between the groups); release locks or close sessions, or raise the budget"),
+            format!("the group's lock table is full: it is charged {used} of its {budget} bytes (max_table_bytes; the servers' --table-budget-mib); release locks or close sessions, or raise the budget"),
         ),
         Refusal::RequestIdTooNew { highest } => status(
             Code::InvalidArgument,

@@ -622,6 +622,10 @@ impl Group {
                     return;
                 }
                 Err(ProposeError::NotLeader(Some(_))) => return,
+                Err(e @ (ProposeError::Stopped(_) | ProposeError::Refused(_))) => {
+                    tracing::warn!(group = self.id, ?e, "table budget not proposed");
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(
                         group = self.id,

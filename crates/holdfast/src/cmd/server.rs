@@ -117,8 +117,8 @@ pub struct ServerArgs {
     /// Largest TTL accepted (default 300000).
     #[arg(long)]
     max_ttl_ms: Option<u64>,
-    /// Memory for this server's lock tables in MiB, split between the groups (default 1024; 0: no
-    /// budget). Sessions, grants and waits past it are refused LIMIT_EXCEEDED max_table_bytes.
+    /// Memory budget of each group's lock table in MiB (default 1024; 0: no budget). Sessions, grants
+    /// and waits past it are refused LIMIT_EXCEEDED max_table_bytes.
     #[arg(long)]
     table_budget_mib: Option<u64>,
 }

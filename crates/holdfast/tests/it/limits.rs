@@ -175,27 +175,31 @@ async fn http_connections_are_capped() {
     assert_eq!(refused, 70 - holdfast_server::http::MAX_CONNECTIONS as u64);
 }
 
-/// A cluster whose servers give the table 1 MiB: acquires with values fill it until a grant is refused
-/// LIMIT_EXCEEDED `max_table_bytes` (naming the budget), every server reports the same charge, never
-/// above the budget, and a new session is refused too; releasing a lock makes room again.
+/// A two-group cluster whose servers give each table 1 MiB: acquires with values fill group 1's until
+/// a grant is refused LIMIT_EXCEEDED `max_table_bytes` (naming the budget), every server reports the
+/// same charge, never above the budget, and a new session is refused too, leaving no session behind
+/// in group 0; releasing a lock makes room again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room() {
     const BUDGET: u64 = 1 << 20;
     let c = Cluster::start(Options {
         nodes: 3,
+        groups: 2,
         http: true,
         server_args: vec!["--table-budget-mib=1".into()],
         ..Options::default()
     })
     .await;
-    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let leader = c.wait_for_leader(1, Duration::from_secs(10)).await;
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(30)).await.unwrap();
-    // The leader put its budget into the log: every server has it.
-    c.wait_converged(0, Duration::from_secs(10)).await;
-    for id in 1..=3 {
-        let g = c.group_status(id, 0).await.unwrap();
-        assert_eq!(g.table_budget, BUDGET, "node {id}");
+    // The leaders put their budget into the log: every server has it, in both groups.
+    for group in 0..2 {
+        c.wait_converged(group, Duration::from_secs(10)).await;
+        for id in 1..=3 {
+            let g = c.group_status(id, group).await.unwrap();
+            assert_eq!(g.table_budget, BUDGET, "node {id}, group {group}");
+        }
     }
     // Fill it: first with 1 KiB values, then with empty ones, each until refused.
     let mut guards = Vec::new();
@@ -203,6 +207,9 @@ async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room(
     for (i, value) in [vec![b'v'; 1024], Vec::new()].iter().enumerate() {
         for n in 0.. {
             let name = format!("full/{i}/{n}");
+            if holdfast_client::group_for(&name, 2) != 1 {
+                continue;
+            }
             match session
                 .acquire_with_value(&name, Duration::ZERO, value)
                 .await
@@ -226,7 +233,8 @@ async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room(
         "only {} locks fit in 1 MiB",
         guards.len()
     );
-    // Less than an empty grant is left, so a session (1,024 bytes) does not fit either.
+    // Less than an empty grant is left, so a session (1,024 bytes) does not fit either. The client
+    // opened one in group 0 first, and closes it again.
     match client.open_session(Duration::from_secs(30)).await {
         Err(holdfast_client::Error::LimitExceeded { limit, .. }) => {
             assert_eq!(limit, "max_table_bytes")
@@ -235,10 +243,13 @@ async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room(
         Ok(_) => panic!("a new session was opened in a full table"),
     }
     c.wait_converged(0, Duration::from_secs(10)).await;
+    let g0 = c.group_status(leader, 0).await.unwrap();
+    assert_eq!(g0.sessions, 1, "the failed open left no session in group 0");
+    c.wait_converged(1, Duration::from_secs(10)).await;
     let charged: Vec<u64> = {
         let mut v = Vec::new();
         for id in 1..=3 {
-            v.push(c.group_status(id, 0).await.unwrap().table_bytes);
+            v.push(c.group_status(id, 1).await.unwrap().table_bytes);
         }
         v
     };
@@ -247,8 +258,8 @@ async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room(
         "{charged:?}"
     );
     let metrics = c.metrics(leader).await;
-    assert_eq!(metrics["holdfast_table_bytes{group=\"0\"}"], charged[0]);
-    assert_eq!(metrics["holdfast_table_budget_bytes{group=\"0\"}"], BUDGET);
+    assert_eq!(metrics["holdfast_table_bytes{group=\"1\"}"], charged[0]);
+    assert_eq!(metrics["holdfast_table_budget_bytes{group=\"1\"}"], BUDGET);
     // `holdfast status` warns that the table is nearly full.
     let out = c.holdfast().args(["status"]).output().await.unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -256,5 +267,9 @@ async fn a_full_table_refuses_new_sessions_and_locks_until_a_release_makes_room(
     // A release frees a lock with its value: a new session and a lock fit again.
     guards.swap_remove(0).release().await.unwrap();
     let other = client.open_session(Duration::from_secs(30)).await.unwrap();
-    other.try_acquire("full/after").await.unwrap();
+    let after = (0..)
+        .map(|n| format!("full/after/{n}"))
+        .find(|n| holdfast_client::group_for(n, 2) == 1)
+        .unwrap();
+    other.try_acquire(&after).await.unwrap();
 }
