@@ -85,6 +85,11 @@ pub struct ServerConfig {
     #[cfg(holdfast_sim)]
     #[serde(skip)]
     pub sim_fsync: std::time::Duration,
+    /// Simulation only: each group's table budget in bytes, instead of `table_budget_mib` (small
+    /// enough for a handful of sessions, so that refusals for a full table happen under faults).
+    #[cfg(holdfast_sim)]
+    #[serde(skip)]
+    pub sim_table_budget_bytes: Option<u64>,
     /// Most client connections open at once; a connection beyond it is closed as soon as it is accepted
     /// (counted in `holdfast_connections_refused_total{port="client"}`), so a flood of connections
     /// cannot starve the connections already open of memory or file descriptors.
@@ -138,6 +143,8 @@ impl Default for ServerConfig {
             clock_rate_ppm: 0,
             #[cfg(holdfast_sim)]
             sim_fsync: std::time::Duration::from_micros(500),
+            #[cfg(holdfast_sim)]
+            sim_table_budget_bytes: None,
             max_client_connections: 4_096,
             max_streams_per_connection: 1_024,
             tls: None,
@@ -252,6 +259,10 @@ impl ServerConfig {
 
     /// The memory budget of each group's table in bytes (0: none).
     pub fn group_table_budget(&self) -> u64 {
+        #[cfg(holdfast_sim)]
+        if let Some(bytes) = self.sim_table_budget_bytes {
+            return bytes;
+        }
         self.table_budget_mib << 20
     }
 

@@ -89,6 +89,7 @@ fn main() -> std::process::ExitCode {
         let report = holdfast_sim::invariants::check_all(&outcome);
         totals.add(&report);
         totals.corruptions_detected += outcome.corruptions_detected;
+        totals.table_full_refusals += outcome.table_full_refusals;
         if json {
             let line = serde_json::json!({
                 "seed": seed,
@@ -110,6 +111,7 @@ fn main() -> std::process::ExitCode {
                 "replacements": outcome.replacements_done,
                 "leader_transfers": outcome.leader_transfers,
                 "corruptions_detected": outcome.corruptions_detected,
+                "table_full_refusals": outcome.table_full_refusals,
                 "violations": report.violations,
             });
             println!("{line}");

@@ -34,6 +34,10 @@ pub struct Knobs {
     pub lock_delay_one_in: u64,
     pub lock_delay_ms: u64,
     pub snapshot_every_bytes: u64,
+    /// Each group's table budget in bytes (None: the default 1 GiB). The small ones hold about 10 and
+    /// 22 sessions (1 KiB each) with a few locks, so opens and acquires are refused for a full table
+    /// now and then; never fewer than the workload's 6 sessions, a fresh client's and a lost one's.
+    pub table_budget_bytes: Option<u64>,
 }
 
 impl Knobs {
@@ -61,6 +65,7 @@ impl Knobs {
             lock_delay_ms: rng.pick(&[100, 300, 1_000]),
             // Also snapshot once the log grew by this many bytes (65,536 is the least accepted).
             snapshot_every_bytes: rng.pick(&[64 << 20, 64 << 20, 65_536]),
+            table_budget_bytes: rng.pick(&[None, None, None, Some(10 << 10), Some(22 << 10)]),
         }
     }
 }

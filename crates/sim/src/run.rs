@@ -54,6 +54,9 @@ pub struct Outcome {
     /// (a server that started on one, or refused without naming it).
     pub corruptions_detected: u64,
     pub corruption_violations: Vec<String>,
+    /// Entries refused for a full table (`Refusal::TableFull`), as the server that applied the most
+    /// of them counts them.
+    pub table_full_refusals: u64,
 }
 
 /// The links a partition cuts: between the servers in `side` (with the client hosts `clients`) and the
@@ -500,6 +503,23 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         .filter(|l| l.contains(" admin transfer leader: now "))
         .count() as u64;
     trace.extend(admin_lines);
+    let table_full_refusals = audits
+        .iter()
+        .map(|(_, lines)| {
+            lines
+                .iter()
+                .filter(|l| {
+                    matches!(
+                        l.outcome,
+                        holdfast_lock_table::Outcome::Refused(
+                            holdfast_lock_table::Refusal::TableFull { .. }
+                        )
+                    )
+                })
+                .count() as u64
+        })
+        .max()
+        .unwrap_or(0);
     let fault_log_len = trace.len();
     trace.extend(history.iter().map(|o| format!("{o:?}")));
     for (id, lines) in &audits {
@@ -520,6 +540,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         leader_transfers,
         corruptions_detected,
         corruption_violations,
+        table_full_refusals,
         trace,
         fault_log_len,
         sim_error,

@@ -40,6 +40,7 @@ struct Totals {
     replacements: u64,
     transfers: u64,
     corruptions: u64,
+    table_full: u64,
 }
 
 #[test]
@@ -90,6 +91,7 @@ fn seeds_hold_every_invariant() {
                     t.replacements += n("replacements");
                     t.transfers += n("leader_transfers");
                     t.corruptions += n("corruptions_detected");
+                    t.table_full += n("table_full_refusals");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
                     if !violations.is_empty() || !out.status.success() {
                         failures.lock().unwrap().push(format!(
@@ -106,7 +108,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} damaged files refused, {} seeds failed",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} damaged files refused, {} refusals for a full table, {} seeds failed",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -124,6 +126,7 @@ fn seeds_hold_every_invariant() {
         t.replacements,
         t.transfers,
         t.corruptions,
+        t.table_full,
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -51,6 +51,8 @@ pub struct Totals {
     pub shared_grants_checked: usize,
     /// Damaged files a server refused to start on (`Fault::Corrupt`).
     pub corruptions_detected: u64,
+    /// Opens and acquires refused for a full table (`Knobs::table_budget_bytes`).
+    pub table_full_refusals: u64,
 }
 
 impl Totals {
@@ -75,7 +77,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -88,7 +90,8 @@ impl std::fmt::Display for Totals {
             self.watch_events_checked,
             self.lock_delays_checked,
             self.shared_grants_checked,
-            self.corruptions_detected
+            self.corruptions_detected,
+            self.table_full_refusals
         )
     }
 }
