@@ -1,0 +1,300 @@
+//! Simulation only: openraft's runtime with a per-server clock rate, so that a server's clock fault
+//! reaches openraft's election and heartbeat timers, its leader lease and the keepalive guard
+//! (`Group::can_renew` compares openraft instants), not just the session lease timer
+//! (`Leases::with_clock_rate_ppm`).
+//!
+//! Each simulated host runs on its own tokio runtime, so the rate is kept per runtime: [`set_rate`]
+//! (called by `Node::start` before anything reads openraft's clock) fixes it for every task of the
+//! calling runtime, openraft's and the server's own alike. A [`SkewedInstant`] is the time since the
+//! runtime was registered, scaled by `1 + ppm / 10^6`; sleeping converts back, rounding so that a
+//! sleep until `t` never wakes before `now() >= t`. A clock pause (a VM stall) is a jump of the scaled
+//! clock ([`jump`]).
+
+use openraft::impls::TokioRuntime;
+use openraft::rt::{AsyncRuntime, OptionalSend, Select2, Select3, Select4};
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::{Add, AddAssign, Sub, SubAssign};
+use std::sync::Mutex;
+use std::time::Duration;
+
+#[derive(Clone, Copy)]
+struct Clock {
+    origin: tokio::time::Instant,
+    ppm: i64,
+    /// Added to the scaled time (clock pauses seen as jumps).
+    jumped: Duration,
+}
+
+static CLOCKS: Mutex<Option<HashMap<tokio::runtime::Id, Clock>>> = Mutex::new(None);
+
+fn with_clocks<R>(f: impl FnOnce(&mut HashMap<tokio::runtime::Id, Clock>) -> R) -> R {
+    let mut clocks = CLOCKS.lock().expect("skew clocks lock");
+    f(clocks.get_or_insert_with(HashMap::new))
+}
+
+/// The calling runtime's clock (registered with rate 0 on first use).
+fn clock() -> Clock {
+    clock_of(tokio::runtime::Handle::current().id())
+}
+
+fn clock_of(id: tokio::runtime::Id) -> Clock {
+    with_clocks(|c| {
+        *c.entry(id).or_insert_with(|| Clock {
+            origin: tokio::time::Instant::now(),
+            ppm: 0,
+            jumped: Duration::ZERO,
+        })
+    })
+}
+
+/// Runs the calling runtime's openraft clock `ppm` parts per million fast (negative: slow), from now.
+pub fn set_rate(ppm: i64) {
+    assert!(ppm.abs() < 1_000_000, "a clock rate of {ppm} ppm");
+    let id = tokio::runtime::Handle::current().id();
+    with_clocks(|c| {
+        c.insert(
+            id,
+            Clock {
+                origin: tokio::time::Instant::now(),
+                ppm,
+                jumped: Duration::ZERO,
+            },
+        );
+    });
+}
+
+/// Moves the calling runtime's openraft clock `by` ahead at once: what a process sees of a stall.
+pub fn jump(by: Duration) {
+    let id = tokio::runtime::Handle::current().id();
+    with_clocks(|c| {
+        if let Some(clock) = c.get_mut(&id) {
+            clock.jumped += by;
+        }
+    });
+}
+
+fn scale(d: Duration, num: i64, den: i64, round_up: bool) -> Duration {
+    let nanos = d.as_nanos() * num as u128;
+    let den = den as u128;
+    let q = if round_up {
+        nanos.div_ceil(den)
+    } else {
+        nanos / den
+    };
+    Duration::from_nanos(u64::try_from(q).unwrap_or(u64::MAX))
+}
+
+impl Clock {
+    fn now(&self) -> Duration {
+        let real = tokio::time::Instant::now().saturating_duration_since(self.origin);
+        scale(real, 1_000_000 + self.ppm, 1_000_000, false) + self.jumped
+    }
+
+    /// How long to really wait for `d` to pass on this clock.
+    fn real(&self, d: Duration) -> Duration {
+        scale(d, 1_000_000, 1_000_000 + self.ppm, true)
+    }
+
+    /// The tokio instant at which this clock reads `t` (now, if it already does).
+    fn deadline(&self, t: SkewedInstant) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.real(t.at.saturating_sub(self.now()))
+    }
+}
+
+/// An instant of a runtime's skewed clock: the scaled time since it was registered, and which
+/// runtime's clock it is, so that `elapsed` is right even when asked from outside that runtime (the
+/// simulation's driver reads a server's status between steps). Compared by time only.
+#[derive(Clone, Copy, Debug)]
+pub struct SkewedInstant {
+    at: Duration,
+    clock: tokio::runtime::Id,
+}
+
+impl PartialEq for SkewedInstant {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+
+impl Eq for SkewedInstant {}
+
+impl PartialOrd for SkewedInstant {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for SkewedInstant {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.at.cmp(&other.at)
+    }
+}
+
+impl Add<Duration> for SkewedInstant {
+    type Output = Self;
+    fn add(self, rhs: Duration) -> Self {
+        SkewedInstant {
+            at: self.at + rhs,
+            ..self
+        }
+    }
+}
+
+impl AddAssign<Duration> for SkewedInstant {
+    fn add_assign(&mut self, rhs: Duration) {
+        self.at += rhs;
+    }
+}
+
+impl Sub<Duration> for SkewedInstant {
+    type Output = Self;
+    fn sub(self, rhs: Duration) -> Self {
+        SkewedInstant {
+            at: self.at.saturating_sub(rhs),
+            ..self
+        }
+    }
+}
+
+impl Sub<Self> for SkewedInstant {
+    type Output = Duration;
+    fn sub(self, rhs: Self) -> Duration {
+        self.at.saturating_sub(rhs.at)
+    }
+}
+
+impl SubAssign<Duration> for SkewedInstant {
+    fn sub_assign(&mut self, rhs: Duration) {
+        self.at = self.at.saturating_sub(rhs);
+    }
+}
+
+impl openraft::rt::Instant for SkewedInstant {
+    fn now() -> Self {
+        let id = tokio::runtime::Handle::current().id();
+        SkewedInstant {
+            at: clock_of(id).now(),
+            clock: id,
+        }
+    }
+
+    fn elapsed(&self) -> Duration {
+        clock_of(self.clock).now().saturating_sub(self.at)
+    }
+}
+
+/// Tokio, on the calling runtime's skewed clock.
+#[derive(Debug)]
+pub struct SkewedRuntime(TokioRuntime);
+
+impl AsyncRuntime for SkewedRuntime {
+    type JoinError = <TokioRuntime as AsyncRuntime>::JoinError;
+    type JoinHandle<T: OptionalSend + 'static> = <TokioRuntime as AsyncRuntime>::JoinHandle<T>;
+    type Sleep = tokio::time::Sleep;
+    type Instant = SkewedInstant;
+    type TimeoutError = tokio::time::error::Elapsed;
+    type Timeout<R, T: Future<Output = R> + OptionalSend> = tokio::time::Timeout<T>;
+    type ThreadLocalRng = <TokioRuntime as AsyncRuntime>::ThreadLocalRng;
+
+    fn spawn<T>(future: T) -> Self::JoinHandle<T::Output>
+    where
+        T: Future + OptionalSend + 'static,
+        T::Output: OptionalSend + 'static,
+    {
+        TokioRuntime::spawn(future)
+    }
+
+    fn sleep(duration: Duration) -> Self::Sleep {
+        tokio::time::sleep(clock().real(duration))
+    }
+
+    fn sleep_until(deadline: Self::Instant) -> Self::Sleep {
+        tokio::time::sleep_until(clock().deadline(deadline))
+    }
+
+    fn timeout<R, F: Future<Output = R> + OptionalSend>(
+        duration: Duration,
+        future: F,
+    ) -> Self::Timeout<R, F> {
+        tokio::time::timeout(clock().real(duration), future)
+    }
+
+    fn timeout_at<R, F: Future<Output = R> + OptionalSend>(
+        deadline: Self::Instant,
+        future: F,
+    ) -> Self::Timeout<R, F> {
+        tokio::time::timeout_at(clock().deadline(deadline), future)
+    }
+
+    fn select2<A, B>(
+        a: A,
+        b: B,
+    ) -> impl Future<Output = Select2<A::Output, B::Output>> + OptionalSend
+    where
+        A: Future + OptionalSend,
+        B: Future + OptionalSend,
+    {
+        TokioRuntime::select2(a, b)
+    }
+
+    fn select3<A, B, C>(
+        a: A,
+        b: B,
+        c: C,
+    ) -> impl Future<Output = Select3<A::Output, B::Output, C::Output>> + OptionalSend
+    where
+        A: Future + OptionalSend,
+        B: Future + OptionalSend,
+        C: Future + OptionalSend,
+    {
+        TokioRuntime::select3(a, b, c)
+    }
+
+    fn select4<A, B, C, D>(
+        a: A,
+        b: B,
+        c: C,
+        d: D,
+    ) -> impl Future<Output = Select4<A::Output, B::Output, C::Output, D::Output>> + OptionalSend
+    where
+        A: Future + OptionalSend,
+        B: Future + OptionalSend,
+        C: Future + OptionalSend,
+        D: Future + OptionalSend,
+    {
+        TokioRuntime::select4(a, b, c, d)
+    }
+
+    fn is_panic(join_error: &Self::JoinError) -> bool {
+        TokioRuntime::is_panic(join_error)
+    }
+
+    fn thread_rng() -> Self::ThreadLocalRng {
+        TokioRuntime::thread_rng()
+    }
+
+    type Mpsc = <TokioRuntime as AsyncRuntime>::Mpsc;
+    type Watch = <TokioRuntime as AsyncRuntime>::Watch;
+    type Oneshot = <TokioRuntime as AsyncRuntime>::Oneshot;
+    type Mutex<T: OptionalSend + 'static> = <TokioRuntime as AsyncRuntime>::Mutex<T>;
+
+    fn new(threads: usize) -> Self {
+        SkewedRuntime(TokioRuntime::new(threads))
+    }
+
+    fn block_on<F, T>(&mut self, future: F) -> T
+    where
+        F: Future<Output = T>,
+    {
+        self.0.block_on(future)
+    }
+
+    fn spawn_blocking<F, T>(f: F) -> impl Future<Output = Result<T, std::io::Error>> + Send
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        TokioRuntime::spawn_blocking(f)
+    }
+}
