@@ -222,3 +222,28 @@ proptest! {
         }
     }
 }
+
+/// A long-lived session's deduplication window keeps at most `DEDUP_WINDOW` outcomes and never
+/// allocates room for more: 512 bytes, what the budget's `SESSION_BYTES` counts on.
+#[test]
+fn a_long_lived_sessions_dedup_window_stays_its_size() {
+    use crate::limits::DEDUP_WINDOW;
+    let mut t = LockTable::new();
+    assert_eq!(t.apply(1, &open(1)), opened(1));
+    for r in 1..=200u64 {
+        let index = 2 * r;
+        assert_eq!(
+            t.apply(index, &acq(1, 2 * r - 1, "a", Wait)),
+            granted(index)
+        );
+        assert_eq!(t.apply(index + 1, &rel(1, 2 * r, "a", index)), Released);
+    }
+    let window = &t.sessions[&SessionId(1)].dedup;
+    assert_eq!(window.len(), DEDUP_WINDOW);
+    assert!(
+        window.capacity() <= DEDUP_WINDOW,
+        "the window allocated {} entries",
+        window.capacity()
+    );
+    t.check_invariants();
+}

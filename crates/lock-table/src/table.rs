@@ -1204,12 +1204,14 @@ impl LockTable {
 
     fn remember(&mut self, session_id: SessionId, request: RequestId, outcome: &Outcome) {
         let session = self.session_mut(session_id);
-        session.dedup.push_back((request, outcome.clone()));
-        if session.dedup.len() > DEDUP_WINDOW {
+        // Evict before pushing: pushing a 17th outcome first would double the window's allocation to
+        // 32 entries (1 KiB per session instead of 512 B) for the rest of the session's life.
+        if session.dedup.len() >= DEDUP_WINDOW {
             if let Some((old, _)) = session.dedup.pop_front() {
                 session.dedup_evicted_max = session.dedup_evicted_max.max(old.0);
             }
         }
+        session.dedup.push_back((request, outcome.clone()));
     }
 
     fn update_remembered(&mut self, session_id: SessionId, request: RequestId, outcome: Outcome) {
