@@ -390,6 +390,62 @@ async fn every_metric_is_documented_and_well_formed() {
             "{name} is declared more than once"
         );
     }
+    // The shipped alert rules and Grafana dashboard use only metrics that exist.
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy");
+    let alerts =
+        std::fs::read_to_string(format!("{deploy}/prometheus/holdfast-alerts.yml")).unwrap();
+    let dashboard =
+        std::fs::read_to_string(format!("{deploy}/grafana/holdfast-dashboard.json")).unwrap();
+    let parsed: serde_json::Value =
+        serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    let exprs: Vec<&str> = parsed["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .flat_map(|p| p["targets"].as_array().expect("targets").iter())
+        .map(|t| t["expr"].as_str().expect("expr"))
+        .collect();
+    assert!(
+        exprs.len() >= 14,
+        "{} queries in the dashboard",
+        exprs.len()
+    );
+    let rules = alerts.matches("- alert: ").count();
+    assert!(
+        rules >= 8 && alerts.matches("expr: ").count() == rules,
+        "{alerts}"
+    );
+    for (file, text) in [
+        ("alerts", alerts.as_str()),
+        ("dashboard", dashboard.as_str()),
+    ] {
+        let mut used = 0;
+        for (at, _) in text.match_indices("holdfast_") {
+            let name: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            if name == "holdfast_" {
+                continue; // prose ("holdfast_* metrics")
+            }
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| families.contains(f)))
+                .unwrap_or(&name);
+            // A plaintext server without a policy leaves out the TLS and policy metrics; the docs say
+            // when those exist.
+            let conditional = docs.lines().any(|l| {
+                l.contains(&format!("`{family}"))
+                    && (l.contains("with TLS") || l.contains("with a policy"))
+            });
+            assert!(
+                families.contains(&family) || conditional,
+                "the {file} uses {name}, which no server exports"
+            );
+            used += 1;
+        }
+        assert!(used >= 8, "the {file} uses {used} metrics");
+    }
     assert!(!body.contains("{}"), "{body}");
     assert!(!body.contains("99999"), "float noise in {body}");
     assert!(body.contains("holdfast_build_info{version=\""), "{body}");
