@@ -90,6 +90,10 @@ pub struct ServerConfig {
     #[cfg(holdfast_sim)]
     #[serde(skip)]
     pub sim_table_budget_bytes: Option<u64>,
+    /// Simulation only: the most bytes one WAL group commit gathers (`WalOptions::max_batch_bytes`).
+    #[cfg(holdfast_sim)]
+    #[serde(skip)]
+    pub sim_wal_batch_bytes: Option<usize>,
     /// Most client connections open at once; a connection beyond it is closed as soon as it is accepted
     /// (counted in `holdfast_connections_refused_total{port="client"}`), so a flood of connections
     /// cannot starve the connections already open of memory or file descriptors.
@@ -145,6 +149,8 @@ impl Default for ServerConfig {
             sim_fsync: std::time::Duration::from_micros(500),
             #[cfg(holdfast_sim)]
             sim_table_budget_bytes: None,
+            #[cfg(holdfast_sim)]
+            sim_wal_batch_bytes: None,
             max_client_connections: 4_096,
             max_streams_per_connection: 1_024,
             tls: None,

@@ -134,6 +134,10 @@ impl Node {
             segment_bytes: config
                 .wal_segment_bytes
                 .unwrap_or(WalOptions::default().segment_bytes),
+            #[cfg(holdfast_sim)]
+            max_batch_bytes: config
+                .sim_wal_batch_bytes
+                .unwrap_or(WalOptions::default().max_batch_bytes),
             ..WalOptions::default()
         };
         let (wal, recovered) = Wal::open(&config.data_dir.join("wal"), wal_options)?;

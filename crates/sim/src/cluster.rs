@@ -144,6 +144,7 @@ pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> 
         clock_rate_ppm: plan.clock_ppm[i],
         sim_fsync: Duration::from_micros(plan.fsync_us),
         sim_table_budget_bytes: plan.knobs.table_budget_bytes,
+        sim_wal_batch_bytes: plan.knobs.wal_batch_bytes,
         ..ServerConfig::default()
     }
 }

@@ -5,9 +5,8 @@ use crate::rng::Rng;
 
 /// Servers in the simulated cluster.
 pub const SERVERS: usize = 5;
-/// Client hosts; each runs [`WORKERS_PER_HOST`] workload loops over one `holdfast_client::Client`.
+/// Client hosts; each runs `Knobs::workers_per_host` workload loops over one `holdfast_client::Client`.
 pub const CLIENT_HOSTS: usize = 3;
-pub const WORKERS_PER_HOST: usize = 2;
 /// Lock names the workload contends on.
 pub const LOCKS: u64 = 3;
 /// Largest clock-rate error drawn for a server (2%, forty times what an undisciplined quartz clock drifts).
@@ -34,10 +33,15 @@ pub struct Knobs {
     pub lock_delay_one_in: u64,
     pub lock_delay_ms: u64,
     pub snapshot_every_bytes: u64,
-    /// Each group's table budget in bytes (None: the default 1 GiB). The small ones hold about 10 and
-    /// 22 sessions (1 KiB each) with a few locks, so opens and acquires are refused for a full table
-    /// now and then; never fewer than the workload's 6 sessions, a fresh client's and a lost one's.
+    /// Each group's table budget in bytes (None: the default 1 GiB). The small ones hold the
+    /// workload's sessions three times over (1 KiB each) and 4 or 16 KiB more, so opens and acquires
+    /// are refused for a full table now and then.
     pub table_budget_bytes: Option<u64>,
+    /// Lock-set workers per client host (each with its own session), 1 to 3.
+    pub workers_per_host: usize,
+    /// The most bytes of appends one WAL group commit takes (None: the server's 4 MiB); small ones
+    /// split what queued up into several commits.
+    pub wal_batch_bytes: Option<usize>,
 }
 
 impl Knobs {
@@ -50,7 +54,7 @@ impl Knobs {
                 (50, 300, 600),
                 (150, 700, 1_000),
             ]);
-        Knobs {
+        let mut knobs = Knobs {
             snapshot_every_entries: rng.pick(&[100, 300, 300, 1_000, 20_000]),
             snapshot_keep_entries: rng.pick(&[10, 50, 500]),
             wal_segment_bytes: rng.pick(&[None, Some(64 << 10), Some(256 << 10), Some(1 << 20)]),
@@ -65,8 +69,19 @@ impl Knobs {
             lock_delay_ms: rng.pick(&[100, 300, 1_000]),
             // Also snapshot once the log grew by this many bytes (65,536 is the least accepted).
             snapshot_every_bytes: rng.pick(&[64 << 20, 64 << 20, 65_536]),
-            table_budget_bytes: rng.pick(&[None, None, None, Some(10 << 10), Some(22 << 10)]),
-        }
+            table_budget_bytes: None,
+            workers_per_host: 2,
+            wal_batch_bytes: None,
+        };
+        // Drawn after the knobs above, so that adding these changed none of theirs.
+        let budget_room_kib: Option<u64> = rng.pick(&[None, None, None, Some(4), Some(16)]);
+        knobs.workers_per_host = rng.pick(&[2, 2, 1, 3]);
+        knobs.wal_batch_bytes = rng.pick(&[None, None, Some(512), Some(4_096)]);
+        // Room for every worker's session, a lost one per worker and the reader's (1 KiB each), and
+        // 4 or 16 KiB more: opens and acquires are refused for a full table now and then.
+        knobs.table_budget_bytes =
+            budget_room_kib.map(|room| (3 * knobs.workers_per_host as u64 + room) << 10);
+        knobs
     }
 }
 

@@ -9,7 +9,7 @@
 //! writer) or a permit of the semaphore [`SEMAPHORE`], holds it a while and releases it (P11).
 
 use crate::cluster::{client_endpoints, STORE_PORT};
-use crate::plan::{Knobs, LOCKS, WORKERS_PER_HOST};
+use crate::plan::{Knobs, LOCKS};
 use crate::rng::Rng;
 use holdfast_checker::Op;
 use holdfast_client::{Client, ClientOptions, Error, Session};
@@ -70,7 +70,8 @@ impl Recorder {
     }
 }
 
-/// One client host: a `Client` shared by [`WORKERS_PER_HOST`] workers, running until `until_ms`.
+/// One client host: a `Client` shared by `knobs.workers_per_host` workers, a reader and a watcher,
+/// running until `until_ms`.
 pub async fn client_host(
     host: usize,
     seed: u64,
@@ -88,14 +89,14 @@ pub async fn client_host(
     };
     let client = Client::connect_with(client_endpoints(), options).await?;
     let mut tasks = Vec::new();
-    for w in 0..WORKERS_PER_HOST {
+    let workers = knobs.workers_per_host;
+    for w in 0..workers {
         let recorder = Recorder {
             history: history.clone(),
             process: host as u32 + 1,
             client: w,
         };
-        let rng =
-            Rng::new(seed ^ ((host * WORKERS_PER_HOST + w) as u64 + 1).wrapping_mul(0x2545_f491));
+        let rng = Rng::new(seed ^ ((host * workers + w) as u64 + 1).wrapping_mul(0x2545_f491));
         tasks.push(tokio::spawn(worker(
             client.clone(),
             recorder,
@@ -107,7 +108,7 @@ pub async fn client_host(
     let reader = Recorder {
         history: history.clone(),
         process: host as u32 + 1,
-        client: WORKERS_PER_HOST,
+        client: workers,
     };
     let rng = Rng::new(seed ^ (host as u64 + 1).wrapping_mul(0x5851_f42d));
     tasks.push(tokio::spawn(reader_loop(
@@ -120,7 +121,7 @@ pub async fn client_host(
     let watcher = Recorder {
         history: history.clone(),
         process: host as u32 + 1,
-        client: WORKERS_PER_HOST + 1,
+        client: workers + 1,
     };
     let prefix = if host == 0 {
         String::new()

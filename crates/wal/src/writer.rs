@@ -315,34 +315,42 @@ impl Writer {
                     Err(_) => return,
                 },
             };
-            let mut ops = vec![first];
-            let mut bytes = 0usize;
-            while bytes < self.options.max_batch_bytes {
-                match rx.try_recv() {
-                    Ok(op) => {
-                        if let Op::Append(records, _) = &op {
-                            bytes += records.iter().map(|r| r.payload.len() + 18).sum::<usize>();
-                        }
-                        ops.push(op);
-                    }
-                    Err(_) => break,
-                }
-            }
+            let ops = self.gather(first, &rx);
             self.commit(ops);
             next = rx.try_recv().ok();
             self.maybe_pre_create(next.is_none());
         }
     }
 
+    /// One group commit's operations: `first` and whatever else is queued, up to `max_batch_bytes` of
+    /// appends (the first is always taken, however large).
+    fn gather(&self, first: Op, rx: &mpsc::Receiver<Op>) -> Vec<Op> {
+        let size = |op: &Op| match op {
+            Op::Append(records, _) => records.iter().map(|r| r.payload.len() + 18).sum::<usize>(),
+            _ => 0,
+        };
+        let mut bytes = size(&first);
+        let mut ops = vec![first];
+        while bytes < self.options.max_batch_bytes {
+            match rx.try_recv() {
+                Ok(op) => {
+                    bytes += size(&op);
+                    ops.push(op);
+                }
+                Err(_) => break,
+            }
+        }
+        ops
+    }
+
     /// The simulation's writer: the same commit, as a task in simulated time (batches are whatever
-    /// queued up, without `max_batch_bytes`: the simulation's batches are small).
+    /// queued up, to `max_batch_bytes`, which the simulation draws per seed).
     #[cfg(holdfast_sim)]
     async fn run_sim(mut self, rx: mpsc::Receiver<Op>, wake: Arc<tokio::sync::Notify>) {
         loop {
             match rx.try_recv() {
                 Ok(first) => {
-                    let mut ops = vec![first];
-                    ops.extend(rx.try_iter());
+                    let ops = self.gather(first, &rx);
                     // Written, then synced after the simulated disk time: a crash in between finds the
                     // frame pending, which turmoil's disk loses, keeps, or tears.
                     let batch = self.write(ops);
