@@ -111,6 +111,8 @@ impl Node {
 
         let metrics = Arc::new(ServerMetrics::default());
         let m = metrics.clone();
+        // The simulation sets every field; a real server leaves `max_batch_bytes` at its default.
+        #[cfg_attr(holdfast_sim, allow(clippy::needless_update))]
         let wal_options = WalOptions {
             observer: Some(Arc::new(move |s: holdfast_wal::SyncStats| {
                 m.fsync.observe(s.sync_duration);

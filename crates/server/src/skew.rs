@@ -5,10 +5,10 @@
 //!
 //! Each simulated host runs on its own tokio runtime, so the rate is kept per runtime: [`set_rate`]
 //! (called by `Node::start` before anything reads openraft's clock) fixes it for every task of the
-//! calling runtime, openraft's and the server's own alike. A [`SkewedInstant`] is the time since the
+//! calling runtime that uses openraft's clock (the server's own tokio timers, other than the session
+//! lease timer, which has its own rate, run on true time). A [`SkewedInstant`] is the time since the
 //! runtime was registered, scaled by `1 + ppm / 10^6`; sleeping converts back, rounding so that a
-//! sleep until `t` never wakes before `now() >= t`. A clock pause (a VM stall) is a jump of the scaled
-//! clock ([`jump`]).
+//! sleep until `t` never wakes before `now() >= t`.
 
 use openraft::impls::TokioRuntime;
 use openraft::rt::{AsyncRuntime, OptionalSend, Select2, Select3, Select4};
@@ -18,12 +18,12 @@ use std::ops::{Add, AddAssign, Sub, SubAssign};
 use std::sync::Mutex;
 use std::time::Duration;
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Clock {
+    /// The runtime whose (paused, simulated) tokio clock this one scales.
+    runtime: tokio::runtime::Handle,
     origin: tokio::time::Instant,
     ppm: i64,
-    /// Added to the scaled time (clock pauses seen as jumps).
-    jumped: Duration,
 }
 
 static CLOCKS: Mutex<Option<HashMap<tokio::runtime::Id, Clock>>> = Mutex::new(None);
@@ -40,11 +40,13 @@ fn clock() -> Clock {
 
 fn clock_of(id: tokio::runtime::Id) -> Clock {
     with_clocks(|c| {
-        *c.entry(id).or_insert_with(|| Clock {
-            origin: tokio::time::Instant::now(),
-            ppm: 0,
-            jumped: Duration::ZERO,
-        })
+        c.entry(id)
+            .or_insert_with(|| Clock {
+                runtime: tokio::runtime::Handle::current(),
+                origin: tokio::time::Instant::now(),
+                ppm: 0,
+            })
+            .clone()
     })
 }
 
@@ -56,21 +58,11 @@ pub fn set_rate(ppm: i64) {
         c.insert(
             id,
             Clock {
+                runtime: tokio::runtime::Handle::current(),
                 origin: tokio::time::Instant::now(),
                 ppm,
-                jumped: Duration::ZERO,
             },
         );
-    });
-}
-
-/// Moves the calling runtime's openraft clock `by` ahead at once: what a process sees of a stall.
-pub fn jump(by: Duration) {
-    let id = tokio::runtime::Handle::current().id();
-    with_clocks(|c| {
-        if let Some(clock) = c.get_mut(&id) {
-            clock.jumped += by;
-        }
     });
 }
 
@@ -86,9 +78,12 @@ fn scale(d: Duration, num: i64, den: i64, round_up: bool) -> Duration {
 }
 
 impl Clock {
+    /// This clock's time, read on its own runtime's tokio clock, also when asked from outside that
+    /// runtime (the simulation's driver reads servers' status between steps).
     fn now(&self) -> Duration {
+        let _on = self.runtime.enter();
         let real = tokio::time::Instant::now().saturating_duration_since(self.origin);
-        scale(real, 1_000_000 + self.ppm, 1_000_000, false) + self.jumped
+        scale(real, 1_000_000 + self.ppm, 1_000_000, false)
     }
 
     /// How long to really wait for `d` to pass on this clock.
@@ -98,6 +93,11 @@ impl Clock {
 
     /// The tokio instant at which this clock reads `t` (now, if it already does).
     fn deadline(&self, t: SkewedInstant) -> tokio::time::Instant {
+        debug_assert_eq!(
+            t.clock,
+            self.runtime.id(),
+            "a deadline of another runtime's clock"
+        );
         tokio::time::Instant::now() + self.real(t.at.saturating_sub(self.now()))
     }
 }

@@ -19,9 +19,9 @@
 //!   purge points) are rewritten at the head of each new segment, so an old segment can be deleted once the
 //!   owner says, through [`Wal::release`], that its entries are no longer needed.
 //! - **Rotation off the commit path.** The next segment is created and synced ahead of time, marked
-//!   standby in its header. Starting it clears that mark in the same write-then-sync as the commit that
-//!   needed it (or, at open, in a sync of its own), so a segment still marked standby holds nothing
-//!   acknowledged and recovery cuts whatever follows its header.
+//!   standby in its header. Starting it clears that mark and writes the sticky records, synced on
+//!   their own before the commit that needed the segment writes its frame, so a segment still marked
+//!   standby holds nothing acknowledged and recovery cuts whatever follows its header.
 //!
 //! On-disk format: see [`format`].
 

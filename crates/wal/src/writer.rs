@@ -112,11 +112,9 @@ impl Wal {
         let pinning = writer.pinning.clone();
         let rotations = writer.rotations.clone();
         writer.rotate()?;
-        // (A reused standby is known to be durable: its pre-creation synced it and its directory.)
-        // The first segment of a run is made durable here, so that a crash before the first commit
-        // still finds it in use (and the segment before it complete).
-        let active = writer.active.as_ref().expect("an active segment");
-        active.file.sync_data().map_err(io_err(&active.path))?;
+        // `rotate` made the first segment of this run durable (a reused standby: its pre-creation
+        // synced it and its directory, and the rotation its cleared state and sticky records), so a
+        // crash before the first commit still finds it in use and the segment before it complete.
         writer.pre_create()?;
         let (tx, rx) = mpsc::channel();
         #[cfg(not(holdfast_sim))]
@@ -242,8 +240,8 @@ struct Rotations {
 struct Active {
     file: File,
     path: PathBuf,
-    /// Bytes written: synced, except between a rotation and its batch's sync, when the cleared state and
-    /// the sticky frame are written but not yet synced. Frames are written at this offset: the file is
+    /// Bytes written, all synced once a commit completes (a rotation syncs the cleared state and the
+    /// sticky frame before the commit's frame is written). Frames are written at this offset: the file is
     /// not opened in append mode, because Linux's `pwrite` ignores the offset in append mode and the
     /// standby's state word must be rewritten in place.
     len: u64,
@@ -465,6 +463,7 @@ impl Writer {
         if full {
             let pre_created = self.standby.is_some();
             self.rotate()?;
+            crate::failpoint::hit("wal.rotate");
             let counter = match pre_created {
                 true => &self.rotations.pre_created,
                 false => &self.rotations.created_inline,
@@ -523,6 +522,9 @@ impl Writer {
                     .map_err(io_err(&standby.path))?;
                 standby.write(&sticky_frame)?;
                 standby.len += sticky_frame.len() as u64;
+                if let Some(fault) = &self.options.sync_fault {
+                    fault().map_err(io_err(&standby.path))?;
+                }
                 standby.file.sync_data().map_err(io_err(&standby.path))?;
                 standby
             }
@@ -535,7 +537,6 @@ impl Writer {
                 next
             }
         };
-        crate::failpoint::hit("wal.rotate");
         if let Some(old) = self.active.take() {
             self.segments.push_back(SegmentInfo {
                 seq: old.seq,

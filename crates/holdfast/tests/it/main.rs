@@ -7,6 +7,8 @@ mod bad_input;
 mod cli;
 mod client;
 mod cluster;
+// Failpoints are compiled out of release builds.
+#[cfg(debug_assertions)]
 mod failpoints;
 mod faults;
 mod fencing;
