@@ -123,20 +123,28 @@ impl Client {
     /// [`Client::open_session`] opened before it failed.
     async fn close_opened(&self, ids: &[u64], secrets: &[Vec<u8>]) {
         for (group, (&session_id, secret)) in ids.iter().zip(secrets).enumerate() {
-            let group = group as u32;
-            let _ = self
-                .call(group, Duration::ZERO, |mut c| {
-                    let session_secret = secret.clone();
-                    async move {
-                        c.close_session(pb::CloseSessionRequest {
-                            group,
-                            session_id,
-                            session_secret,
-                        })
-                        .await
-                    }
-                })
-                .await;
+            let _ = self.close_in(group as u32, session_id, secret).await;
+        }
+    }
+
+    /// Closes session `session_id` of `group` (a retry whose first attempt landed finds it gone).
+    async fn close_in(&self, group: u32, session_id: u64, secret: &[u8]) -> Result<(), Error> {
+        let r = self
+            .call(group, Duration::ZERO, |mut c| {
+                let session_secret = secret.to_vec();
+                async move {
+                    c.close_session(pb::CloseSessionRequest {
+                        group,
+                        session_id,
+                        session_secret,
+                    })
+                    .await
+                }
+            })
+            .await;
+        match r {
+            Ok(_) | Err(Error::SessionUnknown(_)) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 
@@ -599,27 +607,10 @@ impl Session {
         }
         for (group, &session_id) in self.inner.ids.iter().enumerate() {
             let group = group as u32;
-            let session_secret = self.inner.secret_in(group).to_vec();
-            let r = self
-                .inner
+            self.inner
                 .client
-                .call(group, Duration::ZERO, |mut c| {
-                    let session_secret = session_secret.clone();
-                    async move {
-                        c.close_session(pb::CloseSessionRequest {
-                            group,
-                            session_id,
-                            session_secret,
-                        })
-                        .await
-                    }
-                })
-                .await;
-            match r {
-                // A retried close whose first attempt landed finds the session already gone.
-                Ok(_) | Err(Error::SessionUnknown(_)) => {}
-                Err(e) => return Err(e),
-            }
+                .close_in(group, session_id, self.inner.secret_in(group))
+                .await?;
         }
         self.inner.mark_lost("session closed".into());
         Ok(())

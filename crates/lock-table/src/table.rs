@@ -706,20 +706,8 @@ impl LockTable {
         // Waits go first, so a lock this session holds is never handed to this same session's waiter.
         for (name, request) in &ended.waiting {
             let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-            let before = lock.waiters.len();
-            let mut freed = 0;
-            lock.waiters.retain(|w| {
-                let keep = w.session != session;
-                if !keep {
-                    freed = grant_bytes(&w.value);
-                }
-                keep
-            });
-            assert_eq!(
-                before,
-                lock.waiters.len() + 1,
-                "a session waits at most once per lock"
-            );
+            let (removed, freed) = lock.waiters.remove_session(session);
+            assert_eq!(removed, 1, "a session waits at most once per lock");
             self.discharge(freed);
             self.waiter_count -= 1;
             self.events.push(Event::WaiterRemoved {
@@ -1071,14 +1059,7 @@ impl LockTable {
         assert_eq!(removed, Some(request), "the session records this wait");
         self.count(session_id, 0, -1);
         let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-        let mut freed = 0;
-        lock.waiters.retain(|w| {
-            let keep = w.session != session_id;
-            if !keep {
-                freed = grant_bytes(&w.value);
-            }
-            keep
-        });
+        let (_, freed) = lock.waiters.remove_session(session_id);
         self.discharge(freed);
         self.waiter_count -= 1;
         self.events.push(Event::WaiterRemoved {
@@ -1522,13 +1503,23 @@ impl Queue {
         w
     }
 
-    pub(crate) fn retain(&mut self, keep: impl FnMut(&Waiter) -> bool) {
+    /// Removes `session`'s waits: how many there were, and what they were charged.
+    pub(crate) fn remove_session(&mut self, session: SessionId) -> (usize, u64) {
+        let (mut removed, mut freed) = (0, 0);
         if let Some(q) = self.0.as_mut() {
-            q.retain(keep);
+            q.retain(|w| {
+                let keep = w.session != session;
+                if !keep {
+                    removed += 1;
+                    freed += grant_bytes(&w.value);
+                }
+                keep
+            });
             if q.is_empty() {
                 self.0 = None;
             }
         }
+        (removed, freed)
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiter> {

@@ -107,19 +107,7 @@ async fn a_server_crashed_at_each_failpoint_recovers_and_loses_nothing() {
         );
         c.proxies.heal();
         c.wait_converged(0, Duration::from_secs(60)).await;
-        for guard in &held {
-            let lock = client
-                .describe(guard.name())
-                .await
-                .unwrap()
-                .unwrap_or_else(|| panic!("{name}: acknowledged lock {} lost", guard.name()));
-            assert_eq!(
-                (lock.holder_session_id, lock.token),
-                (session.ids()[0], guard.token()),
-                "{name}: {}",
-                guard.name()
-            );
-        }
+        crate::storage::assert_held(&client, &session, &held).await;
         eprintln!(
             "failpoint {name}={at}: node {victim} crashed having acknowledged up to {acknowledged}, recovered to {recovered}; {} locks held",
             held.len()

@@ -24,7 +24,12 @@ async fn hold_some(session: &Session, prefix: &str, n: usize) -> Vec<LockGuard> 
     held
 }
 
-async fn assert_held(client: &holdfast_client::Client, session: &Session, held: &[LockGuard]) {
+/// Every lock in `held` is still held by `session` with its token.
+pub(crate) async fn assert_held(
+    client: &holdfast_client::Client,
+    session: &Session,
+    held: &[LockGuard],
+) {
     for g in held {
         let lock = client
             .describe(g.name())
