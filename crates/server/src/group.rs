@@ -153,6 +153,8 @@ pub struct Group {
     /// This leader is handing leadership over ([`Group::hand_over`]): it has stopped timing and renewing
     /// sessions and must not start again in this term.
     handing_over: std::sync::atomic::AtomicBool,
+    /// Signalled when a hand-over ends, so that [`Group::run_leadership`] looks again at once.
+    hand_over_ended: tokio::sync::Notify,
     /// The memory budget this server's configuration gives the group's table (0: none); a leader puts
     /// it into the log when the table's differs.
     table_budget: u64,
@@ -173,6 +175,17 @@ pub fn event_sink(leases: Arc<Leases>, waiters: Arc<Waiters>) -> crate::state_ma
         leases.on_events(&events, Instant::now());
         waiters.on_events(&events);
     })
+}
+
+/// Ends a [`Group::hand_over`] when dropped: clears the flag and wakes [`Group::run_leadership`],
+/// which restarts session timers after a barrier, as in any new term, if this server still leads.
+struct HandOverEnds<'a>(&'a Group);
+
+impl Drop for HandOverEnds<'_> {
+    fn drop(&mut self) {
+        self.0.handing_over.store(false, Relaxed);
+        self.0.hand_over_ended.notify_one();
+    }
 }
 
 impl Group {
@@ -201,6 +214,7 @@ impl Group {
             metrics_rx,
             renew_guard,
             handing_over: Default::default(),
+            hand_over_ended: Default::default(),
             log_bytes,
             table_budget: config.group_table_budget(),
         }
@@ -258,8 +272,13 @@ impl Group {
                 self.id
             ));
         }
+        // However this ends, also when the caller drops the call half way (a TransferLeader or
+        // RemoveMember whose client gave up): a flag left set keeps this leader from ever timing,
+        // renewing or expiring sessions again in its term (found by the simulation with openraft's
+        // timers on skewed clocks, seed 1,003,702: no session expired, the table filled).
+        let _ended = HandOverEnds(self);
         self.leases.stop_leading();
-        let result = async {
+        async {
             self.raft
                 .trigger()
                 .transfer_leader(target)
@@ -286,10 +305,7 @@ impl Group {
                 Err(_) => Err(format!("node {target} did not take over within {within:?}")),
             }
         }
-        .await;
-        // Leading again (the transfer failed) restarts session timers after a barrier, as any new term.
-        self.handing_over.store(false, Relaxed);
-        result
+        .await
     }
 
     /// True while [`Group::hand_over`] runs.
@@ -597,8 +613,13 @@ impl Group {
                     "no longer leading: session timers stopped"
                 );
             }
-            if rx.changed().await.is_err() {
-                return;
+            tokio::select! {
+                changed = rx.changed() => if changed.is_err() {
+                    return;
+                },
+                // A failed hand-over leaves this server leading in the same term, which may change no
+                // metric: look again now (`notify_one` keeps the wake-up if this loop is not waiting).
+                _ = self.hand_over_ended.notified() => {}
             }
         }
     }

@@ -2,6 +2,7 @@
 //! transfer` does it by hand.
 
 use crate::harness::{Cluster, Options};
+use holdfast_proto::v1 as pb;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -120,6 +121,72 @@ async fn leader_transfer_moves_the_leadership_by_hand() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("node 9 is not a voter"), "{stderr}");
+}
+
+/// A TransferLeader whose caller gives up half way (to a server that is down, so the hand-over would
+/// wait out its 3 s) must not keep that server from timing sessions when it leads again. A dropped call
+/// used to leave the hand-over flag set for good, so that when the server next led, in a later term, it
+/// never renewed or expired a session (found by the simulation with openraft's timers on skewed clocks,
+/// seed 1,003,702: its table filled with sessions nobody renewed or expired).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_whose_caller_gives_up_leaves_the_leader_timing_sessions() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    c.wait_converged(0, Duration::from_secs(20)).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let to = (1..=3).find(|&n| n != leader).unwrap();
+    c.kill(to).await;
+    const STARTED: &str = "leading: session timers started";
+    c.wait_for_log(leader, STARTED, 1).await;
+    let started = c.log_text(leader).matches(STARTED).count();
+
+    let mut raw = c.raw(leader).await;
+    let call = raw.transfer_leader(pb::TransferLeaderRequest { group: 0, to });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err(),
+        "a transfer to a server that is down answered within 300 ms"
+    );
+
+    // openraft's leader stops its heartbeats once a transfer is triggered, so the third server takes
+    // over; then leadership comes back by hand.
+    let other = c
+        .wait_for_leader_except(0, leader, Duration::from_secs(10))
+        .await;
+    assert_ne!(other, to);
+    c.holdfast_ok(&["leader", "transfer", "--to", &leader.to_string()])
+        .await;
+    assert_eq!(c.wait_for_leader(0, Duration::from_secs(10)).await, leader);
+    c.wait_for_log(leader, STARTED, started + 1).await;
+    // It renews a live client's session ...
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(2)).await.unwrap();
+    let opened = s.last_renewal().0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.last_renewal().0 == opened {
+        assert!(
+            Instant::now() < deadline,
+            "no keepalive acknowledged within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(s.is_valid());
+    // ... and expires a silent one.
+    let expired = c.metrics(leader).await[r#"holdfast_session_expiries_total{group="0"}"#];
+    let _silent = c.silent_session(2_000, 7).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.metrics(leader).await[r#"holdfast_session_expiries_total{group="0"}"#] == expired {
+        assert!(
+            Instant::now() < deadline,
+            "a silent session was not expired within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `holdfast server --check-config` on the shipped example configuration (deploy/config/holdfast.toml),
