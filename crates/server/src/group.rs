@@ -672,6 +672,10 @@ impl Group {
                 _ = self.leases.wake.notified() => continue,
                 _ = shutdown.changed() => return,
             }
+            // A stalled process runs nothing: in the simulation this loop waits out a clock stall
+            // (`crate::skew`), then finds every deadline that passed meanwhile due at once.
+            #[cfg(holdfast_sim)]
+            crate::skew::wait_unstalled().await;
             for delay in self.leases.take_due_delays(Instant::now()) {
                 let group = self.clone();
                 tokio::spawn(async move {

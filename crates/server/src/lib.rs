@@ -36,6 +36,8 @@ pub mod peer;
 pub mod raft_types;
 pub mod secrets;
 pub mod service;
+#[cfg(holdfast_sim)]
+pub mod skew;
 pub mod snapshot_store;
 pub mod state_machine;
 pub mod tls;

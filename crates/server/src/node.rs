@@ -83,6 +83,9 @@ fn parse_addr(s: &str) -> anyhow::Result<SocketAddr> {
 impl Node {
     pub async fn start(config: ServerConfig) -> anyhow::Result<Node> {
         config.validate().map_err(|e| anyhow!(e))?;
+        // Before anything reads openraft's clock on this (simulated host's) runtime.
+        #[cfg(holdfast_sim)]
+        crate::skew::set_rate(config.node_id, config.clock_rate_ppm);
         let config = Arc::new(config);
         fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;

@@ -63,7 +63,11 @@ openraft::declare_raft_types!(
 /// Tokio, with openraft's randomness (election timeouts, tick jitter) drawn from a seed given at start
 /// (`ServerConfig::rng_seed`): random per process in a real server, fixed by the simulation so that one
 /// seed replays one run exactly.
+#[cfg(not(holdfast_sim))]
 pub type Runtime = openraft::rt::deterministic_rng::DeterministicRng<openraft::impls::TokioRuntime>;
+/// In the simulation, on each server's own clock rate (`crate::skew`).
+#[cfg(holdfast_sim)]
+pub type Runtime = openraft::rt::deterministic_rng::DeterministicRng<crate::skew::SkewedRuntime>;
 
 pub type NodeId = u64;
 pub type Membership = openraft::Membership<NodeId, MemberNode>;

@@ -125,6 +125,10 @@ pub enum Fault {
         server: usize,
         corruption: crate::corrupt::Corruption,
     },
+    /// A VM stall of a server (`server`, or whichever leads when the fault starts if None): every
+    /// message to and from it is held, and its clock stops (`holdfast_server::skew::stall`); when the
+    /// fault ends the clock jumps to where it would have been and the held messages arrive at once.
+    Stall { server: Option<usize> },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -293,6 +297,19 @@ impl Plan {
                         pick: bad.next_u64(),
                     },
                 },
+            });
+        }
+        // Stalls: a stream of their own as well.
+        let mut stalls = Rng::new(seed ^ 0x7374_616c_6c73_2121);
+        if stalls.chance(0.3) {
+            let server = stalls
+                .chance(1.0 / 3.0)
+                .then(|| stalls.between(0, SERVERS as u64 - 1) as usize);
+            events.push(Event {
+                at_ms: stalls.between(500, work_ms.saturating_sub(3_500).max(600)),
+                // Shorter and longer than the election timeout and the TTL.
+                duration_ms: stalls.between(200, 3_000),
+                fault: Fault::Stall { server },
             });
         }
         events.sort_by_key(|e| e.at_ms);

@@ -89,6 +89,8 @@ struct Active {
     fault: Fault,
     crashed: Option<usize>,
     cuts: Vec<(String, String)>,
+    /// The server a `Fault::Stall` stalled.
+    stalled: Option<usize>,
 }
 
 struct Driver<'a> {
@@ -100,6 +102,16 @@ struct Driver<'a> {
     /// Active faults: when each ends, and which crash it was (for restarts).
     ending: Vec<Active>,
     max_latency_ms: u64,
+}
+
+/// Every host a stalled server talks to: the other servers, the client hosts, the admin and the probe.
+fn stall_peers(s: usize) -> Vec<String> {
+    (0..SERVERS)
+        .filter(|&o| o != s)
+        .map(server_name)
+        .chain((0..CLIENT_HOSTS).map(|c| format!("c{}", c + 1)))
+        .chain(["admin".to_string(), "probe".to_string()])
+        .collect()
 }
 
 impl Driver<'_> {
@@ -133,6 +145,7 @@ impl Driver<'_> {
     fn start(&mut self, e: &Event) {
         let end = self.now_ms() + e.duration_ms;
         let mut crashed = None;
+        let mut stalled = None;
         let mut cuts = Vec::new();
         match &e.fault {
             Fault::Partition { side, clients } => cuts = partition(side, clients),
@@ -181,6 +194,19 @@ impl Driver<'_> {
                 .lock()
                 .unwrap()
                 .push_back(crate::cluster::AdminOp::TransferLeader),
+            Fault::Stall { server } => {
+                let s = server.or_else(|| self.leader());
+                if let Some(s) = s.filter(|s| !self.down.contains(s)) {
+                    let node = self.shared.ids.lock().unwrap()[s];
+                    if holdfast_server::skew::stall(node, Duration::from_millis(e.duration_ms)) {
+                        let me = server_name(s);
+                        for other in stall_peers(s) {
+                            self.sim.hold(me.as_str(), other.as_str());
+                        }
+                        stalled = Some(s);
+                    }
+                }
+            }
         }
         if let Some(s) = crashed {
             if self.down.insert(s) {
@@ -195,7 +221,7 @@ impl Driver<'_> {
             self.sim.partition(a.as_str(), b.as_str());
         }
         self.log(format!(
-            "start {:?} for {} ms (crashed: {crashed:?}, cut: {cuts:?})",
+            "start {:?} for {} ms (crashed: {crashed:?}, stalled: {stalled:?}, cut: {cuts:?})",
             e.fault, e.duration_ms
         ));
         self.ending.push(Active {
@@ -203,6 +229,7 @@ impl Driver<'_> {
             fault: e.fault.clone(),
             crashed,
             cuts,
+            stalled,
         });
     }
 
@@ -244,7 +271,13 @@ impl Driver<'_> {
         }
     }
 
-    fn stop(&mut self, fault: &Fault, crashed: Option<usize>, cuts: Vec<(String, String)>) {
+    fn stop(
+        &mut self,
+        fault: &Fault,
+        crashed: Option<usize>,
+        stalled: Option<usize>,
+        cuts: Vec<(String, String)>,
+    ) {
         for (a, b) in cuts {
             self.sim.repair(a.as_str(), b.as_str());
         }
@@ -293,6 +326,16 @@ impl Driver<'_> {
                 }
             }
             Fault::TransferLeader => {}
+            Fault::Stall { .. } => {
+                // Its clock resumed by itself at the same moment (`skew::stall` was given the fault's
+                // length); now what it sent and what was sent to it meanwhile arrives at once.
+                if let Some(s) = stalled {
+                    let me = server_name(s);
+                    for other in stall_peers(s) {
+                        self.sim.release(me.as_str(), other.as_str());
+                    }
+                }
+            }
         }
         self.log(format!("stop {fault:?}"));
     }
@@ -305,6 +348,7 @@ impl Driver<'_> {
         let mut hosts: Vec<String> = (0..SERVERS).map(server_name).collect();
         hosts.push("store".into());
         hosts.extend((0..CLIENT_HOSTS).map(|c| format!("c{}", c + 1)));
+        hosts.extend(["admin".to_string(), "probe".to_string()]);
         for (i, a) in hosts.iter().enumerate() {
             for b in &hosts[i + 1..] {
                 self.sim.repair(a.as_str(), b.as_str());
@@ -422,10 +466,11 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
                 let Active {
                     fault,
                     crashed,
+                    stalled,
                     cuts,
                     ..
                 } = d.ending.remove(i);
-                d.stop(&fault, crashed, cuts);
+                d.stop(&fault, crashed, stalled, cuts);
             } else {
                 i += 1;
             }

@@ -1,6 +1,6 @@
 //! The simulation's CI entry points (built only with `--cfg holdfast_sim`; `scripts/sim-ci` runs them).
 //! Every seed runs in its own `holdfast-sim` process, exactly as `scripts/sim --seed N` replays it (see
-//! `src/main.rs` for why a fresh process matters).
+//! `src/main.rs` for why a fresh process matters). `clock.rs` checks the skewed clock alone.
 //!
 //! - `seeds_hold_every_invariant`: seeds `HOLDFAST_SIM_FROM..+HOLDFAST_SIM_SEEDS` (default 0..200), each
 //!   checked against P1–P10; a failure names the seed and the command that replays it. `scripts/sim-soak`
