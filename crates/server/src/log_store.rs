@@ -215,7 +215,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 self.group
             );
         }
-        holdfast_wal::failpoint::hit("vote.save");
+        holdfast_wal::failpoint::hit("vote.save")?;
         self.write_durable(vec![self.record(
             kind::VOTE,
             true,

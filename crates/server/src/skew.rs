@@ -88,12 +88,7 @@ pub fn set_rate(node: u64, ppm: i64) {
 /// Stops node `node`'s clock for `d` (true time), then lets it jump to where it would have been (see
 /// the module docs). Called from outside the node's runtime; false if the node has no clock.
 pub fn stall(node: u64, d: Duration) -> bool {
-    let Some(id) = NODES
-        .lock()
-        .expect("skew nodes lock")
-        .as_ref()
-        .and_then(|n| n.get(&node).copied())
-    else {
+    let Some(id) = runtime_of(node) else {
         return false;
     };
     with_clocks(|c| {
@@ -105,6 +100,15 @@ pub fn stall(node: u64, d: Duration) -> bool {
         clock.stall = Some((frozen, tokio::time::Instant::now() + d));
         true
     })
+}
+
+/// The runtime node `node` runs on now, if it started (the simulation arms failpoints by it).
+pub fn runtime_of(node: u64) -> Option<tokio::runtime::Id> {
+    NODES
+        .lock()
+        .expect("skew nodes lock")
+        .as_ref()
+        .and_then(|n| n.get(&node).copied())
 }
 
 /// Waits until a stall of the calling runtime's clock ends (at once if none is in force).

@@ -101,11 +101,11 @@ impl SnapshotStore {
         let mut file = fs::File::create(&tmp)?;
         holdfast_wal::failpoint::hit_then("snapshot.write", || {
             let _ = file.write_all(&bytes[..bytes.len() / 2]);
-        });
+        })?;
         file.write_all(bytes)?;
         file.sync_all()?;
         fs::rename(&tmp, &path)?;
-        holdfast_wal::failpoint::hit("snapshot.rename");
+        holdfast_wal::failpoint::hit("snapshot.rename")?;
         fs::sync_dir(&self.dir)?;
         for old in self.files()? {
             if old != path {

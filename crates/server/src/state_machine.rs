@@ -261,7 +261,9 @@ fn apply_one(s: &mut SmState, entry: Entry) -> Response {
     match entry.payload {
         EntryPayload::Blank => Response::None,
         EntryPayload::Normal(Request(command)) => {
-            holdfast_wal::failpoint::hit("apply");
+            // Not behind any I/O: in the simulation the server runs on in memory until its host is
+            // crashed at the end of the step (see `holdfast_wal::failpoint`).
+            let _ = holdfast_wal::failpoint::hit("apply");
             let outcome = s.table.apply(log_id.index, &command);
             let opened = match &command {
                 holdfast_lock_table::Command::Quota { command, .. } => &**command,

@@ -231,6 +231,10 @@ pub fn add_hosts(sim: &mut turmoil::Sim<'_>, plan: &Plan, shared: &Arc<Shared>) 
                     .unwrap()
                     .insert(i, Arc::downgrade(&node.shared));
                 let reason = node.fatal().await;
+                if holdfast_wal::failpoint::sim_reached_here() {
+                    // It stopped on the I/O error of its failpoint; the driver crashes it next.
+                    std::future::pending::<()>().await;
+                }
                 Err(format!("server {} stopped: {reason}", i + 1).into())
             }
         });

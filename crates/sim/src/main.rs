@@ -90,6 +90,8 @@ fn main() -> std::process::ExitCode {
         totals.add(&report);
         totals.corruptions_detected += outcome.corruptions_detected;
         totals.table_full_refusals += outcome.table_full_refusals;
+        totals.failpoint_crashes += outcome.failpoint_crashes;
+        totals.stalls += outcome.stalls;
         if json {
             let line = serde_json::json!({
                 "seed": seed,
@@ -112,6 +114,8 @@ fn main() -> std::process::ExitCode {
                 "leader_transfers": outcome.leader_transfers,
                 "corruptions_detected": outcome.corruptions_detected,
                 "table_full_refusals": outcome.table_full_refusals,
+                "failpoint_crashes": outcome.failpoint_crashes,
+                "stalls": outcome.stalls,
                 "violations": report.violations,
             });
             println!("{line}");

@@ -129,6 +129,15 @@ pub enum Fault {
     /// message to and from it is held, and its clock stops (`holdfast_server::skew::stall`); when the
     /// fault ends the clock jumps to where it would have been and the held messages arrive at once.
     Stall { server: Option<usize> },
+    /// Arms failpoint `point` (`holdfast_wal::failpoint::NAMES`) to fire on its `at`th hit in `server`
+    /// while the fault lasts; a server that reaches it fails that I/O, is crashed by the driver before
+    /// the next step (unsynced writes lost) and restarts, unarmed, `restart_ms` later.
+    Failpoint {
+        server: usize,
+        point: &'static str,
+        at: u64,
+        restart_ms: u64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -310,6 +319,42 @@ impl Plan {
                 // Shorter and longer than the election timeout and the TTL.
                 duration_ms: stalls.between(200, 3_000),
                 fault: Fault::Stall { server },
+            });
+        }
+        // Failpoints: their own stream.
+        let mut points = Rng::new(seed ^ 0x6661_696c_7074_2121);
+        if points.chance(0.4) {
+            // Every group commit writes and syncs and every entry is applied; the other points are
+            // reached far less often in a 12 s run (rotations and purges only with small segments,
+            // snapshots with low thresholds, votes in elections), so they fire on their first hit.
+            let point = points.pick(&[
+                "wal.write",
+                "wal.write",
+                "wal.sync",
+                "wal.sync",
+                "apply",
+                "apply",
+                "wal.rotate",
+                "wal.purge",
+                "snapshot.write",
+                "snapshot.rename",
+                "vote.save",
+            ]);
+            let frequent = matches!(point, "wal.write" | "wal.sync" | "apply");
+            let at_ms = points.between(500, work_ms.saturating_sub(4_000).max(600));
+            events.push(Event {
+                at_ms,
+                duration_ms: points.between(2_000, work_ms.saturating_sub(at_ms + 500).max(2_001)),
+                fault: Fault::Failpoint {
+                    server: points.between(0, SERVERS as u64 - 1) as usize,
+                    point,
+                    at: if frequent {
+                        points.pick(&[1, 2, 5, 20])
+                    } else {
+                        1
+                    },
+                    restart_ms: points.between(200, 2_000),
+                },
             });
         }
         events.sort_by_key(|e| e.at_ms);

@@ -57,6 +57,9 @@ pub struct Outcome {
     /// Entries refused for a full table (`Refusal::TableFull`), as the server that applied the most
     /// of them counts them.
     pub table_full_refusals: u64,
+    /// Servers crashed at an armed failpoint (`Fault::Failpoint`), and servers stalled (`Fault::Stall`).
+    pub failpoint_crashes: u64,
+    pub stalls: u64,
 }
 
 /// The links a partition cuts: between the servers in `side` (with the client hosts `clients`) and the
@@ -91,6 +94,8 @@ struct Active {
     cuts: Vec<(String, String)>,
     /// The server a `Fault::Stall` stalled.
     stalled: Option<usize>,
+    /// The runtime a `Fault::Failpoint` armed.
+    armed: Option<tokio::runtime::Id>,
 }
 
 struct Driver<'a> {
@@ -146,6 +151,7 @@ impl Driver<'_> {
         let end = self.now_ms() + e.duration_ms;
         let mut crashed = None;
         let mut stalled = None;
+        let mut armed = None;
         let mut cuts = Vec::new();
         match &e.fault {
             Fault::Partition { side, clients } => cuts = partition(side, clients),
@@ -194,6 +200,18 @@ impl Driver<'_> {
                 .lock()
                 .unwrap()
                 .push_back(crate::cluster::AdminOp::TransferLeader),
+            Fault::Failpoint {
+                server, point, at, ..
+            } => {
+                let node = self.shared.ids.lock().unwrap()[*server];
+                if let Some(rt) =
+                    holdfast_server::skew::runtime_of(node).filter(|_| !self.down.contains(server))
+                {
+                    holdfast_wal::failpoint::sim_arm(rt, &format!("{point}={at}"))
+                        .expect("a failpoint of the list");
+                    armed = Some(rt);
+                }
+            }
             Fault::Stall { server } => {
                 let s = server.or_else(|| self.leader());
                 if let Some(s) = s.filter(|s| !self.down.contains(s)) {
@@ -221,8 +239,10 @@ impl Driver<'_> {
             self.sim.partition(a.as_str(), b.as_str());
         }
         self.log(format!(
-            "start {:?} for {} ms (crashed: {crashed:?}, stalled: {stalled:?}, cut: {cuts:?})",
-            e.fault, e.duration_ms
+            "start {:?} for {} ms (crashed: {crashed:?}, stalled: {stalled:?}, armed: {}, cut: {cuts:?})",
+            e.fault,
+            e.duration_ms,
+            armed.is_some()
         ));
         self.ending.push(Active {
             end_ms: end,
@@ -230,7 +250,47 @@ impl Driver<'_> {
             crashed,
             cuts,
             stalled,
+            armed,
         });
+    }
+
+    /// Crashes every server that reached its armed failpoint in the last step (`Fault::Failpoint`),
+    /// and restarts it when its fault says.
+    fn crash_at_failpoints(&mut self) {
+        for rt in holdfast_wal::failpoint::sim_take_crashed() {
+            let ids = self.shared.ids.lock().unwrap().clone();
+            let Some(s) =
+                (0..SERVERS).find(|&s| holdfast_server::skew::runtime_of(ids[s]) == Some(rt))
+            else {
+                continue;
+            };
+            let restart_ms = self.ending.iter().find_map(|a| match a.fault {
+                Fault::Failpoint {
+                    server, restart_ms, ..
+                } if server == s && a.armed == Some(rt) => Some(restart_ms),
+                _ => None,
+            });
+            let Some(restart_ms) = restart_ms else {
+                continue;
+            };
+            if !self.down.insert(s) {
+                continue;
+            }
+            self.sim.crash(server_name(s));
+            self.shared.nodes.lock().unwrap().remove(&s);
+            self.log(format!(
+                "server {} reached its failpoint: crashed, restarts in {restart_ms} ms",
+                s + 1
+            ));
+            self.ending.push(Active {
+                end_ms: self.now_ms() + restart_ms,
+                fault: Fault::Crash { server: s },
+                crashed: Some(s),
+                cuts: Vec::new(),
+                stalled: None,
+                armed: None,
+            });
+        }
     }
 
     /// The disk of server `s` is gone: it starts empty under the next unused id, and the admin adds
@@ -326,6 +386,7 @@ impl Driver<'_> {
                 }
             }
             Fault::TransferLeader => {}
+            Fault::Failpoint { .. } => {}
             Fault::Stall { .. } => {
                 // Its clock resumed by itself at the same moment (`skew::stall` was given the fault's
                 // length); now what it sent and what was sent to it meanwhile arrives at once.
@@ -367,6 +428,9 @@ impl Driver<'_> {
         }
         for s in std::mem::take(&mut self.down) {
             self.sim.bounce(server_name(s));
+        }
+        for rt in self.ending.iter().filter_map(|a| a.armed) {
+            holdfast_wal::failpoint::sim_disarm(rt);
         }
         self.ending.clear();
         self.log("heal: every link repaired, every server running".into());
@@ -460,6 +524,8 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
             let e = pending.pop_front().unwrap();
             d.start(&e);
         }
+        // Before any fault ends: a failpoint's own end disarms it, and its crash needs its restart time.
+        d.crash_at_failpoints();
         let mut i = 0;
         while i < d.ending.len() {
             if d.ending[i].end_ms <= now {
@@ -467,9 +533,13 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
                     fault,
                     crashed,
                     stalled,
+                    armed,
                     cuts,
                     ..
                 } = d.ending.remove(i);
+                if let Some(rt) = armed {
+                    holdfast_wal::failpoint::sim_disarm(rt);
+                }
                 d.stop(&fault, crashed, stalled, cuts);
             } else {
                 i += 1;
@@ -565,6 +635,14 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         })
         .max()
         .unwrap_or(0);
+    let failpoint_crashes = trace
+        .iter()
+        .filter(|l| l.contains(" reached its failpoint: crashed"))
+        .count() as u64;
+    let stalls = trace
+        .iter()
+        .filter(|l| l.contains(" start Stall ") && !l.contains("stalled: None"))
+        .count() as u64;
     let fault_log_len = trace.len();
     trace.extend(history.iter().map(|o| format!("{o:?}")));
     for (id, lines) in &audits {
@@ -586,6 +664,8 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         corruptions_detected,
         corruption_violations,
         table_full_refusals,
+        failpoint_crashes,
+        stalls,
         trace,
         fault_log_len,
         sim_error,

@@ -41,6 +41,8 @@ struct Totals {
     transfers: u64,
     corruptions: u64,
     table_full: u64,
+    failpoints: u64,
+    stalls: u64,
 }
 
 #[test]
@@ -92,6 +94,8 @@ fn seeds_hold_every_invariant() {
                     t.transfers += n("leader_transfers");
                     t.corruptions += n("corruptions_detected");
                     t.table_full += n("table_full_refusals");
+                    t.failpoints += n("failpoint_crashes");
+                    t.stalls += n("stalls");
                     let violations = r["violations"].as_array().cloned().unwrap_or_default();
                     if !violations.is_empty() || !out.status.success() {
                         failures.lock().unwrap().push(format!(
@@ -108,7 +112,7 @@ fn seeds_hold_every_invariant() {
     let mut failures = failures.into_inner().unwrap();
     failures.sort();
     eprintln!(
-        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} damaged files refused, {} refusals for a full table, {} seeds failed",
+        "{} seeds from {from} in {:.1} s: {} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} servers replaced by a new member, {} leader transfers, {} damaged files refused, {} refusals for a full table, {} crashes at failpoints, {} stalls, {} seeds failed",
         t.seeds,
         started.elapsed().as_secs_f64(),
         t.ops,
@@ -127,6 +131,8 @@ fn seeds_hold_every_invariant() {
         t.transfers,
         t.corruptions,
         t.table_full,
+        t.failpoints,
+        t.stalls,
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -140,6 +146,13 @@ fn seeds_hold_every_invariant() {
         t.shared_grants >= count * 10,
         "too few shared or semaphore grants checked ({}): P11 is not exercised",
         t.shared_grants
+    );
+    // About one seed in eight crashes a server at a failpoint, and one in four stalls one.
+    assert!(
+        t.failpoints >= count / 20 && t.stalls >= count / 10,
+        "too few crashes at failpoints ({}) or stalls ({}): the faults are not reaching the servers",
+        t.failpoints,
+        t.stalls
     );
 }
 

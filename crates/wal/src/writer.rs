@@ -463,7 +463,7 @@ impl Writer {
         if full {
             let pre_created = self.standby.is_some();
             self.rotate()?;
-            crate::failpoint::hit("wal.rotate");
+            crate::failpoint::hit("wal.rotate").map_err(io_err(&self.dir))?;
             let counter = match pre_created {
                 true => &self.rotations.pre_created,
                 false => &self.rotations.created_inline,
@@ -471,9 +471,10 @@ impl Writer {
             counter.fetch_add(1, Ordering::Relaxed);
         }
         let active = self.active.as_mut().expect("an active segment");
-        crate::failpoint::hit_then("wal.write", || {
+        let reached = crate::failpoint::hit_then("wal.write", || {
             let _ = active.write(&frame[..frame.len() / 2]);
         });
+        reached.map_err(io_err(&active.path))?;
         active.write(&frame)?;
         Ok(frame.len() as u64)
     }
@@ -485,7 +486,7 @@ impl Writer {
         if let Some(fault) = &self.options.sync_fault {
             fault().map_err(io_err(&active.path))?;
         }
-        crate::failpoint::hit("wal.sync");
+        crate::failpoint::hit("wal.sync").map_err(io_err(&active.path))?;
         active.file.sync_data().map_err(io_err(&active.path))?;
         active.len += frame_len;
         if let Some(observer) = &self.options.observer {
@@ -625,7 +626,7 @@ impl Writer {
                 break;
             }
             crate::fs::remove_file(&oldest.path).map_err(io_err(&oldest.path))?;
-            crate::failpoint::hit("wal.purge");
+            crate::failpoint::hit("wal.purge").map_err(io_err(&oldest.path))?;
             self.segments.pop_front();
             deleted = true;
         }

@@ -53,6 +53,9 @@ pub struct Totals {
     pub corruptions_detected: u64,
     /// Opens and acquires refused for a full table (`Knobs::table_budget_bytes`).
     pub table_full_refusals: u64,
+    /// Servers crashed at a failpoint (`Fault::Failpoint`), and servers stalled (`Fault::Stall`).
+    pub failpoint_crashes: u64,
+    pub stalls: u64,
 }
 
 impl Totals {
@@ -77,7 +80,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table, {} crashes at failpoints, {} stalls",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -91,7 +94,9 @@ impl std::fmt::Display for Totals {
             self.lock_delays_checked,
             self.shared_grants_checked,
             self.corruptions_detected,
-            self.table_full_refusals
+            self.table_full_refusals,
+            self.failpoint_crashes,
+            self.stalls
         )
     }
 }
