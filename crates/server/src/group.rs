@@ -183,6 +183,7 @@ struct HandOverEnds<'a>(&'a Group);
 
 impl Drop for HandOverEnds<'_> {
     fn drop(&mut self) {
+        self.0.leases.end_hand_over();
         self.0.handing_over.store(false, Relaxed);
         self.0.hand_over_ended.notify_one();
     }
@@ -277,7 +278,7 @@ impl Group {
         // renewing or expiring sessions again in its term (found by the simulation with openraft's
         // timers on skewed clocks, seed 1,003,702: no session expired, the table filled).
         let _ended = HandOverEnds(self);
-        self.leases.stop_leading();
+        self.leases.begin_hand_over();
         async {
             self.raft
                 .trigger()
@@ -585,13 +586,16 @@ impl Group {
                     {
                         let s = self.state.read().expect("state machine lock poisoned");
                         let still = rx.borrow_watched();
-                        if still.state == ServerState::Leader && still.current_term == term {
-                            self.leases.start_leading(
+                        if still.state == ServerState::Leader
+                            && still.current_term == term
+                            // False if a hand-over began while the barrier ran.
+                            && self.leases.start_leading(
                                 term,
                                 s.table.session_leases(),
                                 s.table.delayed_locks(),
                                 Instant::now(),
-                            );
+                            )
+                        {
                             tracing::info!(
                                 group = self.id,
                                 term,

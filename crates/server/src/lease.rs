@@ -45,6 +45,8 @@ struct State {
     /// the expiry that began it) and the delay. One per delay (`delay_ends`, by lock, token and start).
     delays: std::collections::BTreeMap<(Instant, LockName, FencingToken, u64), Delay>,
     delay_ends: HashMap<(LockName, FencingToken, u64), Instant>,
+    /// A hand-over of leadership is under way ([`Leases::begin_hand_over`]): timing may not start.
+    handing_over: bool,
 }
 
 impl State {
@@ -113,16 +115,20 @@ impl Leases {
         self.state.lock().expect("lease lock poisoned")
     }
 
-    /// Starts timing every live session with a full TTL from `now`. The caller holds the state machine's
-    /// read lock, so no session can open or end between the listing and this call.
+    /// Starts timing every live session with a full TTL from `now`, unless a hand-over is under way
+    /// (false). The caller holds the state machine's read lock, so no session can open or end between
+    /// the listing and this call.
     pub fn start_leading(
         &self,
         term: u64,
         sessions: impl Iterator<Item = (SessionId, u64, u128)>,
         delayed: Vec<Delay>,
         now: Instant,
-    ) {
+    ) -> bool {
         let mut s = self.lock();
+        if s.handing_over {
+            return false;
+        }
         s.leading = Some(term);
         s.timers.clear();
         s.heap.clear();
@@ -149,11 +155,31 @@ impl Leases {
         }
         drop(s);
         self.wake.notify_one();
+        true
+    }
+
+    /// Stops timing sessions and refuses to start again until [`Leases::end_hand_over`]: in one step
+    /// under the lock, so that a `start_leading` whose barrier was under way when a hand-over began
+    /// cannot slip in after it (a transfer's target is elected without waiting out the vote lease).
+    pub fn begin_hand_over(&self) {
+        let mut s = self.lock();
+        *s = State {
+            handing_over: true,
+            ..State::default()
+        };
+    }
+
+    /// Lets timing start again after [`Leases::begin_hand_over`].
+    pub fn end_hand_over(&self) {
+        self.lock().handing_over = false;
     }
 
     pub fn stop_leading(&self) {
         let mut s = self.lock();
-        *s = State::default();
+        *s = State {
+            handing_over: s.handing_over,
+            ..State::default()
+        };
     }
 
     /// The term this server is timing sessions for, if it leads.
@@ -376,6 +402,25 @@ mod tests {
             slow.take_due(t0 + Duration::from_millis(10_527)),
             vec![SessionId(2)]
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_timing_starts_while_a_hand_over_is_under_way() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        let sessions = || [(SessionId(3), 10_000, 0)].into_iter();
+        assert!(leases.start_leading(1, sessions(), Vec::new(), t0));
+        leases.begin_hand_over();
+        assert_eq!(leases.leading_term(), None);
+        assert_eq!(alive(&leases, 3, t0), None, "renewed during a hand-over");
+        // A leadership barrier that was under way finishes now: it must not start timing.
+        assert!(!leases.start_leading(1, sessions(), Vec::new(), t0));
+        leases.stop_leading();
+        assert!(!leases.start_leading(2, sessions(), Vec::new(), t0));
+        assert_eq!(leases.leading_term(), None);
+        leases.end_hand_over();
+        assert!(leases.start_leading(2, sessions(), Vec::new(), t0));
+        assert_eq!(leases.leading_term(), Some(2));
     }
 
     #[tokio::test(start_paused = true)]

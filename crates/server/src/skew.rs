@@ -8,12 +8,15 @@
 //! calling runtime that uses openraft's clock (the server's own tokio timers, other than the session
 //! lease timer, which has its own rate, run on true time). A [`SkewedInstant`] is the time since the
 //! runtime was registered, scaled by `1 + ppm / 10^6`; sleeping converts back, rounding so that a
-//! sleep until `t` never wakes before `now() >= t`.
+//! sleep until `t` never wakes before `now() >= t` (but see stalls below).
 //!
 //! A **stall** ([`stall`], the simulation's driver calls it while it holds every message of the
-//! server) is a VM pause seen from inside: the clock stops, no openraft timer is due and the session
-//! expiry loop waits ([`wait_unstalled`]), and when the stall ends the clock jumps to where it would
-//! have been, so that every deadline that passed meanwhile is due at once, as after SIGSTOP/SIGCONT.
+//! server) is a VM pause seen from inside: the clock stops, timers set during the stall and the session
+//! expiry loop ([`wait_unstalled`]) wait for its end, and when it ends the clock jumps to where it
+//! would have been, so that every deadline that passed meanwhile is due at once, as after
+//! SIGSTOP/SIGCONT. Not quite a pause: a tokio timer set *before* the stall keeps its true-time
+//! deadline and may fire during it, reading the stopped clock (openraft's RPC timeouts, say); the
+//! elections and heartbeats openraft decides by comparing the clock still wait.
 //! Checks made just before the stall (a leader's lease, the keepalive guard) are stale when their
 //! answers are finally delivered, which is the hazard a real stall brings.
 
@@ -100,6 +103,12 @@ pub fn stall(node: u64, d: Duration) -> bool {
         clock.stall = Some((frozen, tokio::time::Instant::now() + d));
         true
     })
+}
+
+/// Forgets every clock (the simulation calls it before each seed, whose hosts are all new runtimes).
+pub fn reset() {
+    *CLOCKS.lock().expect("skew clocks lock") = None;
+    *NODES.lock().expect("skew nodes lock") = None;
 }
 
 /// The runtime node `node` runs on now, if it started (the simulation arms failpoints by it).

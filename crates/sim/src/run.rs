@@ -252,6 +252,69 @@ impl Driver<'_> {
             stalled,
             armed,
         });
+        self.reassert_links();
+    }
+
+    /// Puts back what every fault still in force does to its links. A turmoil link has one state per
+    /// direction, which `hold`, `release`, `partition` and `repair` overwrite, so a fault ending (or
+    /// starting) on a link that another fault also uses would otherwise undo that one: a client pause
+    /// ending during a stall would let the stalled server answer, a stall ending would end a partition.
+    /// Holds first, then cuts, so a cut link stays cut while it is also held.
+    fn reassert_links(&mut self) {
+        let holds = self.held_links();
+        for (a, b) in &holds {
+            self.sim.hold(a.as_str(), b.as_str());
+        }
+        for a in &self.ending {
+            for (x, y) in &a.cuts {
+                self.sim.partition(x.as_str(), y.as_str());
+            }
+            if let Fault::OneWay { from, to } = a.fault {
+                let (x, y) = (server_name(from), server_name(to));
+                self.sim.partition_oneway(x.as_str(), y.as_str());
+            }
+        }
+    }
+
+    /// Releases the link between `a` and `b` (delivering what it held) unless a fault still in force
+    /// holds it too.
+    fn release(&mut self, a: &str, b: &str) {
+        let pair = |x: &str, y: &str| {
+            if x < y {
+                (x.to_string(), y.to_string())
+            } else {
+                (y.to_string(), x.to_string())
+            }
+        };
+        let wanted = pair(a, b);
+        if !self.held_links().iter().any(|(x, y)| pair(x, y) == wanted) {
+            self.sim.release(a, b);
+        }
+    }
+
+    /// Every link a fault in force holds.
+    fn held_links(&self) -> Vec<(String, String)> {
+        let mut holds = Vec::new();
+        for a in &self.ending {
+            match &a.fault {
+                Fault::Hold { a, b } => holds.push((server_name(*a), server_name(*b))),
+                Fault::PauseClient { host } => {
+                    let c = format!("c{}", host + 1);
+                    for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
+                        holds.push((c.clone(), s));
+                    }
+                }
+                Fault::Stall { .. } => {
+                    if let Some(s) = a.stalled {
+                        for other in stall_peers(s) {
+                            holds.push((server_name(s), other));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        holds
     }
 
     /// Crashes every server that reached its armed failpoint in the last step (`Fault::Failpoint`),
@@ -349,7 +412,7 @@ impl Driver<'_> {
             }
             Fault::Hold { a, b } => {
                 let (a, b) = (server_name(*a), server_name(*b));
-                self.sim.release(a.as_str(), b.as_str());
+                self.release(a.as_str(), b.as_str());
             }
             Fault::Slow { a, b, .. } => {
                 let (a, b) = (server_name(*a), server_name(*b));
@@ -368,7 +431,7 @@ impl Driver<'_> {
             Fault::PauseClient { host } => {
                 let c = format!("c{}", host + 1);
                 for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
-                    self.sim.release(c.as_str(), s.as_str());
+                    self.release(c.as_str(), s.as_str());
                 }
             }
             Fault::Replace { .. } => {
@@ -393,7 +456,7 @@ impl Driver<'_> {
                 if let Some(s) = stalled {
                     let me = server_name(s);
                     for other in stall_peers(s) {
-                        self.sim.release(me.as_str(), other.as_str());
+                        self.release(me.as_str(), other.as_str());
                     }
                 }
             }
@@ -457,6 +520,9 @@ impl Driver<'_> {
 /// Runs `seed` and returns everything the invariants need. Panics inside hosts are reported as
 /// `sim_error`, not propagated.
 pub fn run(seed: u64, options: &Options) -> Outcome {
+    // Clocks and failpoints of an earlier seed run in this process are gone with its hosts.
+    holdfast_server::skew::reset();
+    holdfast_wal::failpoint::sim_reset();
     let plan = Plan::new(seed, options.work_ms);
     let heal_ms = options.work_ms + 500;
     let mut builder = turmoil::Builder::new();
@@ -541,6 +607,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
                     holdfast_wal::failpoint::sim_disarm(rt);
                 }
                 d.stop(&fault, crashed, stalled, cuts);
+                d.reassert_links();
             } else {
                 i += 1;
             }

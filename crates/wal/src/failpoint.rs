@@ -1,14 +1,17 @@
 //! Crash points for the real-process fault suite: a server started with `--failpoint NAME[=N]` aborts
 //! the process (SIGABRT, no destructors, no flushes: a crash) the Nth time it reaches the point NAME
-//! (the first time without `=N`). Compiled out of release builds: there [`hit`] is an empty function and
-//! [`arm`] refuses.
+//! (the first time without `=N`). Compiled out of release builds other than the simulation's: there
+//! [`hit`] returns `Ok(())` at once and [`arm`] refuses.
 //!
 //! In the simulation (`--cfg holdfast_sim`) the driver arms a point on one simulated server
 //! ([`sim_arm`]). A process cannot abort there, so reaching the point makes [`hit`] return an I/O error
-//! at once (the write, sync, rename or deletion behind it does not happen, so nothing past the point
-//! becomes durable) and reports the server ([`sim_take_crashed`]); the driver then crashes its host
-//! before the next step, losing what was not synced, and restarts it later, unarmed. `apply` is not
-//! behind any I/O: there the server runs on to the end of the step in memory, which the crash loses.
+//! at once and reports the server ([`sim_take_crashed`]); the driver then crashes its host before the
+//! next step, losing what was not synced, and restarts it later, unarmed. At `wal.write`, `wal.sync`,
+//! `wal.rotate`, `snapshot.write` and `vote.save` the write or sync behind the point does not happen
+//! and the WAL stops, so nothing past it becomes durable. `wal.purge` and `snapshot.rename` come after
+//! their deletion or rename, as in a real server, but their error does not stop the WAL (a failed purge
+//! is retried), and `apply` is behind no I/O: there the server may run on, and sync, until the end of
+//! that step (at most 1 ms of simulated time).
 //!
 //! | name | where the process dies |
 //! |---|---|
@@ -175,6 +178,13 @@ pub fn sim_arm(runtime: tokio::runtime::Id, spec: &str) -> Result<(), String> {
         .get_or_insert_with(Default::default)
         .insert(runtime, sim::Armed { name, at, hits: 0 });
     Ok(())
+}
+
+/// Simulation only: disarms every server and forgets what was reached (before each seed).
+#[cfg(holdfast_sim)]
+pub fn sim_reset() {
+    *sim::ARMED.lock().expect("failpoint lock") = None;
+    sim::CRASHED.lock().expect("failpoint lock").clear();
 }
 
 /// Simulation only: disarms the server on `runtime`; true if its point was reached.
