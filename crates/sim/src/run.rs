@@ -109,13 +109,24 @@ struct Driver<'a> {
     max_latency_ms: u64,
 }
 
-/// Every host a stalled server talks to: the other servers, the client hosts, the admin and the probe.
-fn stall_peers(s: usize) -> Vec<String> {
+/// The links a stall of server `s` holds: to the other servers, the client hosts, the admin and the probe.
+fn stall_links(s: usize) -> Vec<(String, String)> {
     (0..SERVERS)
         .filter(|&o| o != s)
         .map(server_name)
         .chain((0..CLIENT_HOSTS).map(|c| format!("c{}", c + 1)))
         .chain(["admin".to_string(), "probe".to_string()])
+        .map(|other| (server_name(s), other))
+        .collect()
+}
+
+/// The links a pause of client host `host` holds: to every server and the store.
+fn pause_links(host: usize) -> Vec<(String, String)> {
+    let c = format!("c{}", host + 1);
+    (0..SERVERS)
+        .map(server_name)
+        .chain(["store".to_string()])
+        .map(|s| (c.clone(), s))
         .collect()
 }
 
@@ -179,9 +190,8 @@ impl Driver<'_> {
             Fault::Crash { server } => crashed = Some(*server),
             Fault::CrashLeader => crashed = self.leader(),
             Fault::PauseClient { host } => {
-                let c = format!("c{}", host + 1);
-                for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
-                    self.sim.hold(c.as_str(), s.as_str());
+                for (a, b) in pause_links(*host) {
+                    self.sim.hold(a.as_str(), b.as_str());
                 }
             }
             Fault::Replace { server } | Fault::Corrupt { server, .. } => {
@@ -217,9 +227,8 @@ impl Driver<'_> {
                 if let Some(s) = s.filter(|s| !self.down.contains(s)) {
                     let node = self.shared.ids.lock().unwrap()[s];
                     if holdfast_server::skew::stall(node, Duration::from_millis(e.duration_ms)) {
-                        let me = server_name(s);
-                        for other in stall_peers(s) {
-                            self.sim.hold(me.as_str(), other.as_str());
+                        for (a, b) in stall_links(s) {
+                            self.sim.hold(a.as_str(), b.as_str());
                         }
                         stalled = Some(s);
                     }
@@ -299,16 +308,11 @@ impl Driver<'_> {
             match &a.fault {
                 Fault::Hold { a, b } => holds.push((server_name(*a), server_name(*b))),
                 Fault::PauseClient { host } => {
-                    let c = format!("c{}", host + 1);
-                    for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
-                        holds.push((c.clone(), s));
-                    }
+                    holds.extend(pause_links(*host));
                 }
                 Fault::Stall { .. } => {
                     if let Some(s) = a.stalled {
-                        for other in stall_peers(s) {
-                            holds.push((server_name(s), other));
-                        }
+                        holds.extend(stall_links(s));
                     }
                 }
                 _ => {}
@@ -429,9 +433,8 @@ impl Driver<'_> {
                 }
             }
             Fault::PauseClient { host } => {
-                let c = format!("c{}", host + 1);
-                for s in (0..SERVERS).map(server_name).chain(["store".to_string()]) {
-                    self.release(c.as_str(), s.as_str());
+                for (a, b) in pause_links(*host) {
+                    self.release(a.as_str(), b.as_str());
                 }
             }
             Fault::Replace { .. } => {
@@ -454,9 +457,8 @@ impl Driver<'_> {
                 // Its clock resumed by itself at the same moment (`skew::stall` was given the fault's
                 // length); now what it sent and what was sent to it meanwhile arrives at once.
                 if let Some(s) = stalled {
-                    let me = server_name(s);
-                    for other in stall_peers(s) {
-                        self.release(me.as_str(), other.as_str());
+                    for (a, b) in stall_links(s) {
+                        self.release(a.as_str(), b.as_str());
                     }
                 }
             }
@@ -667,23 +669,13 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
     }
     let mut trace = std::mem::take(&mut d.trace);
     let admin_lines = std::mem::take(&mut *admin_log.lock().unwrap());
-    let replacements_asked = trace
-        .iter()
-        .filter(|l| l.contains(" now runs node "))
-        .count() as u64;
-    let replacements_done = admin_lines
-        .iter()
-        .filter(|l| l.contains(" admin replaced "))
-        .count() as u64;
-    let corruptions_detected = trace
-        .iter()
-        .filter(|l| l.contains(" refused to start: "))
-        .count() as u64;
+    let count =
+        |lines: &[String], what: &str| lines.iter().filter(|l| l.contains(what)).count() as u64;
+    let replacements_asked = count(&trace, " now runs node ");
+    let replacements_done = count(&admin_lines, " admin replaced ");
+    let corruptions_detected = count(&trace, " refused to start: ");
     let corruption_violations = std::mem::take(&mut *shared.corruption_violations.lock().unwrap());
-    let leader_transfers = admin_lines
-        .iter()
-        .filter(|l| l.contains(" admin transfer leader: now "))
-        .count() as u64;
+    let leader_transfers = count(&admin_lines, " admin transfer leader: now ");
     trace.extend(admin_lines);
     let table_full_refusals = audits
         .iter()
@@ -702,10 +694,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         })
         .max()
         .unwrap_or(0);
-    let failpoint_crashes = trace
-        .iter()
-        .filter(|l| l.contains(" reached its failpoint: crashed"))
-        .count() as u64;
+    let failpoint_crashes = count(&trace, " reached its failpoint: crashed");
     let stalls = trace
         .iter()
         .filter(|l| l.contains(" start Stall ") && !l.contains("stalled: None"))
