@@ -10,7 +10,7 @@ use crate::client::{Client, Inner};
 use crate::error::{classify, Disposition};
 use crate::session::SessionInner;
 use holdfast_proto::v1 as pb;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -89,7 +89,7 @@ struct Stream {
 }
 
 async fn run(client: Weak<Inner>) {
-    let mut streams: HashMap<u32, Stream> = HashMap::new();
+    let mut streams: BTreeMap<u32, Stream> = BTreeMap::new();
     loop {
         tokio::time::sleep(TICK).await;
         let Some(inner) = client.upgrade() else {
@@ -169,7 +169,7 @@ async fn run(client: Weak<Inner>) {
 /// Sends one keepalive message for `group` and returns, per id, the TTL granted or `None` if not alive.
 async fn round(
     client: &Client,
-    streams: &mut HashMap<u32, Stream>,
+    streams: &mut BTreeMap<u32, Stream>,
     group: u32,
     ids: Vec<u64>,
     secrets: Vec<Vec<u8>>,

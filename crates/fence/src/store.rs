@@ -12,7 +12,7 @@
 
 use crate::fs::{File, OpenOptions};
 use crate::FenceError;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::Mutex;
@@ -42,7 +42,7 @@ pub struct FencedStore {
 
 struct Inner {
     file: File,
-    keys: HashMap<String, Entry>,
+    keys: BTreeMap<String, Entry>,
 }
 
 fn check(key: &str, value: &[u8]) -> Result<(), FenceError> {
@@ -70,7 +70,7 @@ impl FencedStore {
             .open(path)?;
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)?;
-        let mut keys: HashMap<String, Entry> = HashMap::new();
+        let mut keys: BTreeMap<String, Entry> = BTreeMap::new();
         let mut at = 0;
         while at < bytes.len() {
             match decode(&bytes[at..]) {

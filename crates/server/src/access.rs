@@ -19,7 +19,7 @@
 //! The peer port is not governed by the policy: with TLS it admits only cluster members (`crate::tls`).
 
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
@@ -136,9 +136,9 @@ impl Grants {
 /// A parsed, checked policy.
 #[derive(Debug, Default)]
 pub struct Policy {
-    principals: HashMap<String, Grants>,
+    principals: BTreeMap<String, Grants>,
     /// SHA-256 of a token → its principal.
-    tokens: HashMap<[u8; 32], String>,
+    tokens: BTreeMap<[u8; 32], String>,
 }
 
 fn hex32(s: &str) -> Option<[u8; 32]> {

@@ -11,7 +11,7 @@ use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, ForwardReason, LinearizableReadError, RaftError};
 use openraft::raft::ReadPolicy;
 use openraft::{ChangeMembers, Instant as _, RaftMetrics, ServerState};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -85,7 +85,7 @@ pub enum WaitEnd {
 /// Acquire calls waiting for a grant, keyed by (session, request id); woken from the applied log.
 #[derive(Default)]
 pub struct Waiters {
-    map: Mutex<HashMap<(SessionId, RequestId), Wakers>>,
+    map: Mutex<BTreeMap<(SessionId, RequestId), Wakers>>,
 }
 
 type Wakers = Vec<oneshot::Sender<WaitEnd>>;

@@ -954,13 +954,13 @@ async fn compact_pinning_groups(
     shared: Arc<NodeShared>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut last: std::collections::HashMap<u32, tokio::time::Instant> = Default::default();
+    let mut last: std::collections::BTreeMap<u32, tokio::time::Instant> = Default::default();
     // Per group: applied index at the previous look, to estimate its rate.
-    let mut seen: std::collections::HashMap<u32, u64> = Default::default();
+    let mut seen: std::collections::BTreeMap<u32, u64> = Default::default();
     let every = shared.config.snapshot_every_entries;
     let size_limit = shared.config.snapshot_every_bytes;
     // Per group: (snapshot index, log bytes) when that snapshot was first seen.
-    let mut size_marks: std::collections::HashMap<u32, (u64, u64)> = Default::default();
+    let mut size_marks: std::collections::BTreeMap<u32, (u64, u64)> = Default::default();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(PIN_CHECK_INTERVAL) => {}

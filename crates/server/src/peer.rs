@@ -21,7 +21,7 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
     TransferLeaderResponse, VoteRequest, VoteResponse,
 };
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -46,10 +46,10 @@ pub struct PeerIdentity {
 pub struct Peers {
     me: PeerIdentity,
     /// Peer addresses from this server's configuration, preferred over the Raft membership's.
-    addresses: Arc<HashMap<NodeId, String>>,
+    addresses: Arc<BTreeMap<NodeId, String>>,
     /// Keyed by address too: a member re-added at a new address gets a new channel.
-    channels: Arc<Mutex<HashMap<(NodeId, String), Channel>>>,
-    health: Arc<Mutex<HashMap<NodeId, Health>>>,
+    channels: Arc<Mutex<BTreeMap<(NodeId, String), Channel>>>,
+    health: Arc<Mutex<BTreeMap<NodeId, Health>>>,
     /// Connect over TLS, presenting this server's certificate (see `crate::tls`).
     tls: Option<holdfast_proto::tls::TlsConnector>,
 }
@@ -69,7 +69,7 @@ const HEALTH_SUMMARY: Duration = Duration::from_secs(10);
 impl Peers {
     pub fn new(
         me: PeerIdentity,
-        addresses: HashMap<NodeId, String>,
+        addresses: BTreeMap<NodeId, String>,
         tls: Option<holdfast_proto::tls::TlsConnector>,
     ) -> Self {
         Peers {

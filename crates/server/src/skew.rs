@@ -20,6 +20,9 @@
 //! Checks made just before the stall (a leader's lease, the keepalive guard) are stale when their
 //! answers are finally delivered, which is the hazard a real stall brings.
 
+// The maps here are keyed by tokio's runtime id, which has no order, and only looked up.
+#![allow(clippy::disallowed_types)]
+
 use openraft::impls::TokioRuntime;
 use openraft::rt::{AsyncRuntime, OptionalSend, Select2, Select3, Select4};
 use std::collections::HashMap;

@@ -128,6 +128,8 @@ pub fn hit_then(name: &'static str, before: impl FnOnce()) -> std::io::Result<()
 }
 
 #[cfg(holdfast_sim)]
+// Keyed by tokio's runtime id, which has no order; only looked up.
+#[allow(clippy::disallowed_types)]
 mod sim {
     use std::collections::HashMap;
     use std::sync::Mutex;

@@ -1,5 +1,8 @@
 //! Integration tests of the `holdfast` binary: real server processes, real disks, real gRPC.
 
+// Real processes, never simulated: hash maps are fine here (see clippy.toml).
+#![allow(clippy::disallowed_types)]
+
 mod abandon;
 mod access;
 mod backup;
