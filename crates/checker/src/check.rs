@@ -33,6 +33,63 @@ pub struct Report {
     pub shared_grants_checked: usize,
 }
 
+impl Report {
+    /// Adds `other`'s counts and violations (each prefixed with `prefix`) to this report.
+    pub fn add(&mut self, other: Report, prefix: &str) {
+        self.violations
+            .extend(other.violations.into_iter().map(|v| format!("{prefix}{v}")));
+        self.ops += other.ops;
+        self.ok_grants += other.ok_grants;
+        self.ok_writes += other.ok_writes;
+        self.stale_refused += other.stale_refused;
+        self.applied_entries += other.applied_entries;
+        self.expiries_checked += other.expiries_checked;
+        self.reads_checked += other.reads_checked;
+        self.linearized_ops += other.linearized_ops;
+        self.linearizability_inconclusive += other.linearizability_inconclusive;
+        self.unacknowledged_grants_checked += other.unacknowledged_grants_checked;
+        self.watch_events_checked += other.watch_events_checked;
+        self.lock_delays_checked += other.lock_delays_checked;
+        self.shared_grants_checked += other.shared_grants_checked;
+    }
+}
+
+/// [`check`] for a cluster of several Raft groups: `audits[g]` holds each server's audit log of group
+/// `g`, and `group_of` says which group owns a lock name. Each group is an independent log with its own
+/// indexes, sessions and tokens, so each is checked on its own: against the operations on the names it
+/// owns, the store's records of those names, and the operations that name no lock but say they are its
+/// ([`Op::group`]: a session open in that group, its loss, where a watch started in it). Violations are
+/// prefixed with their group when there are several.
+pub fn check_groups(
+    history: &[Op],
+    audits: &[Vec<(u64, Vec<AuditLine>)>],
+    store: &[StoreRecord],
+    group_of: impl Fn(&str) -> u32,
+) -> Report {
+    let of_op = |o: &Op| {
+        o.group.unwrap_or_else(|| match o.lock.is_empty() {
+            true => 0,
+            false => group_of(&o.lock),
+        })
+    };
+    let mut report = Report::default();
+    for (g, group_audits) in audits.iter().enumerate() {
+        let g = g as u32;
+        let history: Vec<Op> = history.iter().filter(|o| of_op(o) == g).cloned().collect();
+        let store: Vec<StoreRecord> = store
+            .iter()
+            .filter(|r| group_of(&r.key) == g)
+            .cloned()
+            .collect();
+        let prefix = match audits.len() {
+            1 => String::new(),
+            _ => format!("group {g}: "),
+        };
+        report.add(check(&history, group_audits, &store), &prefix);
+    }
+    report
+}
+
 pub fn check(history: &[Op], audits: &[(u64, Vec<AuditLine>)], store: &[StoreRecord]) -> Report {
     let mut r = Report {
         // Client operations; what watchers received is counted in `watch_events_checked`.

@@ -31,6 +31,7 @@
 //! - `lib.rs`: this overview and the public re-exports;
 //! - `model.rs`: the inputs ([`Op`], [`AuditLine`], [`StoreRecord`]) and [`parse_lines`];
 //! - `check.rs`: [`check()`], which runs every property below in order, and its [`Report`];
+//!   [`check_groups`], which checks a cluster of several Raft groups one group at a time;
 //! - `properties/mod.rs`: the properties' order and the data they pass on (merged log, grants, timelines);
 //! - `properties/p1_one_holder.rs`: P1 (and the log side of P3), by replaying the merged log;
 //! - `properties/p2_replicas_agree.rs`: P2, and merging the servers' audit logs into one applied log;
@@ -50,7 +51,7 @@ mod check;
 mod model;
 pub mod properties;
 
-pub use check::{check, Report};
+pub use check::{check, check_groups, Report};
 pub use model::{parse_lines, AuditLine, Op, StoreRecord};
 
 #[cfg(test)]

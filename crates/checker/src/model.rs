@@ -33,6 +33,11 @@ pub struct Op {
     /// `exclusive` for a writer of a shared lock, `permits:N`). Such names are checked by P11 only.
     #[serde(default)]
     pub share: Option<String>,
+    /// The Raft group an operation that names no lock belongs to (`open`, `lost` and `watch-start`
+    /// record one per group, with that group's session id or position); see [`crate::check_groups`].
+    /// None: the group that owns `lock` (group 0 if none does).
+    #[serde(default)]
+    pub group: Option<u32>,
 }
 
 impl Op {

@@ -1,6 +1,6 @@
 //! The checker on known-good and known-bad histories: each bad one must be caught by the right property.
 
-use crate::{check, AuditLine, Op, StoreRecord};
+use crate::{check, check_groups, AuditLine, Op, StoreRecord};
 use holdfast_lock_table::{
     AcquireMode, Command, Event, FencingToken, LockName, Outcome, RequestId, SessionId,
 };
@@ -99,18 +99,23 @@ fn write(key: &str, token: u64, value: u64) -> StoreRecord {
 
 /// Two sessions take turns on one lock; the second waited and was granted by the first's release.
 fn good() -> (Vec<Op>, Vec<AuditLine>, Vec<StoreRecord>) {
+    good_on("l")
+}
+
+/// [`good`] on lock `l`.
+fn good_on(l: &str) -> (Vec<Op>, Vec<AuditLine>, Vec<StoreRecord>) {
     let log = vec![
         open(1),
         open(2),
-        acquire(3, 1, "l", granted(3)),
-        acquire(4, 2, "l", Outcome::Queued { position: 1 }),
+        acquire(3, 1, l, granted(3)),
+        acquire(4, 2, l, Outcome::Queued { position: 1 }),
         release(
             5,
             1,
-            "l",
+            l,
             3,
             vec![Event::Granted {
-                name: name("l"),
+                name: name(l),
                 session: SessionId(2),
                 request: RequestId(4),
                 token: FencingToken(5),
@@ -130,13 +135,13 @@ fn good() -> (Vec<Op>, Vec<AuditLine>, Vec<StoreRecord>) {
             result: "ok".into(),
             ..Op::default()
         },
-        op("acquire", "l", 1, 3, 10, 11, None),
-        op("write", "l", 1, 3, 12, 13, Some(1)),
-        op("release", "l", 1, 3, 14, 15, None),
-        op("acquire", "l", 2, 5, 11, 16, None),
-        op("write", "l", 2, 5, 17, 18, Some(2)),
+        op("acquire", l, 1, 3, 10, 11, None),
+        op("write", l, 1, 3, 12, 13, Some(1)),
+        op("release", l, 1, 3, 14, 15, None),
+        op("acquire", l, 2, 5, 11, 16, None),
+        op("write", l, 2, 5, 17, 18, Some(2)),
     ];
-    (history, log, vec![write("l", 3, 1), write("l", 5, 2)])
+    (history, log, vec![write(l, 3, 1), write(l, 5, 2)])
 }
 
 fn violations(
@@ -1022,4 +1027,41 @@ fn p11_catches_an_end_that_cuts_a_newer_delay_with_the_same_token_short() {
     let (v, _) = p11(log(plain));
     assert_eq!(v.len(), 1, "{v:?}");
     assert!(v[0].contains("before it could"), "{v:?}");
+}
+
+/// Two groups are two independent logs: the same indexes, session ids and tokens in each. Checked as
+/// one they would disagree (P2); each is checked against its own log, with the operations on the names
+/// it owns and the opens recorded for it, and a violation names its group.
+#[test]
+fn groups_are_checked_each_against_its_own_log() {
+    let group_of = |name: &str| u32::from(name == "m");
+    let (mut h, log0, mut store) = good_on("l");
+    let (h1, log1, store1) = good_on("m");
+    for mut o in h1 {
+        if o.op == "open" {
+            o.group = Some(1);
+        }
+        h.push(o);
+    }
+    store.extend(store1);
+    let audits = vec![
+        vec![(1, log0.clone()), (2, log0.clone())],
+        vec![(1, log1.clone()), (2, log1.clone())],
+    ];
+    let report = check_groups(&h, &audits, &store, group_of);
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert_eq!((report.ok_grants, report.ok_writes), (4, 4));
+    let merged: Vec<(u64, Vec<AuditLine>)> = vec![(1, log0.clone()), (2, log1.clone())];
+    assert!(!check(&h, &merged, &store).violations.is_empty());
+
+    // Group 1 lost its first grant: P5, in group 1 only.
+    let mut lost = log1.clone();
+    lost.retain(|l| l.index != 3);
+    let audits = vec![vec![(1, log0)], vec![(1, lost)]];
+    let v = check_groups(&h, &audits, &store, group_of).violations;
+    assert!(
+        !v.is_empty() && v.iter().all(|v| v.starts_with("group 1: ")),
+        "{v:?}"
+    );
+    assert!(v.iter().any(|v| v.contains("P5")), "{v:?}");
 }

@@ -119,8 +119,8 @@ pub fn backup_file(bytes: &[u8]) {
 
 /// The WAL recovery decoder: a segment's bytes, as the last segment and as an older one.
 pub fn wal_segment(bytes: &[u8]) {
-    let last = holdfast_wal::scan_segment(bytes, true);
-    let older = holdfast_wal::scan_segment(bytes, false);
+    let last = holdfast_wal::scan_segment(bytes, 1, true);
+    let older = holdfast_wal::scan_segment(bytes, 1, false);
     match (&last, &older) {
         // An older segment is never torn: what the last one calls torn, an older one calls corrupt.
         (Ok(l), Ok(o)) => {
@@ -168,20 +168,28 @@ pub fn lock_table_body(bytes: &[u8]) {
 }
 
 /// The WAL record decoder past its checksum: `bytes` is a frame body, wrapped in a segment header and a
-/// frame with a valid CRC.
+/// frame with a valid CRC, once for every segment format version this build reads (segment number 1).
 pub fn wal_frame_body(bytes: &[u8]) {
-    let mut segment = b"HFWALSEG".to_vec();
-    segment.extend_from_slice(&1u32.to_le_bytes());
-    segment.extend_from_slice(&[0; 4]);
-    segment.extend_from_slice(b"HFWF");
-    segment.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-    segment.extend_from_slice(&crc32(bytes).to_le_bytes());
-    segment.extend_from_slice(bytes);
-    wal_segment(&segment);
+    use holdfast_wal::format::{frame_crc, Place, SEGMENT_VERSION, SEGMENT_VERSION_UNPLACED};
+    for version in SEGMENT_VERSION_UNPLACED..=SEGMENT_VERSION {
+        let mut segment = b"HFWALSEG".to_vec();
+        segment.extend_from_slice(&version.to_le_bytes());
+        segment.extend_from_slice(&[0; 4]);
+        let place = Place {
+            seq: 1,
+            version,
+            offset: segment.len() as u64,
+        };
+        segment.extend_from_slice(b"HFWF");
+        segment.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        segment.extend_from_slice(&frame_crc(place, bytes).to_le_bytes());
+        segment.extend_from_slice(bytes);
+        wal_segment(&segment);
+    }
 }
 
 fn crc32(bytes: &[u8]) -> u32 {
-    // The IEEE CRC-32 that both formats use, computed bit by bit so this crate needs no extra dependency.
+    // The IEEE CRC-32 that the snapshot format uses, computed bit by bit so this crate needs no extra dependency.
     let mut crc = !0u32;
     for &b in bytes {
         crc ^= u32::from(b);

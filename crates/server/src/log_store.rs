@@ -82,6 +82,22 @@ impl GroupLog {
                 }
             }
         }
+        // openraft keeps a log without holes, so a gap between the entries replayed means a lost or
+        // misplaced record (defence in depth behind the WAL's checksums). Checked on the log as replayed,
+        // not record by record: a gap that a later purge or truncation removed harmed nothing. The first
+        // entry is not checked against the purge point: once older segments are deleted, it may follow a
+        // purge point that a later sticky record has since moved.
+        let mut indexes = log.entries.keys();
+        if let Some(mut before) = indexes.next().copied() {
+            for &index in indexes {
+                if before + 1 != index {
+                    return Err(format!(
+                        "wal entry record at index {index} follows entry {before}: a gap in the log"
+                    ));
+                }
+                before = index;
+            }
+        }
         // The committed hint may run ahead of what this server has on disk; never point past the log.
         let last = log.last_log_id();
         if log.committed > last {
@@ -373,5 +389,48 @@ mod tests {
         r.sticky = false;
         let err = GroupLog::replay([r].iter()).err().unwrap();
         assert!(err.contains("at index 6 holds entry 5"), "{err}");
+    }
+
+    fn entry_record(index: u64) -> Record {
+        let entry = Entry {
+            log_id: legacy::log_id_record(&[1, 1, index as u8]).unwrap(),
+            payload: openraft::EntryPayload::Blank,
+        };
+        let mut r = record(
+            kind::ENTRY,
+            index,
+            formats::to_bytes(&formats::entry_to_pb(&entry)),
+        );
+        r.sticky = false;
+        r
+    }
+
+    #[test]
+    fn a_gap_in_the_replayed_log_is_refused_but_not_after_a_stale_purge_point() {
+        let err = GroupLog::replay([entry_record(3), entry_record(5)].iter())
+            .err()
+            .unwrap();
+        assert!(err.contains("at index 5 follows entry 3"), "{err}");
+        // Purged up to 2, but the oldest segment kept starts at entry 7: not a gap.
+        let purged = formats::log_id_to_pb(&legacy::log_id_record(&[1, 1, 2]).unwrap());
+        let records = [
+            record(kind::PURGED, 0, formats::to_bytes(&purged)),
+            entry_record(7),
+            entry_record(8),
+            // A rewrite of a suffix (after a truncation) is not a gap either.
+            entry_record(8),
+        ];
+        let log = GroupLog::replay(records.iter()).unwrap();
+        assert_eq!(log.entries.keys().copied().collect::<Vec<_>>(), vec![7, 8]);
+        // Nor is a gap that a later purge covers.
+        let purged = formats::log_id_to_pb(&legacy::log_id_record(&[1, 1, 5]).unwrap());
+        let records = [
+            entry_record(3),
+            entry_record(6),
+            record(kind::PURGED, 0, formats::to_bytes(&purged)),
+            entry_record(7),
+        ];
+        let log = GroupLog::replay(records.iter()).unwrap();
+        assert_eq!(log.entries.keys().copied().collect::<Vec<_>>(), vec![6, 7]);
     }
 }

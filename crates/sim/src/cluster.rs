@@ -33,8 +33,9 @@ pub fn client_endpoints() -> Vec<String> {
 pub struct Shared {
     /// The running server per index; a weak reference, so a crashed server's state is not kept alive.
     pub nodes: Mutex<BTreeMap<usize, Weak<NodeShared>>>,
-    /// Every audit line each server wrote (group 0), across restarts (re-applied entries appear again).
-    pub audits: Vec<Arc<Mutex<Vec<u8>>>>,
+    /// Every audit line each server wrote, per server and group (`audits[server][group]`), across
+    /// restarts (re-applied entries appear again).
+    pub audits: Vec<Vec<Arc<Mutex<Vec<u8>>>>>,
     /// How many times each server has started; part of its Raft seed.
     pub boots: Mutex<Vec<u64>>,
     /// Set by the driver at the end; the store host then copies its file's records into `store_records`.
@@ -71,10 +72,14 @@ pub enum AdminOp {
 }
 
 impl Shared {
-    pub fn new() -> Arc<Shared> {
+    pub fn new(groups: u32) -> Arc<Shared> {
         Arc::new(Shared {
             audits: (0..crate::plan::SERVERS)
-                .map(|_| Arc::new(Mutex::new(Vec::new())))
+                .map(|_| {
+                    (0..groups)
+                        .map(|_| Arc::new(Mutex::new(Vec::new())))
+                        .collect()
+                })
                 .collect(),
             boots: Mutex::new(vec![0; crate::plan::SERVERS]),
             ids: Mutex::new((1..=crate::plan::SERVERS as u64).collect()),
@@ -138,9 +143,10 @@ pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> 
         rng_seed: Some(
             seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9) ^ boot.wrapping_mul(0x85eb_ca6b),
         ),
-        audit_sink: Some(AuditSink(Arc::new(move |_group| {
-            Box::new(SinkWriter(audit.clone()))
+        audit_sink: Some(AuditSink(Arc::new(move |group| {
+            Box::new(SinkWriter(audit[group as usize].clone()))
         }))),
+        groups: plan.knobs.groups,
         clock_rate_ppm: plan.clock_ppm[i],
         sim_fsync: Duration::from_micros(plan.fsync_us),
         sim_table_budget_bytes: plan.knobs.table_budget_bytes,

@@ -42,6 +42,10 @@ pub struct Knobs {
     /// The most bytes of appends one WAL group commit takes (None: the server's 4 MiB); small ones
     /// split what queued up into several commits.
     pub wal_batch_bytes: Option<usize>,
+    /// Raft groups the lock names are split across (half the seeds 1, else 2 or 3): every session is
+    /// opened in each group, every server hosts every group in one WAL, and each group's log is
+    /// checked on its own (`holdfast_checker::check_groups`).
+    pub groups: u32,
 }
 
 impl Knobs {
@@ -72,6 +76,7 @@ impl Knobs {
             table_budget_bytes: None,
             workers_per_host: 2,
             wal_batch_bytes: None,
+            groups: 1,
         };
         // Drawn after the knobs above, so that adding these changed none of theirs.
         let budget_room_kib: Option<u64> = rng.pick(&[None, None, None, Some(4), Some(16)]);
@@ -81,6 +86,8 @@ impl Knobs {
         // 4 or 16 KiB more: opens and acquires are refused for a full table now and then.
         knobs.table_budget_bytes =
             budget_room_kib.map(|room| (3 * knobs.workers_per_host as u64 + room) << 10);
+        // Last, so that adding it changed none of the draws above.
+        knobs.groups = rng.pick(&[1, 1, 2, 3]);
         knobs
     }
 }
@@ -302,7 +309,11 @@ impl Plan {
                     server: bad.between(0, SERVERS as u64 - 1) as usize,
                     corruption: Corruption {
                         target: bad.pick(&[Target::WalFrame, Target::WalFrame, Target::Snapshot]),
-                        damage: bad.pick(&[Damage::BitFlip, Damage::ZeroedSector]),
+                        damage: bad.pick(&[
+                            Damage::BitFlip,
+                            Damage::ZeroedSector,
+                            Damage::Misdirected,
+                        ]),
                         pick: bad.next_u64(),
                     },
                 },

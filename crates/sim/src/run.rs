@@ -31,8 +31,10 @@ impl Default for Options {
 pub struct Outcome {
     pub seed: u64,
     pub history: Vec<Op>,
-    /// Per server id, every audit line it wrote.
-    pub audits: Vec<(u64, Vec<AuditLine>)>,
+    /// Raft groups (`Knobs::groups`).
+    pub groups: u32,
+    /// Per group, per server id, every audit line it wrote for that group.
+    pub audits: Vec<Vec<(u64, Vec<AuditLine>)>>,
     pub store: Vec<StoreRecord>,
     /// P7: how long after the heal a fresh client completed open + acquire + release, if it did.
     pub recovered_after_ms: Option<u64>,
@@ -501,16 +503,22 @@ impl Driver<'_> {
         self.log("heal: every link repaired, every server running".into());
     }
 
-    /// P7 part 2: every server applied the same index and has the same digest.
+    /// P7 part 2: in every group, every server applied the same index and has the same digest.
     fn converged(&self) -> bool {
-        let mut seen = None;
+        let mut seen: Option<Vec<(u64, u64)>> = None;
         for i in 0..SERVERS {
             let Some(node) = self.shared.node(i) else {
                 return false;
             };
-            let g = &node.status(true).groups[0];
-            let here = (g.applied_index, g.digest);
-            if g.applied_index == 0 || seen.is_some_and(|s| s != here) {
+            let here: Vec<(u64, u64)> = node
+                .status(true)
+                .groups
+                .iter()
+                .map(|g| (g.applied_index, g.digest))
+                .collect();
+            if here.iter().any(|&(applied, _)| applied == 0)
+                || seen.as_ref().is_some_and(|s| *s != here)
+            {
                 return false;
             }
             seen = Some(here);
@@ -540,7 +548,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         builder.fs().block_size(block);
     }
     let mut sim = builder.build();
-    let shared = Shared::new();
+    let shared = Shared::new(plan.knobs.groups);
     cluster::add_hosts(&mut sim, &plan, &shared);
     let history: History = Arc::new(Mutex::new(Vec::new()));
     let epoch_ms = 1_790_000_000_000u64;
@@ -659,12 +667,17 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
 
     let mut history = std::mem::take(&mut *history.lock().unwrap());
     history.sort_by_key(|o| (o.complete_ms, o.process, o.client));
-    let mut audits = Vec::new();
-    for (i, text) in shared.audits.iter().enumerate() {
-        let text = String::from_utf8_lossy(&text.lock().unwrap()).into_owned();
-        match holdfast_checker::parse_lines::<AuditLine>(&text) {
-            Ok(lines) => audits.push((i as u64 + 1, lines)),
-            Err(e) => sim_error = Some(format!("server {}: bad audit line: {e}", i + 1)),
+    let mut audits: Vec<Vec<(u64, Vec<AuditLine>)>> =
+        (0..plan.knobs.groups).map(|_| Vec::new()).collect();
+    for (i, groups) in shared.audits.iter().enumerate() {
+        for (g, text) in groups.iter().enumerate() {
+            let text = String::from_utf8_lossy(&text.lock().unwrap()).into_owned();
+            match holdfast_checker::parse_lines::<AuditLine>(&text) {
+                Ok(lines) => audits[g].push((i as u64 + 1, lines)),
+                Err(e) => {
+                    sim_error = Some(format!("server {} group {g}: bad audit line: {e}", i + 1))
+                }
+            }
         }
     }
     let mut trace = std::mem::take(&mut d.trace);
@@ -677,23 +690,29 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
     let corruption_violations = std::mem::take(&mut *shared.corruption_violations.lock().unwrap());
     let leader_transfers = count(&admin_lines, " admin transfer leader: now ");
     trace.extend(admin_lines);
+    // Per group, as the server that applied the most of them counts them.
     let table_full_refusals = audits
         .iter()
-        .map(|(_, lines)| {
-            lines
+        .map(|group| {
+            group
                 .iter()
-                .filter(|l| {
-                    matches!(
-                        l.outcome,
-                        holdfast_lock_table::Outcome::Refused(
-                            holdfast_lock_table::Refusal::TableFull { .. }
-                        )
-                    )
+                .map(|(_, lines)| {
+                    lines
+                        .iter()
+                        .filter(|l| {
+                            matches!(
+                                l.outcome,
+                                holdfast_lock_table::Outcome::Refused(
+                                    holdfast_lock_table::Refusal::TableFull { .. }
+                                )
+                            )
+                        })
+                        .count() as u64
                 })
-                .count() as u64
+                .max()
+                .unwrap_or(0)
         })
-        .max()
-        .unwrap_or(0);
+        .sum();
     let failpoint_crashes = count(&trace, " reached its failpoint: crashed");
     let stalls = trace
         .iter()
@@ -701,15 +720,21 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         .count() as u64;
     let fault_log_len = trace.len();
     trace.extend(history.iter().map(|o| format!("{o:?}")));
-    for (id, lines) in &audits {
-        trace.push(format!("server {id}: {} audit lines", lines.len()));
-        trace.extend(lines.iter().map(|l| format!("{id} {l:?}")));
+    for (g, group) in audits.iter().enumerate() {
+        for (id, lines) in group {
+            trace.push(format!(
+                "server {id} group {g}: {} audit lines",
+                lines.len()
+            ));
+            trace.extend(lines.iter().map(|l| format!("{id} {g} {l:?}")));
+        }
     }
     trace.push(format!("store: {} records", store.len()));
     let recovered_after_ms = *probe.lock().unwrap();
     Outcome {
         seed,
         history,
+        groups: plan.knobs.groups,
         audits,
         store,
         recovered_after_ms,

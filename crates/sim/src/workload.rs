@@ -178,10 +178,13 @@ async fn watch_loop(client: Client, rec: Recorder, prefix: String, until_ms: u64
             },
             () = &mut end => return,
         };
-        let after = watch.position().groups[0].0 - 1;
-        rec.record("watch-start", &prefix, invoke, "ok", |o| {
-            o.value = Some(after)
-        });
+        // One start per group: each group's events follow its own log from its own position.
+        for (g, &(next, _)) in watch.position().groups.iter().enumerate() {
+            rec.record("watch-start", &prefix, invoke, "ok", |o| {
+                o.value = Some(next - 1);
+                o.group = Some(g as u32);
+            });
+        }
         loop {
             let event = tokio::select! {
                 e = watch.next() => e,
@@ -230,13 +233,17 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knob
             Some(s) if s.is_valid() => s.clone(),
             _ => {
                 if let Some(old) = session.take() {
+                    // The session's last renewal, acknowledged by every group, bounds each group's
+                    // expiry of its part of it.
                     let (sent_ms, ttl) = old.last_renewal();
-                    let sid = old.ids()[0];
-                    rec.record("lost", "", now_ms(), "ok", |o| {
-                        o.session = Some(sid);
-                        o.renewed_sent_ms = Some(sent_ms);
-                        o.ttl_ms = Some(ttl.as_millis() as u64);
-                    });
+                    for (g, &sid) in old.ids().iter().enumerate() {
+                        rec.record("lost", "", now_ms(), "ok", |o| {
+                            o.session = Some(sid);
+                            o.renewed_sent_ms = Some(sent_ms);
+                            o.ttl_ms = Some(ttl.as_millis() as u64);
+                            o.group = Some(g as u32);
+                        });
+                    }
                 }
                 let invoke = now_ms();
                 match client
@@ -244,13 +251,23 @@ async fn worker(client: Client, rec: Recorder, mut rng: Rng, until_ms: u64, knob
                     .await
                 {
                     Ok(s) => {
-                        let sid = s.ids()[0];
-                        rec.record("open", "", invoke, "ok", |o| o.session = Some(sid));
+                        for (g, &sid) in s.ids().iter().enumerate() {
+                            rec.record("open", "", invoke, "ok", |o| {
+                                o.session = Some(sid);
+                                o.group = Some(g as u32);
+                            });
+                        }
                         session = Some(s.clone());
                         s
                     }
                     Err(e) => {
-                        rec.record("open", "", invoke, classify(&e), |_| {});
+                        // With several groups a failed open may have opened (and then closed) the
+                        // session in some of them: unknown there, whatever the error says.
+                        let groups = client.groups();
+                        let result = if groups > 1 { "unknown" } else { classify(&e) };
+                        for g in 0..groups {
+                            rec.record("open", "", invoke, result, |o| o.group = Some(g));
+                        }
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }

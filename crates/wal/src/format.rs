@@ -6,16 +6,29 @@
 //! value is corruption). Then come frames, one per group commit:
 //!
 //! ```text
-//! frame  = magic u32 ("HFWF") | body_len u32 | crc32(body) u32 | body
+//! frame  = magic u32 ("HFWF") | body_len u32 | crc u32 | body
+//! crc    = crc32(seq u64 | offset u64 | body)       (version 2; version 1: crc32(body))
 //! body   = record*
 //! record = group u32 | kind u8 | sticky u8 | index u64 | payload_len u32 | payload
 //! ```
 //!
 //! All integers are little-endian. A frame is either entirely valid or treated as absent, so a batch of
 //! appends becomes durable atomically.
+//!
+//! Version 2 folds the frame's place into its checksum: `seq` is the segment's number (from its file
+//! name) and `offset` the frame's offset in the file. A disk that writes a valid frame to the wrong
+//! place (a misdirected write), or a copy of another segment's bytes, then yields a frame whose checksum
+//! fails, so recovery sees corruption instead of reading a well-formed frame that does not belong there.
+//! Version 1 segments (written before this) are still read, with the body-only checksum; every segment
+//! started now is version 2.
 
 pub const SEGMENT_MAGIC: &[u8; 8] = b"HFWALSEG";
-pub const SEGMENT_VERSION: u32 = 1;
+/// The version every new segment is written in.
+pub const SEGMENT_VERSION: u32 = 2;
+/// The first version, whose frame checksum covers the body alone. Read, never written.
+pub const SEGMENT_VERSION_UNPLACED: u32 = 1;
+/// Offset of the header's version word.
+pub const SEGMENT_VERSION_OFFSET: u64 = 8;
 pub const SEGMENT_HEADER_BYTES: u64 = 16;
 /// Offset of the header's state word.
 pub const SEGMENT_STATE_OFFSET: u64 = 12;
@@ -90,11 +103,30 @@ pub(crate) fn decode_records(mut body: &[u8], out: &mut Vec<Record>) -> Result<(
     Ok(())
 }
 
-/// Appends a frame holding `body` to `out`.
-pub(crate) fn encode_frame(out: &mut Vec<u8>, body: &[u8]) {
+/// Where a frame sits: the number and version of its segment and its offset in the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    pub seq: u64,
+    pub version: u32,
+    pub offset: u64,
+}
+
+/// The checksum a frame holding `body` at `place` carries.
+pub fn frame_crc(place: Place, body: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    if place.version != SEGMENT_VERSION_UNPLACED {
+        h.update(&place.seq.to_le_bytes());
+        h.update(&place.offset.to_le_bytes());
+    }
+    h.update(body);
+    h.finalize()
+}
+
+/// Appends a frame holding `body`, to be written at `place`, to `out`.
+pub(crate) fn encode_frame(out: &mut Vec<u8>, place: Place, body: &[u8]) {
     out.extend_from_slice(&FRAME_MAGIC.to_le_bytes());
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
+    out.extend_from_slice(&frame_crc(place, body).to_le_bytes());
     out.extend_from_slice(body);
 }
 
@@ -104,7 +136,8 @@ pub(crate) enum FrameCheck<'a> {
     Invalid(String),
 }
 
-pub(crate) fn check_frame(buf: &[u8], at: usize) -> FrameCheck<'_> {
+/// Checks the frame at offset `at` of segment `seq`, whose header says `version`.
+pub(crate) fn check_frame(buf: &[u8], seq: u64, version: u32, at: usize) -> FrameCheck<'_> {
     let rest = &buf[at..];
     if rest.len() < FRAME_HEADER_BYTES {
         return FrameCheck::Invalid(format!(
@@ -127,7 +160,12 @@ pub(crate) fn check_frame(buf: &[u8], at: usize) -> FrameCheck<'_> {
     }
     let crc = u32::from_le_bytes(rest[8..12].try_into().expect("4 bytes"));
     let body = &rest[FRAME_HEADER_BYTES..FRAME_HEADER_BYTES + len];
-    let computed = crc32fast::hash(body);
+    let place = Place {
+        seq,
+        version,
+        offset: at as u64,
+    };
+    let computed = frame_crc(place, body);
     if crc != computed {
         return FrameCheck::Invalid(format!(
             "frame checksum mismatch (stored {crc:#010x}, computed {computed:#010x})"
@@ -148,6 +186,15 @@ pub(crate) fn segment_header(state: u32) -> Vec<u8> {
     h
 }
 
+/// The version word of a segment that starts with a valid header, or None.
+pub(crate) fn segment_version(buf: &[u8]) -> Option<u32> {
+    segment_state(buf)?;
+    let at = SEGMENT_VERSION_OFFSET as usize;
+    Some(u32::from_le_bytes(
+        buf[at..at + 4].try_into().expect("4 bytes"),
+    ))
+}
+
 /// The state word of a segment that starts with a valid header, or None.
 pub(crate) fn segment_state(buf: &[u8]) -> Option<u32> {
     if (buf.len() as u64) < SEGMENT_HEADER_BYTES || &buf[..8] != SEGMENT_MAGIC {
@@ -163,10 +210,32 @@ pub(crate) fn segment_name(seq: u64) -> String {
     format!("wal-{seq:016x}.log")
 }
 
-pub(crate) fn parse_segment_name(name: &str) -> Option<u64> {
+/// The number of the segment file called `name`, or None if it is not a segment's name.
+pub fn parse_segment_name(name: &str) -> Option<u64> {
     let hex = name.strip_prefix("wal-")?.strip_suffix(".log")?;
     if hex.len() != 16 {
         return None;
     }
     u64::from_str_radix(hex, 16).ok()
+}
+
+/// Every valid frame of segment `seq`'s bytes that recovery would read, in order, as (offset of its
+/// body, body length): none for a standby or a segment with a bad header, and up to the first invalid
+/// frame otherwise. For tools and the simulation's corruption fault.
+pub fn valid_frames(buf: &[u8], seq: u64) -> Vec<(u64, u64)> {
+    let mut frames = Vec::new();
+    let (Some(0), Some(version)) = (segment_state(buf), segment_version(buf)) else {
+        return frames;
+    };
+    let mut at = SEGMENT_HEADER_BYTES as usize;
+    while at < buf.len() {
+        match check_frame(buf, seq, version, at) {
+            FrameCheck::Valid { body, next } => {
+                frames.push(((at + FRAME_HEADER_BYTES) as u64, body.len() as u64));
+                at = next;
+            }
+            FrameCheck::Invalid(_) => break,
+        }
+    }
+    frames
 }

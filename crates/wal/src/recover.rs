@@ -1,8 +1,9 @@
 //! Recovery: read every segment in order, cut a torn tail, refuse real corruption.
 
 use crate::format::{
-    check_frame, decode_records, parse_segment_name, segment_state, FrameCheck, Record,
-    FRAME_MAGIC, SEGMENT_HEADER_BYTES, SEGMENT_STATE_OFFSET, STANDBY,
+    check_frame, decode_records, parse_segment_name, segment_state, segment_version, FrameCheck,
+    Record, FRAME_MAGIC, SEGMENT_HEADER_BYTES, SEGMENT_STATE_OFFSET, SEGMENT_VERSION,
+    SEGMENT_VERSION_OFFSET, SEGMENT_VERSION_UNPLACED, STANDBY,
 };
 use crate::fs;
 use crate::WalError;
@@ -93,7 +94,8 @@ pub(crate) fn recover(
             offset: offset as u64,
             reason,
         };
-        let scan = scan_segment(&buf, i == last || i == tail).map_err(|(o, r)| corrupt(o, r))?;
+        let scan =
+            scan_segment(&buf, *seq, i == last || i == tail).map_err(|(o, r)| corrupt(o, r))?;
         // The tail before an empty standby may be torn, but only the last file may be a standby.
         if scan.standby && i != last {
             return Err(corrupt(
@@ -175,13 +177,24 @@ pub struct Scan {
     pub standby: bool,
 }
 
-/// Decodes one segment's bytes without any I/O (recovery's decoder, and a fuzz target). A bad frame is a
-/// torn tail only in the last segment and only if no valid frame follows it; otherwise the segment is
-/// corrupt: `Err((offset, reason))`. A pre-created segment may only be the last.
-pub fn scan_segment(buf: &[u8], is_last: bool) -> Result<Scan, (usize, String)> {
+/// Decodes the bytes of segment number `seq` without any I/O (recovery's decoder, and a fuzz target). A
+/// bad frame is a torn tail only in the last segment and only if no valid frame follows it; otherwise
+/// the segment is corrupt: `Err((offset, reason))`. A pre-created segment may only be the last. A
+/// version this build does not know is refused, not guessed at.
+pub fn scan_segment(buf: &[u8], seq: u64, is_last: bool) -> Result<Scan, (usize, String)> {
     let mut scan = Scan::default();
     let mut at = SEGMENT_HEADER_BYTES as usize;
     let mut bad: Option<(usize, String)> = None;
+    let version = segment_version(buf).unwrap_or(SEGMENT_VERSION);
+    if !(SEGMENT_VERSION_UNPLACED..=SEGMENT_VERSION).contains(&version) {
+        return Err((
+            SEGMENT_VERSION_OFFSET as usize,
+            format!(
+                "unknown segment format version {version} (this build reads versions \
+                 {SEGMENT_VERSION_UNPLACED} to {SEGMENT_VERSION}; was it written by a newer release?)"
+            ),
+        ));
+    }
     match segment_state(buf) {
         None => bad = Some((0, "bad segment header".to_string())),
         Some(0) => {}
@@ -210,7 +223,7 @@ pub fn scan_segment(buf: &[u8], is_last: bool) -> Result<Scan, (usize, String)> 
     }
     if bad.is_none() {
         while at < buf.len() {
-            match check_frame(buf, at) {
+            match check_frame(buf, seq, version, at) {
                 FrameCheck::Valid { body, next } => {
                     decode_records(body, &mut scan.records).map_err(|reason| (at, reason))?;
                     at = next;
@@ -227,7 +240,7 @@ pub fn scan_segment(buf: &[u8], is_last: bool) -> Result<Scan, (usize, String)> 
         // last segment: so a bad frame is torn only if no valid frame follows it.
         let valid_later = (offset + 1..buf.len().saturating_sub(3)).any(|o| {
             buf[o..o + 4] == FRAME_MAGIC.to_le_bytes()
-                && matches!(check_frame(buf, o), FrameCheck::Valid { .. })
+                && matches!(check_frame(buf, seq, version, o), FrameCheck::Valid { .. })
         });
         if !is_last || valid_later {
             return Err((offset, reason));

@@ -1,8 +1,8 @@
 //! The writer thread: group commit, segment rotation and deletion, fail-stop on I/O errors.
 
 use crate::format::{
-    encode_frame, encode_record, segment_header, segment_name, Record, MAX_RECORD_BYTES,
-    SEGMENT_STATE_OFFSET, STANDBY,
+    encode_frame, encode_record, segment_header, segment_name, Place, Record, MAX_RECORD_BYTES,
+    SEGMENT_VERSION, STANDBY,
 };
 use crate::fs::{File, OpenOptions};
 use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo, Standby};
@@ -264,6 +264,15 @@ impl Active {
         })
     }
 
+    /// Where the next frame goes.
+    fn place(&self) -> Place {
+        Place {
+            seq: self.seq,
+            version: SEGMENT_VERSION,
+            offset: self.len,
+        }
+    }
+
     fn write(&mut self, bytes: &[u8]) -> Result<(), WalError> {
         self.file
             .write_all_at(bytes, self.len)
@@ -454,12 +463,11 @@ impl Writer {
         if let Some(p) = &self.poisoned {
             return Err(WalError::Poisoned(p.clone()));
         }
-        let mut frame = Vec::with_capacity(body.len() + 12);
-        encode_frame(&mut frame, body);
+        let frame_len = (body.len() + crate::format::FRAME_HEADER_BYTES) as u64;
         let full = self
             .active
             .as_ref()
-            .is_some_and(|a| a.len + frame.len() as u64 > self.options.segment_bytes);
+            .is_some_and(|a| a.len + frame_len > self.options.segment_bytes);
         if full {
             let pre_created = self.standby.is_some();
             self.rotate()?;
@@ -471,6 +479,9 @@ impl Writer {
             counter.fetch_add(1, Ordering::Relaxed);
         }
         let active = self.active.as_mut().expect("an active segment");
+        // Encoded only now: the checksum covers the place, which a rotation just changed.
+        let mut frame = Vec::with_capacity(frame_len as usize);
+        encode_frame(&mut frame, active.place(), body);
         let reached = crate::failpoint::hit_then("wal.write", || {
             let _ = active.write(&frame[..frame.len() / 2]);
         });
@@ -506,21 +517,28 @@ impl Writer {
     /// valid one after it, which recovery must refuse as corruption although nothing in it was
     /// acknowledged. One more `fdatasync` per segment (64 MiB) buys that. Without a standby a file is
     /// created, synced and its directory synced here.
+    ///
+    /// The standby's whole header is rewritten, not just its state word: a standby pre-created by an
+    /// older release carries that release's format version, and its frames are written in this one's.
     fn rotate(&mut self) -> Result<(), WalError> {
-        let mut sticky_frame = Vec::new();
-        if !self.sticky.is_empty() {
-            let mut body = Vec::new();
-            for r in self.sticky.values() {
-                encode_record(&mut body, r);
-            }
-            encode_frame(&mut sticky_frame, &body);
+        let mut sticky_body = Vec::new();
+        for r in self.sticky.values() {
+            encode_record(&mut sticky_body, r);
         }
+        let sticky_frame = |at: Place| {
+            let mut frame = Vec::new();
+            if !sticky_body.is_empty() {
+                encode_frame(&mut frame, at, &sticky_body);
+            }
+            frame
+        };
         let next = match self.standby.take() {
             Some(mut standby) => {
                 standby
                     .file
-                    .write_all_at(&0u32.to_le_bytes(), SEGMENT_STATE_OFFSET)
+                    .write_all_at(&segment_header(0), 0)
                     .map_err(io_err(&standby.path))?;
+                let sticky_frame = sticky_frame(standby.place());
                 standby.write(&sticky_frame)?;
                 standby.len += sticky_frame.len() as u64;
                 if let Some(fault) = &self.options.sync_fault {
@@ -531,6 +549,7 @@ impl Writer {
             }
             None => {
                 let mut next = self.create_segment(0)?;
+                let sticky_frame = sticky_frame(next.place());
                 next.write(&sticky_frame)?;
                 next.len += sticky_frame.len() as u64;
                 next.file.sync_all().map_err(io_err(&next.path))?;

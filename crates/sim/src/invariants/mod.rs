@@ -13,7 +13,10 @@ pub use holdfast_checker::Report;
 
 /// The checker's report for the run, with P7's violations and any host failure added.
 pub fn check_all(run: &Outcome) -> Report {
-    let mut r = holdfast_checker::check(&run.history, &run.audits, &run.store);
+    let groups = run.groups;
+    let mut r = holdfast_checker::check_groups(&run.history, &run.audits, &run.store, |name| {
+        holdfast_client::group_for(name, groups)
+    });
     if let Some(e) = &run.sim_error {
         r.violations.insert(0, format!("a host failed: {e}"));
     }
@@ -56,6 +59,8 @@ pub struct Totals {
     /// Servers crashed at a failpoint (`Fault::Failpoint`), and servers stalled (`Fault::Stall`).
     pub failpoint_crashes: u64,
     pub stalls: u64,
+    /// Seeds that ran several Raft groups (`Knobs::groups`).
+    pub multi_group_seeds: u64,
 }
 
 impl Totals {
@@ -80,7 +85,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table, {} crashes at failpoints, {} stalls",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table, {} crashes at failpoints, {} stalls, {} seeds with several groups",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -96,7 +101,8 @@ impl std::fmt::Display for Totals {
             self.corruptions_detected,
             self.table_full_refusals,
             self.failpoint_crashes,
-            self.stalls
+            self.stalls,
+            self.multi_group_seeds
         )
     }
 }

@@ -551,3 +551,112 @@ fn an_empty_segment_file_is_removed_and_deletion_goes_on() {
         "segments written after the removed one stay ({before} -> {after})"
     );
 }
+
+/// A disk that writes a valid frame to the wrong place (a misdirected write): every byte of the frame
+/// is one the log wrote, and its checksum over its body alone still matches, but it belongs elsewhere.
+/// The checksum covers the frame's segment and offset, so recovery sees corruption and, since valid
+/// frames follow, refuses to start, naming the file and the offset.
+#[test]
+fn a_valid_frame_written_to_the_wrong_place_is_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let seg = only_segment(dir.path());
+    let mut ends = vec![16u64];
+    for i in 1..=8u64 {
+        wal.append_blocking(vec![rec(0, i, &[i as u8; 40])])
+            .unwrap();
+        ends.push(std::fs::metadata(&seg).unwrap().len());
+    }
+    drop(wal);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let frame = |k: usize| ends[k] as usize..ends[k + 1] as usize;
+    assert_eq!(frame(2).len(), frame(5).len(), "same-length frames");
+    let copy = bytes[frame(2)].to_vec();
+    bytes[frame(5)].copy_from_slice(&copy);
+    std::fs::write(&seg, &bytes).unwrap();
+    let (err, msg) = refused(dir.path());
+    match err {
+        WalError::Corrupt { offset, .. } => assert_eq!(offset, ends[5], "{msg}"),
+        other => panic!("{other}"),
+    }
+    assert!(msg.contains("checksum"), "{msg}");
+    assert_names(&msg, &seg);
+}
+
+/// A record as format version 1 and 2 encode it.
+fn encode_record(r: &Record) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&r.group.to_le_bytes());
+    out.push(r.kind);
+    out.push(u8::from(r.sticky));
+    out.extend_from_slice(&r.index.to_le_bytes());
+    out.extend_from_slice(&(r.payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&r.payload);
+    out
+}
+
+/// A segment header: magic, version, state.
+fn header(version: u32, state: &[u8; 4]) -> Vec<u8> {
+    let mut h = b"HFWALSEG".to_vec();
+    h.extend_from_slice(&version.to_le_bytes());
+    h.extend_from_slice(state);
+    h
+}
+
+/// A log left by a release that wrote format version 1 (checksums over the body alone): a segment in
+/// use and its pre-created standby. This release reads it, takes the standby into use with its whole
+/// header rewritten to version 2, and reads both back after a restart.
+#[test]
+fn a_version_1_log_and_its_standby_are_read_and_continued() {
+    use holdfast_wal::format::{frame_crc, Place, SEGMENT_VERSION};
+    let dir = tempfile::tempdir().unwrap();
+    let mut old = header(1, &[0; 4]);
+    let records: Vec<Record> = (1..=3u64).map(|i| rec(0, i, b"version one")).collect();
+    for r in &records {
+        let body = encode_record(r);
+        let place = Place {
+            seq: 1,
+            version: 1,
+            offset: old.len() as u64,
+        };
+        old.extend_from_slice(b"HFWF");
+        old.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        old.extend_from_slice(&frame_crc(place, &body).to_le_bytes());
+        old.extend_from_slice(&body);
+    }
+    // The same checksum over the body alone: version 1 really is read the old way.
+    assert_eq!(
+        u32::from_le_bytes(old[24..28].try_into().unwrap()),
+        crc32fast::hash(&old[28..28 + encode_record(&records[0]).len()])
+    );
+    let first = dir.path().join("wal-0000000000000001.log");
+    let standby = dir.path().join("wal-0000000000000002.log");
+    std::fs::write(&first, &old).unwrap();
+    std::fs::write(&standby, header(1, b"STBY")).unwrap();
+
+    let (wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert_eq!(recovered.records, records);
+    wal.append_blocking(vec![rec(0, 4, b"version two")])
+        .unwrap();
+    drop(wal);
+    let taken = std::fs::read(&standby).unwrap();
+    assert_eq!(&taken[..16], &header(SEGMENT_VERSION, &[0; 4])[..]);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let indexes: Vec<u64> = recovered.records.iter().map(|r| r.index).collect();
+    assert_eq!(indexes, vec![1, 2, 3, 4]);
+}
+
+/// A segment in a format version this build does not know (a newer release's, say) is refused, naming
+/// the file and the version, rather than read by guesswork.
+#[test]
+fn an_unknown_segment_version_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _) = closed_log_with_standby(dir.path());
+    let mut bytes = std::fs::read(&first).unwrap();
+    bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+    std::fs::write(&first, &bytes).unwrap();
+    let (err, msg) = refused(dir.path());
+    assert!(matches!(err, WalError::Corrupt { offset: 8, .. }), "{msg}");
+    assert!(msg.contains("unknown segment format version 3"), "{msg}");
+    assert_names(&msg, &first);
+}
