@@ -1,4 +1,5 @@
-//! Prometheus metrics, rendered in the text exposition format by hand (no metrics dependency).
+//! Prometheus metrics, rendered in the text exposition format by hand (no metrics dependency), and the
+//! standard `process_*` figures read from `/proc` ([`ProcessStats`]).
 //!
 //! Counters and histograms are atomics updated on the hot paths; gauges (sessions, locks, term, ...) are
 //! read from the groups at scrape time.
@@ -189,9 +190,184 @@ fn series(out: &mut String, name: &str, help: &str, kind: &str, values: &[(Strin
     }
 }
 
+/// What the process uses, read from `/proc/self` at scrape time (Linux; None elsewhere, or if `/proc`
+/// cannot be read). Reported under the names every Prometheus client library uses (`process_*`), so
+/// the usual dashboards and alerts work on them unchanged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProcessStats {
+    pub resident_bytes: u64,
+    pub virtual_bytes: u64,
+    /// User plus system CPU time.
+    pub cpu_seconds: f64,
+    pub open_fds: u64,
+    /// The soft limit on open files (`ulimit -n`).
+    pub max_fds: Option<u64>,
+    /// When the process started, in seconds since the Unix epoch.
+    pub start_time_seconds: f64,
+}
+
+impl ProcessStats {
+    /// This process's figures. Reads `/proc` directly rather than through `holdfast_wal::fs`: these
+    /// are not data files, and the simulation serves no metrics.
+    pub fn read() -> Option<ProcessStats> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+        Self::parse(&stat, &boot, &limits, open_fds)
+    }
+
+    /// The figures from the text of `/proc/self/stat`, `/proc/stat` and `/proc/self/limits`.
+    pub fn parse(stat: &str, boot: &str, limits: &str, open_fds: u64) -> Option<ProcessStats> {
+        // /proc reports times in USER_HZ ticks, 100 per second on every architecture Linux runs on
+        // here (a fixed ABI value, not the kernel's HZ; Prometheus's procfs assumes the same), and the
+        // resident set in pages of 4 KiB (x86-64 and the usual aarch64 kernels).
+        const TICKS_PER_SECOND: f64 = 100.0;
+        const PAGE_BYTES: u64 = 4096;
+        // The command name (field 2) is in parentheses and may hold spaces: count from the last ')'.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // `rest` starts at field 3 (state): field N is fields[N - 3].
+        let field = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
+        let (utime, stime) = (field(14)?, field(15)?);
+        let (start_ticks, vsize, rss_pages) = (field(22)?, field(23)?, field(24)?);
+        let btime: u64 = boot
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))?
+            .trim()
+            .parse()
+            .ok()?;
+        let max_fds = limits
+            .lines()
+            .find_map(|l| l.strip_prefix("Max open files"))
+            .and_then(|l| l.split_whitespace().next()?.parse().ok());
+        Some(ProcessStats {
+            resident_bytes: rss_pages * PAGE_BYTES,
+            virtual_bytes: vsize,
+            cpu_seconds: (utime + stime) as f64 / TICKS_PER_SECOND,
+            open_fds,
+            max_fds,
+            start_time_seconds: btime as f64 + start_ticks as f64 / TICKS_PER_SECOND,
+        })
+    }
+
+    /// Appends the `process_*` families.
+    pub fn render(&self, out: &mut String) {
+        let mut float = |name: &str, help: &str, kind: &str, v: f64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        };
+        float(
+            "process_cpu_seconds_total",
+            "User and system CPU time spent, in seconds.",
+            "counter",
+            self.cpu_seconds,
+        );
+        float(
+            "process_start_time_seconds",
+            "When the process started, in seconds since the Unix epoch.",
+            "gauge",
+            self.start_time_seconds,
+        );
+        gauge(
+            out,
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes.",
+            &[(String::new(), self.resident_bytes)],
+        );
+        gauge(
+            out,
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes.",
+            &[(String::new(), self.virtual_bytes)],
+        );
+        gauge(
+            out,
+            "process_open_fds",
+            "Open file descriptors.",
+            &[(String::new(), self.open_fds)],
+        );
+        if let Some(max) = self.max_fds {
+            gauge(
+                out,
+                "process_max_fds",
+                "The limit on open file descriptors.",
+                &[(String::new(), max)],
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A real `/proc/self/stat` line of a process whose name holds a space and a parenthesis.
+    #[test]
+    fn process_stats_are_read_from_proc_text() {
+        let stat = "4242 (holdfast (x) y) S 1 4242 4242 0 -1 4194560 1000 0 0 0 250 50 0 0 20 0 \
+                    9 0 123400 987654321 2048 18446744073709551615 1 1 0 0 0 0 0 4096 0 0 0 0 17 \
+                    1 0 0 0 0 0";
+        let boot = "cpu  1 2 3\nbtime 1790000000\nprocesses 7\n";
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
+                      Max open files            1024                 524288               files\n";
+        let s = ProcessStats::parse(stat, boot, limits, 12).unwrap();
+        assert_eq!(
+            s,
+            ProcessStats {
+                resident_bytes: 2048 * 4096,
+                virtual_bytes: 987_654_321,
+                cpu_seconds: 3.0,
+                open_fds: 12,
+                max_fds: Some(1024),
+                start_time_seconds: 1_790_000_000.0 + 1_234.0,
+            }
+        );
+        assert_eq!(ProcessStats::parse("garbage", boot, limits, 1), None);
+        let mut out = String::new();
+        s.render(&mut out);
+        assert!(out.contains("\nprocess_cpu_seconds_total 3\n"), "{out}");
+        assert!(
+            out.contains("\nprocess_resident_memory_bytes 8388608\n"),
+            "{out}"
+        );
+        assert!(out.contains("\nprocess_max_fds 1024\n"), "{out}");
+    }
+
+    /// This process, read for real: it uses memory, has files open and started before now; its
+    /// resident size matches what `/proc/self/status` says in KiB (so the page size assumed is right).
+    #[test]
+    fn this_process_has_memory_files_and_a_start_time() {
+        let s = ProcessStats::read().expect("/proc is readable on Linux");
+        assert!(s.resident_bytes > 1 << 20, "{s:?}");
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap();
+        let (a, b) = (s.resident_bytes / 1024, kib);
+        assert!(
+            a.abs_diff(b) < b / 2 + 1024,
+            "stat says {a} KiB, status {b} KiB"
+        );
+        assert!(s.virtual_bytes >= s.resident_bytes, "{s:?}");
+        assert!(
+            s.open_fds >= 3 && s.max_fds.is_some_and(|m| m >= s.open_fds),
+            "{s:?}"
+        );
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        assert!(
+            s.start_time_seconds <= now + 1.0 && s.start_time_seconds > now - 86_400.0 * 365.0,
+            "{s:?}"
+        );
+        assert!(s.cpu_seconds >= 0.0, "{s:?}");
+    }
 
     #[test]
     fn histograms_render_exact_bounds_and_no_empty_label_sets() {

@@ -900,6 +900,9 @@ impl NodeShared {
                 gauges.iter().map(|(l, v)| (l.clone(), v[i])).collect();
             metrics::gauge(&mut out, name, help, &values);
         }
+        if let Some(process) = metrics::ProcessStats::read() {
+            process.render(&mut out);
+        }
         out
     }
 }

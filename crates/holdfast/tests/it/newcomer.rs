@@ -420,12 +420,22 @@ async fn every_metric_is_documented_and_well_formed() {
         ("dashboard", dashboard.as_str()),
     ] {
         let mut used = 0;
-        for (at, _) in text.match_indices("holdfast_") {
+        let uses = text
+            .match_indices("holdfast_")
+            .chain(text.match_indices("process_"))
+            // Not the tail of a longer word.
+            .filter(|(at, _)| {
+                !text[..*at]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+            });
+        for (at, prefix) in uses {
             let name: String = text[at..]
                 .chars()
                 .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
                 .collect();
-            if name == "holdfast_" {
+            if name == prefix {
                 continue; // prose ("holdfast_* metrics")
             }
             let family = ["_bucket", "_sum", "_count"]
