@@ -1,7 +1,11 @@
 //! `holdfast bench`: load against a running cluster, with latency histograms.
 //!
 //! `acquire-release`: N clients, each with its own session, loop acquire (waiting) + release over K lock
-//! names for a duration; reports throughput and latency percentiles of the acquire+release pair.
+//! names for a duration; reports throughput and latency percentiles of the acquire+release pair. By
+//! default each client has its own connections, as separate processes would (`--connections` shares
+//! fewer among them).
+//!
+//! `--json` prints one JSON object (serde_json); times in milliseconds, to the microsecond.
 
 use super::duration::parse_duration;
 use anyhow::Context;
@@ -37,6 +41,10 @@ enum Mode {
         /// Distinct lock names (default: one per client, so clients do not contend).
         #[arg(long)]
         names: Option<usize>,
+        /// Client connections the clients share, round-robin (default: one per client, as separate
+        /// processes would have; 1: every client on one connection to each server).
+        #[arg(long)]
+        connections: Option<usize>,
         /// How long to measure (e.g. 10s, 500ms, 1m), after a 1 s warm-up.
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
         duration: Duration,
@@ -84,10 +92,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         Mode::AcquireRelease {
             clients,
             names,
+            connections,
             duration,
         } => {
-            let names = names.unwrap_or(clients).max(1);
-            acquire_release(endpoints, base, clients.max(1), names, duration, args.json).await
+            let clients = clients.max(1);
+            let load = Load {
+                clients,
+                names: names.unwrap_or(clients).max(1),
+                connections: connections.unwrap_or(clients).clamp(1, clients),
+            };
+            acquire_release(endpoints, base, load, duration, args.json).await
         }
         Mode::Availability { duration } => availability(endpoints, base, duration, args.json).await,
         Mode::Hold {
@@ -166,11 +180,18 @@ async fn availability(
     }
     let longest = gaps.iter().map(|g| g.1).fold(0.0, f64::max);
     if json {
-        let list: Vec<String> = gaps
+        let gaps: Vec<serde_json::Value> = gaps
             .iter()
-            .map(|(at, ms)| format!("{{\"at_s\":{at:.3},\"gap_ms\":{ms:.1}}}"))
+            .map(|&(at, gap)| serde_json::json!({ "at_s": at, "gap_ms": gap }))
             .collect();
-        println!("{{\"mode\":\"availability\",\"grants\":{grants},\"errors\":{errors},\"longest_gap_ms\":{longest:.1},\"gaps\":[{}]}}", list.join(","));
+        let out = serde_json::json!({
+            "mode": "availability",
+            "grants": grants,
+            "errors": errors,
+            "longest_gap_ms": longest,
+            "gaps": gaps,
+        });
+        println!("{out}");
     } else {
         println!("availability: {grants} grants, {errors} errors, longest gap {longest:.0} ms");
     }
@@ -178,19 +199,39 @@ async fn availability(
     Ok(ExitCode::SUCCESS)
 }
 
+/// What `acquire-release` runs.
+struct Load {
+    clients: usize,
+    names: usize,
+    /// `Client`s (each with its own connection to every server) the clients share, round-robin.
+    connections: usize,
+}
+
+/// Milliseconds to the microsecond, for the JSON output.
+fn ms(us: f64) -> f64 {
+    us.round() / 1000.0
+}
+
 async fn acquire_release(
     endpoints: Vec<String>,
     options: ClientOptions,
-    clients: usize,
-    names: usize,
+    load: Load,
     duration: Duration,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = connect(endpoints, options).await?;
+    let Load {
+        clients,
+        names,
+        connections,
+    } = load;
+    let mut pool = Vec::new();
+    for _ in 0..connections {
+        pool.push(connect(endpoints.clone(), options.clone()).await?);
+    }
     let mut sessions = Vec::new();
-    for _ in 0..clients {
+    for i in 0..clients {
         sessions.push(
-            client
+            pool[i % connections]
                 .open_session(Duration::from_secs(10))
                 .await
                 .context("cannot open a session")?,
@@ -249,13 +290,25 @@ async fn acquire_release(
     let per_sec = ops as f64 / elapsed.as_secs_f64();
     let q = |p: f64| total.value_at_quantile(p) as f64 / 1000.0;
     if json {
-        println!(
-            "{{\"mode\":\"acquire-release\",\"clients\":{clients},\"names\":{names},\"seconds\":{:.2},\"ops\":{ops},\"ops_per_sec\":{per_sec:.1},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"p999_ms\":{:.3},\"max_ms\":{:.3},\"errors\":{}}}",
-            elapsed.as_secs_f64(), q(0.5), q(0.99), q(0.999), total.max() as f64 / 1000.0, errors.load(Relaxed)
-        );
+        let us = |p: f64| ms(total.value_at_quantile(p) as f64);
+        let out = serde_json::json!({
+            "mode": "acquire-release",
+            "clients": clients,
+            "connections": connections,
+            "names": names,
+            "seconds": elapsed.as_secs_f64(),
+            "ops": ops,
+            "ops_per_sec": per_sec,
+            "p50_ms": us(0.5),
+            "p99_ms": us(0.99),
+            "p999_ms": us(0.999),
+            "max_ms": ms(total.max() as f64),
+            "errors": errors.load(Relaxed),
+        });
+        println!("{out}");
     } else {
         println!(
-            "acquire+release: {clients} clients, {names} names, {:.1} s",
+            "acquire+release: {clients} clients on {connections} connection(s), {names} names, {:.1} s",
             elapsed.as_secs_f64()
         );
         println!(
@@ -400,10 +453,21 @@ async fn hold(
     let q = |p: f64| hist.value_at_quantile(p) as f64 / 1000.0;
     let per_sec = samples.len() as f64 / duration.as_secs_f64();
     if json {
-        println!(
-            "{{\"mode\":\"hold\",\"sessions\":{},\"locks\":{},\"seconds\":{:.1},\"keepalive_messages\":{},\"keepalive_messages_per_sec\":{per_sec:.1},\"keepalive_p50_ms\":{:.3},\"keepalive_p99_ms\":{:.3},\"keepalive_p999_ms\":{:.3},\"keepalive_max_ms\":{:.3},\"sessions_lost\":{lost_total}}}",
-            all.len(), guards.len(), duration.as_secs_f64(), samples.len(), q(0.5), q(0.99), q(0.999), hist.max() as f64 / 1000.0
-        );
+        let us = |p: f64| ms(hist.value_at_quantile(p) as f64);
+        let out = serde_json::json!({
+            "mode": "hold",
+            "sessions": all.len(),
+            "locks": guards.len(),
+            "seconds": duration.as_secs_f64(),
+            "keepalive_messages": samples.len(),
+            "keepalive_messages_per_sec": per_sec,
+            "keepalive_p50_ms": us(0.5),
+            "keepalive_p99_ms": us(0.99),
+            "keepalive_p999_ms": us(0.999),
+            "keepalive_max_ms": ms(hist.max() as f64),
+            "sessions_lost": lost_total,
+        });
+        println!("{out}");
     } else {
         println!(
             "hold: {} sessions x {} locks = {} locks for {:.0} s",

@@ -232,6 +232,8 @@ async fn bench_reports_json() {
             "acquire-release",
             "--clients",
             "4",
+            "--connections",
+            "2",
             "--duration",
             "1s",
             "--json",
@@ -247,5 +249,9 @@ async fn bench_reports_json() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["ops"].as_u64().unwrap() > 0);
     assert_eq!(v["errors"], 0);
+    assert_eq!(
+        (v["clients"].as_u64(), v["connections"].as_u64()),
+        (Some(4), Some(2))
+    );
     assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
 }
