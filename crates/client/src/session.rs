@@ -74,8 +74,9 @@ fn margin(ttl: Duration) -> Duration {
     ttl / 10
 }
 
-/// A nonce for `OpenSession`: random enough to be unique per open, without a randomness dependency
-/// (std's `RandomState` is seeded from the OS per process; mixed with time, pid and a counter).
+/// A nonce for `OpenSession`, unique per open: 128 bits from the OS random number generator (a
+/// repeated nonce would hand one client another's session). Should that fail, std's `RandomState`
+/// (seeded from the OS per process) mixed with time, pid and a counter.
 fn nonce(client: &Client) -> (u64, u64) {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -88,6 +89,9 @@ fn nonce(client: &Client) -> (u64, u64) {
         h.write_u64(hi);
         return (hi | 1, h.finish());
     }
+    if let Some(n) = os_nonce() {
+        return n;
+    }
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -98,6 +102,16 @@ fn nonce(client: &Client) -> (u64, u64) {
     let hi = h.finish();
     h.write_u64(hi);
     (hi | 1, h.finish())
+}
+
+/// A nonce from the OS random number generator (the first half never 0), or None if it failed.
+fn os_nonce() -> Option<(u64, u64)> {
+    let mut bytes = [0u8; 16];
+    getrandom::getrandom(&mut bytes).ok()?;
+    let (hi, lo) = bytes.split_at(8);
+    let hi = u64::from_le_bytes(hi.try_into().expect("8 bytes"));
+    let lo = u64::from_le_bytes(lo.try_into().expect("8 bytes"));
+    Some((hi | 1, lo))
 }
 
 /// An acquire in flight. Dropped while armed (the caller's future was dropped, or the call failed with an
@@ -638,4 +652,18 @@ pub struct AcquireOptions<'a> {
     /// them. The first acquire of a free name fixes the number; asking for another is
     /// [`Error::PermitsMismatch`]. Not with `shared`.
     pub permits: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    /// The OS generator works here, and its nonces do not repeat (a repeat would hand one client
+    /// another's session).
+    #[test]
+    fn os_nonces_are_drawn_and_do_not_repeat() {
+        let drawn: std::collections::BTreeSet<(u64, u64)> = (0..10_000)
+            .map(|_| super::os_nonce().expect("the OS random number generator"))
+            .collect();
+        assert_eq!(drawn.len(), 10_000);
+        assert!(drawn.iter().all(|(hi, _)| hi & 1 == 1));
+    }
 }
