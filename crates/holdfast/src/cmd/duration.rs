@@ -1,4 +1,5 @@
-//! Durations on the command line: `250ms`, `10s`, `2m`; a bare number is seconds.
+//! Durations on the command line: `250ms`, `10s`, `2m`, `1h30m` (humantime's syntax); a bare number is
+//! seconds.
 
 use std::time::Duration;
 
@@ -27,16 +28,14 @@ pub fn parse_ttl(s: &str) -> Result<Duration, String> {
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 250ms, 10s or 2m"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" | "" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        _ => Err(format!("{s:?} has an unknown unit (use ms, s or m)")),
+    let bad = |why: String| format!("{s:?} is not a duration like 250ms, 10s, 2m or 1h30m: {why}");
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse()
+            .map(Duration::from_secs)
+            .map_err(|e| bad(e.to_string()));
     }
+    humantime::parse_duration(s).map_err(|e| bad(e.to_string()))
 }
 
 #[cfg(test)]
@@ -49,8 +48,16 @@ mod tests {
         assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        assert!(parse_duration("1h").is_err());
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5_400)));
         assert!(parse_duration("s").is_err());
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("-5s").is_err());
+        assert!(parse_duration("10 parsecs")
+            .unwrap_err()
+            .contains("like 250ms"));
+        // Too big is an error, not an overflow (`n * 60` used to overflow).
+        assert!(parse_duration("307445734561825861m").is_err());
+        assert!(parse_duration("99999999999999999999").is_err());
         assert!(parse_ttl("0").unwrap_err().contains("leave --ttl out"));
         assert!(parse_ttl("0s").is_err());
         assert_eq!(parse_ttl("3"), Ok(Duration::from_secs(3)));
