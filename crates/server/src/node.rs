@@ -1018,9 +1018,14 @@ async fn compact_pinning_groups(
     }
 }
 
-/// A seed for Raft's randomized timeouts that differs per process and start.
+/// A seed for Raft's randomized timeouts that differs per process and start: from the OS random number
+/// generator, or (should that fail) a hash of the time and pid with std's per-process random keys.
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
+    let mut bytes = [0u8; 8];
+    if getrandom::getrandom(&mut bytes).is_ok() {
+        return u64::from_le_bytes(bytes);
+    }
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(crate::now_ms());
     h.write_u32(std::process::id());
