@@ -2,8 +2,9 @@
 //!
 //! Each write goes to the server believed to lead the lock's group. A `NOT_LEADER` answer names the leader
 //! and the request is sent there at once; an unreachable server, an election in progress or an unknown
-//! outcome make the client try the next server after a backoff, until the request's deadline. Every attempt
-//! has its own timeout, so a silent (partitioned or paused) server costs at most one attempt.
+//! outcome make the client try the next server after a backoff (20 ms doubling to 500 ms, each pause
+//! jittered between half and all of that), until the request's deadline. Every attempt has its own
+//! timeout, so a silent (partitioned or paused) server costs at most one attempt.
 
 use crate::error::{classify, Disposition, Error};
 use holdfast_proto::v1 as pb;
@@ -101,6 +102,35 @@ pub(crate) struct Inner {
     auth: Auth,
     /// Opens so far, for [`ClientOptions::nonce_seed`].
     pub(crate) opens: std::sync::atomic::AtomicU64,
+    /// The state of the retry jitter's generator ([`jittered`]).
+    jitter: std::sync::atomic::AtomicU64,
+}
+
+/// `backoff` with "equal jitter": between half of it and all of it, drawn from a splitmix64 stream
+/// whose state is `state`. Clients that failed over together (a leader died under all of them) then
+/// come back spread out instead of all at once.
+fn jittered(state: &std::sync::atomic::AtomicU64, backoff: Duration) -> Duration {
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut z = state
+        .fetch_add(GAMMA, std::sync::atomic::Ordering::Relaxed)
+        .wrapping_add(GAMMA);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let half = backoff / 2;
+    let spread = (backoff - half).as_nanos() as u64;
+    half + Duration::from_nanos(z % (spread + 1))
+}
+
+/// Where a client's retry jitter starts: from its nonce seed when it has one (so the simulation stays
+/// reproducible), else from the OS random number generator.
+fn jitter_seed(options: &ClientOptions) -> u64 {
+    if let Some(seed) = options.nonce_seed {
+        return seed ^ 0x6a69_7474_6572_2121;
+    }
+    let mut bytes = [0u8; 8];
+    let _ = getrandom::getrandom(&mut bytes);
+    u64::from_le_bytes(bytes)
 }
 
 /// Adds the bearer token, if any, to every request.
@@ -265,6 +295,7 @@ impl Client {
             leaders: Mutex::new(vec![0]),
             options: options.clone(),
             opens: Default::default(),
+            jitter: jitter_seed(&options).into(),
         };
         // Learn the group count, the members and a first leader hint from any server that answers.
         let deadline = Instant::now() + options.request_timeout;
@@ -461,11 +492,12 @@ impl Client {
                     self.endpoint(target)
                 ),
             };
-            if Instant::now() + backoff > deadline {
+            let pause = jittered(&inner.jitter, backoff);
+            if Instant::now() + pause > deadline {
                 return Err(Error::Unavailable(reason));
             }
             tracing::debug!(%reason, "retrying on another server");
-            tokio::time::sleep(backoff).await;
+            tokio::time::sleep(pause).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
             target = (target + 1) % self.server_count();
             redirects = 0;
@@ -700,5 +732,31 @@ impl Client {
             ))),
             Err(_) => Err(Error::Unavailable(format!("{endpoint}: no answer"))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::jittered;
+    use std::time::Duration;
+
+    /// Every pause lies between half the backoff and all of it, the pauses spread over that range, and
+    /// one seed gives one sequence.
+    #[test]
+    fn retry_pauses_are_jittered_within_the_backoff() {
+        let backoff = Duration::from_millis(400);
+        let draw = |seed: u64| {
+            let state = std::sync::atomic::AtomicU64::new(seed);
+            (0..1_000)
+                .map(|_| jittered(&state, backoff))
+                .collect::<Vec<_>>()
+        };
+        let pauses = draw(7);
+        assert!(pauses.iter().all(|p| *p >= backoff / 2 && *p <= backoff));
+        let low = pauses.iter().filter(|p| **p < backoff * 3 / 4).count();
+        assert!((350..650).contains(&low), "{low} of 1000 in the lower half");
+        assert_eq!(pauses, draw(7));
+        assert_ne!(pauses, draw(8));
+        assert_eq!(jittered(&0.into(), Duration::ZERO), Duration::ZERO);
     }
 }
