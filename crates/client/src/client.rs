@@ -129,8 +129,14 @@ fn jitter_seed(options: &ClientOptions) -> u64 {
         return seed ^ 0x6a69_7474_6572_2121;
     }
     let mut bytes = [0u8; 8];
-    let _ = getrandom::getrandom(&mut bytes);
-    u64::from_le_bytes(bytes)
+    if getrandom::getrandom(&mut bytes).is_ok() {
+        return u64::from_le_bytes(bytes);
+    }
+    // Should the OS generator fail: std's per-process random keys over the address of a local.
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_usize(&bytes as *const _ as usize);
+    h.finish()
 }
 
 /// Adds the bearer token, if any, to every request.

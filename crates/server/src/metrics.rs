@@ -211,26 +211,41 @@ impl ProcessStats {
     /// are not data files, and the simulation serves no metrics.
     pub fn read() -> Option<ProcessStats> {
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
         let boot = std::fs::read_to_string("/proc/stat").ok()?;
         let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
-        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
-        Self::parse(&stat, &boot, &limits, open_fds)
+        // Less the directory handle `read_dir` itself holds while it counts.
+        let open_fds = (std::fs::read_dir("/proc/self/fd").ok()?.count() as u64).saturating_sub(1);
+        Self::parse(&stat, &status, &boot, &limits, open_fds)
     }
 
-    /// The figures from the text of `/proc/self/stat`, `/proc/stat` and `/proc/self/limits`.
-    pub fn parse(stat: &str, boot: &str, limits: &str, open_fds: u64) -> Option<ProcessStats> {
-        // /proc reports times in USER_HZ ticks, 100 per second on every architecture Linux runs on
-        // here (a fixed ABI value, not the kernel's HZ; Prometheus's procfs assumes the same), and the
-        // resident set in pages of 4 KiB (x86-64 and the usual aarch64 kernels).
+    /// The figures from the text of `/proc/self/stat`, `/proc/self/status`, `/proc/stat` and
+    /// `/proc/self/limits`.
+    pub fn parse(
+        stat: &str,
+        status: &str,
+        boot: &str,
+        limits: &str,
+        open_fds: u64,
+    ) -> Option<ProcessStats> {
+        // /proc reports times in USER_HZ ticks, 100 per second (a fixed ABI value, not the kernel's
+        // HZ; Prometheus's procfs assumes the same). The resident set comes from `status` in KiB,
+        // not from `stat` in pages, whose size varies (4, 16 or 64 KiB).
         const TICKS_PER_SECOND: f64 = 100.0;
-        const PAGE_BYTES: u64 = 4096;
         // The command name (field 2) is in parentheses and may hold spaces: count from the last ')'.
         let rest = &stat[stat.rfind(')')? + 1..];
         let fields: Vec<&str> = rest.split_whitespace().collect();
         // `rest` starts at field 3 (state): field N is fields[N - 3].
         let field = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
         let (utime, stime) = (field(14)?, field(15)?);
-        let (start_ticks, vsize, rss_pages) = (field(22)?, field(23)?, field(24)?);
+        let (start_ticks, vsize) = (field(22)?, field(23)?);
+        let rss_kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
         let btime: u64 = boot
             .lines()
             .find_map(|l| l.strip_prefix("btime "))?
@@ -242,7 +257,7 @@ impl ProcessStats {
             .find_map(|l| l.strip_prefix("Max open files"))
             .and_then(|l| l.split_whitespace().next()?.parse().ok());
         Some(ProcessStats {
-            resident_bytes: rss_pages * PAGE_BYTES,
+            resident_bytes: rss_kib * 1024,
             virtual_bytes: vsize,
             cpu_seconds: (utime + stime) as f64 / TICKS_PER_SECOND,
             open_fds,
@@ -313,11 +328,12 @@ mod tests {
         let boot = "cpu  1 2 3\nbtime 1790000000\nprocesses 7\n";
         let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
                       Max open files            1024                 524288               files\n";
-        let s = ProcessStats::parse(stat, boot, limits, 12).unwrap();
+        let status = "Name:\tholdfast\nVmSize:\t  964506 kB\nVmRSS:\t    8192 kB\nThreads:\t9\n";
+        let s = ProcessStats::parse(stat, status, boot, limits, 12).unwrap();
         assert_eq!(
             s,
             ProcessStats {
-                resident_bytes: 2048 * 4096,
+                resident_bytes: 8192 * 1024,
                 virtual_bytes: 987_654_321,
                 cpu_seconds: 3.0,
                 open_fds: 12,
@@ -325,7 +341,14 @@ mod tests {
                 start_time_seconds: 1_790_000_000.0 + 1_234.0,
             }
         );
-        assert_eq!(ProcessStats::parse("garbage", boot, limits, 1), None);
+        assert_eq!(
+            ProcessStats::parse("garbage", status, boot, limits, 1),
+            None
+        );
+        assert_eq!(
+            ProcessStats::parse(stat, "Name:\tx\n", boot, limits, 1),
+            None
+        );
         let mut out = String::new();
         s.render(&mut out);
         assert!(out.contains("\nprocess_cpu_seconds_total 3\n"), "{out}");
@@ -337,21 +360,22 @@ mod tests {
     }
 
     /// This process, read for real: it uses memory, has files open and started before now; its
-    /// resident size matches what `/proc/self/status` says in KiB (so the page size assumed is right).
+    /// resident size agrees with `stat`'s page count at this machine's 4 KiB pages.
     #[test]
     fn this_process_has_memory_files_and_a_start_time() {
         let s = ProcessStats::read().expect("/proc is readable on Linux");
         assert!(s.resident_bytes > 1 << 20, "{s:?}");
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let pages: u64 = stat[stat.rfind(')').unwrap() + 1..]
+            .split_whitespace()
+            .nth(24 - 3)
+            .unwrap()
+            .parse()
             .unwrap();
-        let (a, b) = (s.resident_bytes / 1024, kib);
+        let (a, b) = (s.resident_bytes / 1024, pages * 4);
         assert!(
             a.abs_diff(b) < b / 2 + 1024,
-            "stat says {a} KiB, status {b} KiB"
+            "status says {a} KiB, stat {b} KiB"
         );
         assert!(s.virtual_bytes >= s.resident_bytes, "{s:?}");
         assert!(

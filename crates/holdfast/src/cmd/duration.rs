@@ -26,6 +26,8 @@ pub fn parse_ttl(s: &str) -> Result<Duration, String> {
     }
 }
 
+/// Whole milliseconds only: the API carries milliseconds, so a finer duration would be cut (a TTL of
+/// `0.5ms` would become 0, which the server reads as its default).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let bad = |why: String| format!("{s:?} is not a duration like 250ms, 10s, 2m or 1h30m: {why}");
@@ -35,7 +37,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             .map(Duration::from_secs)
             .map_err(|e| bad(e.to_string()));
     }
-    humantime::parse_duration(s).map_err(|e| bad(e.to_string()))
+    // humantime 2 panics on a few sums that overflow (`18446744073709551615s1000ms`) instead of
+    // returning its overflow error; such input is an error here too.
+    let parsed = std::panic::catch_unwind(|| humantime::parse_duration(s))
+        .map_err(|_| bad("too large".into()))?
+        .map_err(|e| bad(e.to_string()))?;
+    if parsed.subsec_nanos() % 1_000_000 != 0 {
+        return Err(bad("finer than a millisecond".into()));
+    }
+    Ok(parsed)
 }
 
 #[cfg(test)]
@@ -58,6 +68,10 @@ mod tests {
         // Too big is an error, not an overflow (`n * 60` used to overflow).
         assert!(parse_duration("307445734561825861m").is_err());
         assert!(parse_duration("99999999999999999999").is_err());
+        assert!(parse_duration("18446744073709551615s1000ms").is_err());
+        assert!(parse_duration("500us").unwrap_err().contains("millisecond"));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1_500)));
+        assert!(parse_ttl("0.5ms").is_err());
         assert!(parse_ttl("0").unwrap_err().contains("leave --ttl out"));
         assert!(parse_ttl("0s").is_err());
         assert_eq!(parse_ttl("3"), Ok(Duration::from_secs(3)));
