@@ -104,10 +104,7 @@ pub fn apply(data_dir: &Path, c: Corruption) -> std::io::Result<Option<(PathBuf,
             }
         }
     };
-    let mut file = fs::OpenOptions::new().write(true).open(&path)?;
-    file.seek(SeekFrom::Start(offset))?;
-    file.write_all(&new)?;
-    file.sync_all()?;
+    overwrite(&path, offset, &new)?;
     let what = format!(
         "{:?} of {} byte(s) at offset {offset} of {}",
         c.damage,
@@ -115,6 +112,14 @@ pub fn apply(data_dir: &Path, c: Corruption) -> std::io::Result<Option<(PathBuf,
         path.display()
     );
     Ok(Some((path, what)))
+}
+
+/// Writes `new` over `path` at `offset`, durably.
+fn overwrite(path: &Path, offset: u64, new: &[u8]) -> std::io::Result<()> {
+    let mut file = fs::OpenOptions::new().write(true).open(path)?;
+    file.seek(SeekFrom::Start(offset))?;
+    file.write_all(new)?;
+    file.sync_all()
 }
 
 /// A misdirected write over WAL frame `target` of `frames` (which has at least two).
@@ -159,10 +164,7 @@ fn misdirect(
         // The same bytes were there already: a flip instead, so the damage is real.
         new = vec![bytes[at as usize] ^ 0x01];
     }
-    let mut file = fs::OpenOptions::new().write(true).open(path)?;
-    file.seek(SeekFrom::Start(at))?;
-    file.write_all(&new)?;
-    file.sync_all()?;
+    overwrite(path, at, &new)?;
     let what = format!(
         "Misdirected write of {} byte(s) ({}) from offset {from} of {} to offset {at} of {}",
         new.len(),

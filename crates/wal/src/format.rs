@@ -59,7 +59,8 @@ pub struct Record {
     pub payload: Vec<u8>,
 }
 
-pub(crate) fn encode_record(out: &mut Vec<u8>, r: &Record) {
+/// Appends `r` as a frame body holds it (the same in every segment version).
+pub fn encode_record(out: &mut Vec<u8>, r: &Record) {
     out.extend_from_slice(&r.group.to_le_bytes());
     out.push(r.kind);
     out.push(u8::from(r.sticky));

@@ -583,18 +583,6 @@ fn a_valid_frame_written_to_the_wrong_place_is_corruption() {
     assert_names(&msg, &seg);
 }
 
-/// A record as format version 1 and 2 encode it.
-fn encode_record(r: &Record) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&r.group.to_le_bytes());
-    out.push(r.kind);
-    out.push(u8::from(r.sticky));
-    out.extend_from_slice(&r.index.to_le_bytes());
-    out.extend_from_slice(&(r.payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&r.payload);
-    out
-}
-
 /// A segment header: magic, version, state.
 fn header(version: u32, state: &[u8; 4]) -> Vec<u8> {
     let mut h = b"HFWALSEG".to_vec();
@@ -609,6 +597,11 @@ fn header(version: u32, state: &[u8; 4]) -> Vec<u8> {
 #[test]
 fn a_version_1_log_and_its_standby_are_read_and_continued() {
     use holdfast_wal::format::{frame_crc, Place, SEGMENT_VERSION};
+    let encode_record = |r: &Record| {
+        let mut body = Vec::new();
+        holdfast_wal::format::encode_record(&mut body, r);
+        body
+    };
     let dir = tempfile::tempdir().unwrap();
     let mut old = header(1, &[0; 4]);
     let records: Vec<Record> = (1..=3u64).map(|i| rec(0, i, b"version one")).collect();
