@@ -1,0 +1,59 @@
+"""Fenced transactions on SQLite (the standard library's ``sqlite3``), as crates/fence/src/sqlite.rs.
+
+::
+
+    conn = sqlite3.connect("app.db")
+    holdfast.fence.sqlite.install(conn)
+    with session.lock("accounts/alice") as lock:
+        with holdfast.fence.sqlite.fenced_transaction(conn, "accounts/alice", lock.token) as tx:
+            (balance,) = tx.execute("SELECT balance FROM accounts WHERE name = 'alice'").fetchone()
+            tx.execute("UPDATE accounts SET balance = ? WHERE name = 'alice'", (balance + 10,))
+
+The transaction begins with ``BEGIN IMMEDIATE`` (SQLite's write lock for the whole database), checks the
+token against the highest one seen for the resource and raises it, then runs the block; it commits when the
+block ends and rolls back (fence included) if the block raises. A holder whose token is stale gets
+:class:`holdfast.fence.FenceStale` and nothing is written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from holdfast.errors import InvalidArgument
+from holdfast.fence import RW_SCHEMA, SCHEMA, FenceStale, check_token, seen_of, statements
+
+
+def install(conn: sqlite3.Connection) -> None:
+    """Creates the fencing tables if they do not exist."""
+    conn.execute(SCHEMA)
+    conn.execute(RW_SCHEMA)
+    conn.commit()
+
+
+@contextmanager
+def fenced_transaction(
+    conn: sqlite3.Connection, resource: str, token: int, *, shared: Optional[bool] = None
+) -> Iterator[sqlite3.Connection]:
+    """Runs the block in a transaction fenced by ``token`` for ``resource`` (see the module docs).
+
+    ``shared``: ``None`` for a plain lock; for a shared lock's resource, ``True`` for a shared holder
+    (refused only after a newer writer) and ``False`` for the exclusive one (refused after any newer
+    holder).
+    """
+    check_token(token)
+    if conn.in_transaction:
+        raise InvalidArgument("the connection is already in a transaction: commit or roll it back first")
+    check, seen, tokens = statements("?", shared)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        changed = conn.execute(check, (resource, *([token] * tokens))).rowcount
+        if changed != 1:
+            row = conn.execute(seen, (resource,)).fetchone()
+            raise FenceStale(resource, token, seen_of(row, shared))
+        yield conn
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()

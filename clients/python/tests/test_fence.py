@@ -1,0 +1,124 @@
+"""Fencing helpers against real resources: SQLite (stdlib), PostgreSQL (a server this test starts) and the
+reference fenced store (`holdfast fence-store`). A holder that lost its lock to a newer holder is refused and
+writes nothing."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import pytest
+
+import holdfast
+from holdfast.fence import FenceStale
+from holdfast.fence import postgres as fpg
+from holdfast.fence import sqlite as fsqlite
+from holdfast.fence.store import FencedStore, Value
+
+
+def two_holders(client: holdfast.Client, name: str) -> tuple[int, int]:
+    """The tokens of two successive holders of ``name``: the first one's session ends (as a lapsed
+    lease would) and the lock passes to the second."""
+    old = client.session()
+    t1 = old.try_acquire(name).token
+    old.close()
+    with client.session() as new:
+        t2 = new.try_acquire(name).token
+    assert t2 > t1
+    return t1, t2
+
+
+def check_fencing(
+    fenced: Callable[[int], ContextManager[Any]],
+    write: Callable[[Any, int], None],
+    read: Callable[[], int],
+    t1: int,
+    t2: int,
+) -> None:
+    with fenced(t2) as tx:
+        write(tx, 200)
+    with pytest.raises(FenceStale) as e:
+        with fenced(t1) as tx:
+            write(tx, 100)  # never runs
+    assert (e.value.token, e.value.seen) == (t1, t2)
+    assert isinstance(e.value, holdfast.StaleToken) and e.value.current == t2
+    assert read() == 200, "the stale holder wrote nothing"
+    # A block that raises rolls back its writes and the fence with them.
+    with pytest.raises(RuntimeError):
+        with fenced(t2 + 10) as tx:
+            write(tx, 300)
+            raise RuntimeError("fail inside")
+    assert read() == 200
+    with fenced(t2) as tx:  # t2 + 10 was rolled back, so t2 still passes
+        write(tx, 250)
+    assert read() == 250
+
+
+def test_sqlite(client: holdfast.Client, name: str, tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "app.db")
+    fsqlite.install(conn)
+    conn.execute("CREATE TABLE accounts (name TEXT PRIMARY KEY, balance INTEGER)")
+    conn.execute("INSERT INTO accounts VALUES ('alice', 0)")
+    conn.commit()
+    t1, t2 = two_holders(client, name)
+
+    def write(tx: sqlite3.Connection, v: int) -> None:
+        tx.execute("UPDATE accounts SET balance = ? WHERE name = 'alice'", (v,))
+
+    def read() -> int:
+        return int(conn.execute("SELECT balance FROM accounts").fetchone()[0])
+
+    check_fencing(lambda t: fsqlite.fenced_transaction(conn, name, t), write, read, t1, t2)
+    with pytest.raises(holdfast.InvalidArgument):
+        with fsqlite.fenced_transaction(conn, name, 0):
+            pass
+
+
+def test_sqlite_shared_readers_pass_until_a_newer_writer(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "rw.db")
+    fsqlite.install(conn)
+    with fsqlite.fenced_transaction(conn, "r", 5, shared=True):
+        pass
+    with fsqlite.fenced_transaction(conn, "r", 4, shared=True):  # an older reader: still fine
+        pass
+    with fsqlite.fenced_transaction(conn, "r", 6, shared=False):  # a newer writer
+        pass
+    with pytest.raises(FenceStale) as e:
+        with fsqlite.fenced_transaction(conn, "r", 5, shared=True):
+            pass
+    assert e.value.seen == 6
+
+
+def test_postgres(client: holdfast.Client, name: str, postgres_dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(postgres_dsn) as conn:
+        fpg.install(conn)
+        with conn.transaction():
+            conn.execute("CREATE TABLE IF NOT EXISTS accounts (name TEXT PRIMARY KEY, balance INTEGER)")
+            conn.execute("INSERT INTO accounts VALUES ('alice', 0) ON CONFLICT DO NOTHING")
+        t1, t2 = two_holders(client, name)
+
+        def write(tx: Any, v: int) -> None:
+            tx.execute("UPDATE accounts SET balance = %s WHERE name = 'alice'", (v,))
+
+        def read() -> int:
+            with conn.transaction():
+                row = conn.execute("SELECT balance FROM accounts WHERE name = 'alice'").fetchone()
+            assert row is not None
+            return int(row[0])
+
+        check_fencing(lambda t: fpg.fenced_transaction(conn, name, t), write, read, t1, t2)
+
+
+def test_fenced_store(client: holdfast.Client, name: str, fence_store: str) -> None:
+    store = FencedStore(fence_store)
+    t1, t2 = two_holders(client, name)
+    assert store.write(name, t2, b"new") == t2
+    with pytest.raises(FenceStale) as e:
+        store.write(name, t1, b"old")
+    assert e.value.seen == t2
+    assert store.read(name, t2) == Value(b"new", t2)
+    assert store.read(name + "/never", t2) is None
+    store.close()

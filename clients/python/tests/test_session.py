@@ -1,0 +1,96 @@
+"""Sessions and the client-side lease on a real cluster, through real faults: a session closed behind the
+client's back, a leader killed (the client follows the new one and the session survives), and a cluster
+that lost its quorum (the lease runs out on the client's clock, before the server could expire it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import holdfast
+from holdfast.v1 import lock_pb2
+from conftest import DevCluster
+
+
+def test_keepalives_keep_a_session_past_its_ttl(client: holdfast.Client, name: str) -> None:
+    with client.session(ttl=2) as s:
+        assert s.ttl == 2.0
+        lock = s.try_acquire(name)
+        done = s.wait_lost(timeout=5)  # 2.5 TTLs
+        assert done is None and s.is_valid() and lock.is_valid()
+        info = client.describe(name)
+        assert info is not None and info.holder_session_id == s.id_for(name)
+
+
+def test_a_session_closed_elsewhere_is_lost_and_on_lost_fires(client: holdfast.Client, name: str) -> None:
+    fired: list[str] = []
+    called = threading.Event()
+
+    def on_lost(why: str) -> None:
+        fired.append(why)
+        called.set()
+
+    s = client.session(ttl=2, on_lost=on_lost)
+    for group, sid in enumerate(s.ids):
+        client.call(
+            group,
+            "CloseSession",
+            lock_pb2.CloseSessionRequest(group=group, session_id=sid, session_secret=s._secrets[group]),
+        )
+    why = s.wait_lost(timeout=10)
+    assert why is not None and "expired or closed" in why
+    assert called.wait(5) and fired == [why]
+    assert not s.is_valid()
+
+
+def test_a_killed_leader_costs_no_session(client: holdfast.Client, cluster: DevCluster, name: str) -> None:
+    group = holdfast.group_for(name, client.groups)
+    with client.session(ttl=5) as s:
+        before = s.try_acquire(name)
+        leader = cluster.leader_of(group)
+        cluster.control("kill", leader)
+        try:
+            before.release()  # follows the new leader; same request id on retries
+            after = s.acquire(name, timeout=10)
+            assert after.token > before.token
+            assert cluster.leader_of(group) != leader
+            assert s.is_valid(), s.lost_reason
+            after.release()
+        finally:
+            cluster.control("restart", leader)
+            cluster.wait_all_groups_led()
+
+
+def test_without_a_quorum_the_lease_runs_out_on_the_client(
+    client: holdfast.Client, cluster: DevCluster, name: str
+) -> None:
+    s = client.session(ttl=3)
+    s.try_acquire(name)
+    killed = [1, 2, 3]
+    start = time.monotonic()
+    remaining = s.lease_remaining()
+    # The lease runs from the last renewal sent, less a tenth of the TTL for clock-rate differences.
+    assert remaining is not None and remaining <= 0.9 * 3
+    for n in killed:
+        cluster.control("kill", n)
+    try:
+        why = s.wait_lost(timeout=10)
+        waited = time.monotonic() - start
+        assert why == "no keepalive succeeded within the TTL"
+        # Never before the lease ran out; and at most a TTL after the last renewal that succeeded, which
+        # is a little after the kills (a leader cut off from its quorum still answers until it notices).
+        assert remaining - 0.01 <= waited <= 3 + 2, f"lost after {waited:.2f} s, lease {remaining:.2f} s"
+        try:
+            s.try_acquire(name)
+            raise AssertionError("an acquire on a lost session succeeded")
+        except holdfast.LeaseLost:
+            pass
+    finally:
+        for n in killed:
+            cluster.control("restart", n)
+        cluster.wait_all_groups_led()
+    # The servers expire the session on their own clock: the lock is freed.
+    end = time.monotonic() + 30
+    while client.describe(name) is not None:
+        assert time.monotonic() < end, "the lost session's lock was never freed"
+        time.sleep(0.1)
