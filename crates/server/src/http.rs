@@ -1,6 +1,6 @@
 //! A minimal HTTP/1.1 endpoint for operators: `GET /metrics` (Prometheus text), `/healthz` (the process
 //! serves), `/readyz` (a write or linearizable read of every group can be served now, see
-//! [`NodeShared::readiness`]). One request per connection; requests over 8 KiB or
+//! [`NodeShared::readiness`]), and the dashboard at `/ui` (see [`crate::ui`]). One request per connection; requests over 8 KiB or
 //! slower than 5 s are dropped. Over TLS when the server has it (no client certificate asked for).
 
 use crate::node::NodeShared;
@@ -69,14 +69,18 @@ async fn handle<S: AsyncRead + AsyncWrite + Unpin>(
     }
     let line = String::from_utf8_lossy(&buf);
     let path = line.split_whitespace().nth(1).unwrap_or("/");
-    let (status, content_type, body) = match path {
-        "/metrics" => ("200 OK", "text/plain; version=0.0.4", node.render_metrics()),
-        "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
-        "/readyz" => match node.readiness().await {
-            Ok(()) => ("200 OK", "text/plain", "ready\n".to_string()),
-            Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
-        },
-        _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+    let (status, content_type, body) = if let Some(reply) = crate::ui::handle(&node, path) {
+        reply
+    } else {
+        match path {
+            "/metrics" => ("200 OK", "text/plain; version=0.0.4", node.render_metrics()),
+            "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+            "/readyz" => match node.readiness().await {
+                Ok(()) => ("200 OK", "text/plain", "ready\n".to_string()),
+                Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
+            },
+            _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+        }
     };
     let head = format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
     stream.write_all(head.as_bytes()).await?;

@@ -41,6 +41,7 @@ pub mod skew;
 pub mod snapshot_store;
 pub mod state_machine;
 pub mod tls;
+pub mod ui;
 pub mod watch;
 
 pub use config::{Member, ServerConfig};

@@ -206,6 +206,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
         Ok(leader) => {
             println!("holdfast dev cluster ready in {:.1}s ({} servers, leader of group 0: node {leader})", started.elapsed().as_secs_f64(), plan.nodes);
             let http = if plan.tls.is_some() { "https" } else { "http" };
+            println!(
+                "  dashboard: {http}://127.0.0.1:{}/ui (any server's http port serves one)",
+                plan.port(1, 200)
+            );
             for n in 1..=plan.nodes {
                 println!("  node {n}: client 127.0.0.1:{}  peer 127.0.0.1:{}  http {http}://127.0.0.1:{}/metrics", plan.port(n, 0), plan.port(n, 100), plan.port(n, 200));
             }

@@ -79,6 +79,7 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     let c = Cluster::start(Options {
         nodes: 3,
         tls: true,
+        http: true,
         server_args: vec![format!("--policy={}", policy_path.display())],
         ..Options::default()
     })
@@ -91,6 +92,21 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     let alice = client_as(&c, Some("alice"), None).await.unwrap();
     let session = alice.open_session(Duration::from_secs(10)).await.unwrap();
     let guard = session.try_acquire("a/x").await.unwrap();
+    // The dashboard's HTTP port authenticates nobody: with a policy it shows counts, never names.
+    for path in [
+        "/ui/api/locks",
+        "/ui/api/locks?prefix=a%2F",
+        "/ui/api/sessions",
+    ] {
+        let (code, body) = c.http_get(1, path).await;
+        assert_eq!(code, 403, "{path}: {body}");
+        assert!(!body.contains("a/x"), "{body}");
+    }
+    let (code, body) = c.http_get(1, "/ui/api/overview").await;
+    assert!(
+        code == 200 && body.contains("\"lists_allowed\":false") && !body.contains("a/x"),
+        "{body}"
+    );
     let before = digest(&c).await;
     denied(
         session.try_acquire("b/x").await,

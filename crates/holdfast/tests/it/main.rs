@@ -26,5 +26,6 @@ mod secrets;
 mod shared;
 mod storage;
 mod tls;
+mod ui;
 mod upgrade;
 mod watch;
