@@ -1,18 +1,23 @@
 """Builds the package with its gRPC stubs generated from the Holdfast protocol files.
 
-The protocol lives in the repository's proto/holdfast/v1 (the contract for every client); the stubs are
-generated into the build directory by grpcio-tools on every build, so they always match it. Set
-HOLDFAST_PROTO_DIR to build from a copy of the protocol elsewhere.
+The protocol lives in the repository's proto/holdfast/v1 (the contract for every client). Every build
+regenerates the stubs with grpcio-tools (a build requirement) into src/holdfast/v1, which is not checked in,
+so they always match the protocol; a package built from anything but a Holdfast checkout needs
+HOLDFAST_PROTO_DIR pointing at a copy of proto/. The runtime requirements follow the generator: grpcio at
+least the grpcio-tools version, protobuf of the major version the stubs were generated for and at least
+that version (the stubs check both when imported).
 """
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 from setuptools import setup
-from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 PROTOS = ["holdfast/v1/lock.proto", "holdfast/v1/fence.proto"]
+OUT = HERE / "src"
 
 
 def proto_dir() -> Path:
@@ -25,51 +30,37 @@ def proto_dir() -> Path:
     return root
 
 
-def protobuf_requirement() -> str:
-    """The protobuf runtime the generated code needs: the major version grpcio-tools generates for, at
-    least at the version it was built with (the stubs check this when imported)."""
+def generate() -> list[str]:
+    """Generates the stubs and returns the runtime requirements they need."""
     try:
-        from google.protobuf import __version__ as v
-    except ImportError:  # metadata-only steps may run without the build requirements
-        return "protobuf>=5.27"
-    major = int(v.split(".")[0])
-    return f"protobuf>={v},<{major + 1}"
-
-
-class BuildWithStubs(build_py):
-    def run(self) -> None:
-        super().run()
-        from grpc_tools import protoc
         import grpc_tools
-
-        out = Path(self.build_lib)
-        include = Path(grpc_tools.__file__).parent / "_proto"
-        args = [
-            "grpc_tools.protoc",
-            f"-I{proto_dir()}",
-            f"-I{include}",
-            f"--python_out={out}",
-            f"--pyi_out={out}",
-            f"--grpc_python_out={out}",
-            *PROTOS,
-        ]
-        if protoc.main(args) != 0:
-            raise SystemExit("grpc_tools.protoc failed on " + ", ".join(PROTOS))
-        (out / "holdfast" / "v1" / "__init__.py").write_text(
-            '"""Generated from proto/holdfast/v1 by grpcio-tools at build time."""\n'
-        )
-
-
-def grpcio_requirement() -> str:
-    """The stubs refuse a grpcio older than the grpcio-tools that generated them."""
-    try:
-        from grpc_tools.grpc_version import VERSION
+        from grpc_tools import protoc
+        from grpc_tools.grpc_version import VERSION as grpc_version
     except ImportError:
-        return "grpcio>=1.66"
-    return f"grpcio>={VERSION}"
+        raise SystemExit("building the holdfast package needs grpcio-tools (pip install grpcio-tools)")
+    target = OUT / "holdfast" / "v1"
+    shutil.rmtree(target, ignore_errors=True)  # nothing stale from a removed .proto
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    args = [
+        "grpc_tools.protoc",
+        f"-I{proto_dir()}",
+        f"-I{include}",
+        f"--python_out={OUT}",
+        f"--pyi_out={OUT}",
+        f"--grpc_python_out={OUT}",
+        *PROTOS,
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit("grpc_tools.protoc failed on " + ", ".join(PROTOS))
+    (target / "__init__.py").write_text(
+        '"""Generated from proto/holdfast/v1 by grpcio-tools when the package was built."""\n'
+    )
+    header = (target / "lock_pb2.py").read_text()
+    m = re.search(r"^# Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", header, re.M)
+    if m is None:
+        raise SystemExit("cannot tell which protobuf version the generated stubs need")
+    major = int(m.group(1))
+    return [f"grpcio>={grpc_version}", f"protobuf>={'.'.join(m.groups())},<{major + 1}"]
 
 
-setup(
-    cmdclass={"build_py": BuildWithStubs},
-    install_requires=[grpcio_requirement(), protobuf_requirement()],
-)
+setup(install_requires=generate())

@@ -614,11 +614,14 @@ impl Session {
         Ok(())
     }
 
-    /// Closes the session in every group, releasing all its locks. Stops the keepalives.
+    /// Closes the session in every group, releasing all its locks. Stops the keepalives. The lease
+    /// ends first (`lost()` fires), so no clone of this session still acts as a holder once the server
+    /// has freed a lock; if closing fails, the session is renewed no more and the servers expire it.
     pub async fn close(self) -> Result<(), Error> {
         if let Some(task) = self.inner.keepalive.lock().expect("keepalive lock").take() {
             task.abort();
         }
+        self.inner.mark_lost("session closed".into());
         for (group, &session_id) in self.inner.ids.iter().enumerate() {
             let group = group as u32;
             self.inner
@@ -626,7 +629,6 @@ impl Session {
                 .close_in(group, session_id, self.inner.secret_in(group))
                 .await?;
         }
-        self.inner.mark_lost("session closed".into());
         Ok(())
     }
 }

@@ -197,8 +197,6 @@ def from_rpc_error(error: grpc.RpcError) -> Exception:
             return Retry(f"{code.name}: {message}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgument(message)
-        if code == grpc.StatusCode.PERMISSION_DENIED:
-            return PermissionDenied(message)
         return HoldfastError(f"{code.name}: {message}")
     R = lock_pb2.Reason
     reason = d.reason  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -82,8 +83,13 @@ class Session:
         self._valid_until = started + granted - granted / 10
         self._next_due = started + granted / 3
         self._next_request = [1] * len(self.ids)
+        # The thread holds the session only weakly (between rounds), so a session nobody refers to any
+        # more (no Session, no Lock) stops being renewed and the servers expire it, as in Rust.
         self._thread = threading.Thread(
-            target=self._keepalive, name=f"holdfast-keepalive-{self.ids[0]}", daemon=True
+            target=_keepalive_loop,
+            args=(weakref.ref(self), self._cond),
+            name=f"holdfast-keepalive-{self.ids[0]}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -135,35 +141,35 @@ class Session:
         with self._cond:
             self._mark_lost_locked(why)
 
-    def _keepalive(self) -> None:
-        while True:
+    def _keepalive_step(self) -> Optional[float]:
+        """Renews the session if a round is due. Returns how long to wait before the next step, or
+        ``None`` when the keepalives are over (closed or lost)."""
+        with self._cond:
+            if self._closed or self._lost is not None:
+                return None
+            now = time.monotonic()
+            if now >= self._valid_until:
+                self._mark_lost_locked("no keepalive succeeded within the TTL")
+                return None
+            if now < self._next_due:
+                return min(self._next_due, self._valid_until) - now
+            valid_until = self._valid_until
+        sent = time.monotonic()
+        try:
+            granted = self._renew(valid_until)
+        except errors.SessionUnknown as e:
+            self._mark_lost(f"the server expired or closed the session: {e}")
+            return None
+        except Exception as e:  # unavailable: try again soon, until the lease runs out
+            log.debug("keepalive failed; retrying: %s", e)
             with self._cond:
-                while not self._closed and self._lost is None:
-                    now = time.monotonic()
-                    if now >= self._valid_until:
-                        self._mark_lost_locked("no keepalive succeeded within the TTL")
-                        break
-                    if now >= self._next_due:
-                        break
-                    self._cond.wait(min(self._next_due, self._valid_until) - now)
-                if self._closed or self._lost is not None:
-                    return
-                valid_until = self._valid_until
-            sent = time.monotonic()
-            try:
-                granted = self._renew(valid_until)
-            except errors.SessionUnknown as e:
-                self._mark_lost(f"the server expired or closed the session: {e}")
-                return
-            except Exception as e:  # unavailable: try again soon, until the lease runs out
-                log.debug("keepalive failed; retrying: %s", e)
-                with self._cond:
-                    self._next_due = time.monotonic() + 0.2
-                continue
-            with self._cond:
-                self._valid_until = max(self._valid_until, sent + granted - granted / 10)
-                self._next_due = sent + granted / 3
-                self._cond.notify_all()
+                self._next_due = time.monotonic() + 0.2
+            return 0.0
+        with self._cond:
+            self._valid_until = max(self._valid_until, sent + granted - granted / 10)
+            self._next_due = max(self._next_due, sent + granted / 3)
+            self._cond.notify_all()
+        return 0.0
 
     def _renew(self, valid_until: float) -> float:
         """One keepalive round over every group; the smallest TTL granted, in seconds."""
@@ -244,16 +250,16 @@ class Session:
             r = self.client.call(group, "Acquire", Lazy(request), extra=timeout)
         except errors.HoldfastError as e:
             if not e.not_applied:
-                self._cancel(name, group, request_id)
+                self._cancel_in_background(name, group, request_id)
             raise
         except BaseException:
             # Interrupted (KeyboardInterrupt, ...): the server may grant it later; take it back.
-            self._cancel(name, group, request_id)
+            self._cancel_in_background(name, group, request_id)
             raise
         if not self.is_valid():
             # The server may already have expired this session and granted the lock to someone else.
             self._mark_lost("no keepalive succeeded within the TTL")
-            self._cancel(name, group, request_id)
+            self._cancel_in_background(name, group, request_id)
             raise errors.LeaseLost(
                 f"the grant of lock {name!r} (token {r.token}) arrived after this session's lease may "
                 "have lapsed; it was released (or ends with the session)"
@@ -283,23 +289,45 @@ class Session:
             dict(value=value, shared=shared, permits=permits, lock_delay=lock_delay),
         )
 
-    def _cancel(self, name: str, group: int, request_id: int) -> None:
-        """Cancels an acquire whose outcome this client will not learn: its wait is removed, or the lock
-        released if it was granted. Best effort: a lost session ends the grant by expiring."""
-        try:
-            self.client.call(
-                group,
-                "CancelAcquire",
-                lock_pb2.CancelAcquireRequest(
-                    group=group,
-                    session_id=self.ids[group],
-                    request_id=request_id,
-                    name=name,
-                    session_secret=self._secrets[group],
-                ),
-            )
-        except Exception as e:
-            log.warning("cancelling an abandoned acquire of %r failed: %s", name, e)
+    def cancel_acquire(self, name: str, request_id: int) -> None:
+        """Cancels the acquire ``request_id`` of ``name``: its wait is removed, or the lock released if it
+        was granted. Idempotent."""
+        group = group_for(name, self.client.groups)
+        self.client.call(
+            group,
+            "CancelAcquire",
+            lock_pb2.CancelAcquireRequest(
+                group=group,
+                session_id=self.ids[group],
+                request_id=request_id,
+                name=name,
+                session_secret=self._secrets[group],
+            ),
+        )
+
+    def _cancel_in_background(self, name: str, group: int, request_id: int) -> None:
+        """Cancels an acquire whose outcome this client will not learn, on a thread of its own, retrying
+        until the server answers, the session is gone, or its lease is lost (a lost session is renewed no
+        more, so the servers expire it and its locks with it)."""
+
+        def run() -> None:
+            while True:
+                try:
+                    self.cancel_acquire(name, request_id)
+                    return
+                except errors.SessionUnknown:
+                    return
+                except (errors.InvalidArgument, errors.NotHolder, errors.PermissionDenied) as e:
+                    log.warning("cancelling an abandoned acquire of %r failed: %s", name, e)
+                    return
+                except Exception as e:
+                    log.debug("cancelling an abandoned acquire of %r; retrying: %s", name, e)
+                with self._cond:
+                    if self._lost is not None:
+                        return
+                    self._cond.wait(0.5)
+
+        threading.Thread(target=run, name=f"holdfast-cancel-{request_id}", daemon=True).start()
 
     def release(self, name: str, token: int) -> None:
         """Releases ``name`` held with ``token``. Raises :class:`errors.StaleToken` or
@@ -345,14 +373,14 @@ class Session:
                     raise
 
     def close(self) -> None:
-        """Closes the session in every group, releasing all its locks, and stops the keepalives."""
+        """Closes the session in every group, releasing all its locks, and stops the keepalives. The
+        lease ends first, so no thread of this process still acts as a holder once a lock is free."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._mark_lost_locked("session closed")
         self._close_groups(best_effort=False)
-        self._mark_lost("session closed")
 
     def __enter__(self) -> "Session":
         return self
@@ -416,12 +444,27 @@ class _LockContext:
         assert self._lock is not None
         try:
             self._lock.release()
-        except (errors.StaleToken, errors.NotHolder, errors.SessionUnknown, errors.Unavailable):
-            # Raised only when the block itself succeeded: a grant that ended before the block did means
-            # its work may not have been exclusive, and the caller must hear of it.
+        except Exception:
+            # Raised only when the block itself succeeded (a grant that ended before the block did means
+            # its work may not have been exclusive, and the caller must hear of it); never in place of
+            # the block's own exception.
             if kind is None:
                 raise
             log.warning("releasing %r failed", self._name, exc_info=True)
+
+
+def _keepalive_loop(ref: "weakref.ref[Session]", cond: threading.Condition) -> None:
+    while True:
+        session = ref()
+        if session is None:
+            return
+        wait = session._keepalive_step()
+        del session  # not held while waiting
+        if wait is None:
+            return
+        if wait > 0:
+            with cond:
+                cond.wait(wait)
 
 
 def _call_quietly(callback: Callable[[str], None], why: str) -> None:

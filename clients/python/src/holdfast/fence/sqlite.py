@@ -43,9 +43,14 @@ def fenced_transaction(
     holder).
     """
     check_token(token)
+    if getattr(conn, "autocommit", None) is False:
+        # Python 3.12's autocommit=False keeps a transaction open at all times, so this one could not
+        # begin with the write lock.
+        raise InvalidArgument("the connection has autocommit=False: use the default, or autocommit=True")
     if conn.in_transaction:
         raise InvalidArgument("the connection is already in a transaction: commit or roll it back first")
     check, seen, tokens = statements("?", shared)
+    # Explicit statements, not conn.commit()/rollback(), which do nothing under autocommit=True.
     conn.execute("BEGIN IMMEDIATE")
     try:
         changed = conn.execute(check, (resource, *([token] * tokens))).rowcount
@@ -53,7 +58,9 @@ def fenced_transaction(
             row = conn.execute(seen, (resource,)).fetchone()
             raise FenceStale(resource, token, seen_of(row, shared))
         yield conn
+        if conn.in_transaction:  # (a block that committed itself committed the fence with its writes)
+            conn.execute("COMMIT")
     except BaseException:
-        conn.rollback()
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")  # also after a failed COMMIT, which leaves the transaction open
         raise
-    conn.commit()

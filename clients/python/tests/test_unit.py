@@ -1,0 +1,310 @@
+"""The client's safety paths against scripted servers: error classification, retries keeping the request
+id, redirects, the cancel of an acquire whose outcome is unknown, a grant that arrives after the lease
+lapsed, the lease rule, and a forgotten session that stops being renewed. The servers here are in-process
+fakes that answer each RPC as the test scripts it (the real cluster tests cover the rest), so faults that
+are hard to cause on a real cluster at an exact moment can be placed exactly."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import grpc
+import pytest
+
+import holdfast
+from holdfast import errors
+from holdfast.client import Client, _Server
+from holdfast.v1 import lock_pb2
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, message: str = "", detail: Optional[lock_pb2.ErrorDetail] = None):
+        super().__init__(message)
+        self._code, self._message = code, message
+        self._trailing = (
+            (("grpc-status-details-bin", detail.SerializeToString()),) if detail is not None else ()
+        )
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+    def trailing_metadata(self) -> Any:
+        return self._trailing
+
+
+def reason(r: int, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION, **fields: Any) -> FakeRpcError:
+    return FakeRpcError(code, lock_pb2.Reason.Name(r).lower(), lock_pb2.ErrorDetail(reason=r, **fields))
+
+
+class FakeServer:
+    """Answers each method with ``handlers[method](request)``; records every request."""
+
+    def __init__(self, handlers: dict[str, Callable[[Any], Any]]) -> None:
+        self.handlers = handlers
+        self.calls: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        def call(request: Any, timeout: float, metadata: Any) -> Any:
+            with self.lock:
+                self.calls.append((method, request))
+            handler = self.handlers.get(method)
+            if handler is None:
+                raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down")
+            return handler(request)
+
+        return call
+
+    def requests(self, method: str) -> list[Any]:
+        with self.lock:
+            return [r for m, r in self.calls if m == method]
+
+
+class FakeChannel:
+    def close(self) -> None:
+        pass
+
+
+def fake_client(servers: list[FakeServer], request_timeout: float = 2.0) -> Client:
+    c = object.__new__(Client)
+    c.request_timeout = request_timeout
+    c.attempt_timeout = 0.5
+    c.discover = True
+    c._tls = None
+    c._metadata = ()
+    c._lock = threading.Lock()
+    c._servers = []
+    for i, s in enumerate(servers):
+        srv = object.__new__(_Server)
+        srv.endpoint, srv.channel, srv.stub = f"127.0.0.1:{9001 + i}", FakeChannel(), s
+        c._servers.append(srv)
+    import random
+
+    c._random = random.Random(1)
+    c.groups = 1
+    c._leaders = [0]
+    return c
+
+
+def opens(ttl_ms: int = 3000) -> Callable[[Any], Any]:
+    return lambda r: lock_pb2.OpenSessionResponse(session_id=7, ttl_ms=ttl_ms, session_secret=b"s" * 16)
+
+
+def renews(ttl_ms: int = 3000) -> Callable[[Any], Any]:
+    return lambda r: lock_pb2.KeepAliveResponse(
+        results=[lock_pb2.KeepAliveResult(session_id=7, alive=True, ttl_ms=ttl_ms)]
+    )
+
+
+def closes(r: Any) -> Any:
+    return lock_pb2.CloseSessionResponse()
+
+
+def down(r: Any) -> Any:
+    raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+
+R = lock_pb2.Reason
+
+
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (reason(R.LOCK_HELD, holder_session_id=3, current_token=9), errors.LockHeld),
+        (reason(R.SESSION_UNKNOWN, grpc.StatusCode.NOT_FOUND), errors.SessionUnknown),
+        (reason(R.STALE_TOKEN, current_token=9), errors.StaleToken),
+        (reason(R.NOT_HOLDER), errors.NotHolder),
+        (reason(R.LIMIT_EXCEEDED, limit="max_name_bytes", limit_value=256), errors.LimitExceeded),
+        (reason(R.WRONG_GROUP, grpc.StatusCode.INVALID_ARGUMENT), errors.InvalidArgument),
+        (reason(R.REQUEST_ID_TOO_OLD), errors.RequestIdTooOld),
+        (reason(R.ACCESS_DENIED, grpc.StatusCode.PERMISSION_DENIED), errors.PermissionDenied),
+        (reason(R.ACQUIRE_ABANDONED, grpc.StatusCode.ABORTED), errors.Abandoned),
+        (reason(R.PERMITS_MISMATCH, limit_value=2), errors.PermitsMismatch),
+        (reason(R.COMPACTED, grpc.StatusCode.OUT_OF_RANGE), errors.Compacted),
+        (reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE, leader_endpoint="h:1"), errors.Redirect),
+        (reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE), errors.Retry),
+        (reason(R.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE), errors.Retry),
+        (FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED), errors.Retry),
+        (FakeRpcError(grpc.StatusCode.UNAVAILABLE), errors.Retry),
+        (FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT), errors.InvalidArgument),
+        (FakeRpcError(grpc.StatusCode.UNIMPLEMENTED), errors.Unavailable),
+    ],
+)
+def test_errors_are_classified_as_the_rust_client_does(error: FakeRpcError, expected: type) -> None:
+    got = errors.from_rpc_error(error)
+    assert type(got) is expected
+    if isinstance(got, errors.LockHeld):
+        assert (got.holder_session, got.token, got.not_applied) == (3, 9, True)
+    if isinstance(got, errors.LimitExceeded):
+        assert (got.limit, got.value) == ("max_name_bytes", 256)
+    if isinstance(got, errors.PermitsMismatch):
+        assert got.permits == 2
+    if isinstance(got, errors.InvalidArgument) and error.trailing_metadata():
+        assert got.reason == "WRONG_GROUP"
+
+
+def test_a_permission_denied_without_detail_may_have_been_applied() -> None:
+    got = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.PERMISSION_DENIED, "no"))
+    assert isinstance(got, errors.HoldfastError) and not got.not_applied
+
+
+def test_a_retry_goes_to_the_next_server_with_the_same_request_id() -> None:
+    granted = lambda r: lock_pb2.AcquireResponse(token=42)  # noqa: E731
+    a = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "Acquire": down})
+    b = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "Acquire": granted, "CloseSession": closes})
+    c = fake_client([a, b])
+    with c.session() as s:
+        lock = s.acquire("x", timeout=5)
+        assert lock.token == 42
+        (first,), (second,) = a.requests("Acquire"), b.requests("Acquire")
+        assert first.request_id == second.request_id == 1
+        assert second.wait_timeout_ms <= first.wait_timeout_ms and second.client_cancels
+        assert c._leader_of(0) == 1, "the server that answered is the leader now"
+        assert s.acquire("y", timeout=0).token == 42
+        assert b.requests("Acquire")[-1].request_id == 2, "a new request gets a new id"
+
+
+def test_a_not_leader_answer_is_followed_at_once() -> None:
+    leader = FakeServer({"Release": lambda r: lock_pb2.ReleaseResponse()})
+    follower = FakeServer(
+        {"Release": lambda r: (_ for _ in ()).throw(
+            reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE, leader_endpoint="127.0.0.1:9002"))}
+    )
+    c = fake_client([follower, leader])
+    c.call(0, "Release", lock_pb2.ReleaseRequest(name="x", request_id=5))
+    assert [r.request_id for r in leader.requests("Release")] == [5]
+    assert c._leader_of(0) == 1
+
+
+def test_a_redirect_to_a_new_server_is_learned() -> None:
+    follower = FakeServer(
+        {"Describe": lambda r: (_ for _ in ()).throw(
+            reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE, leader_endpoint="127.0.0.1:1"))}
+    )
+    c = fake_client([follower], request_timeout=0.3)
+    with pytest.raises(errors.Unavailable):
+        c.call(0, "Describe", lock_pb2.DescribeRequest(name="x"))
+    assert "127.0.0.1:1" in c.endpoints, "the leader named by the redirect was added"
+
+
+def test_an_acquire_with_an_unknown_outcome_is_cancelled() -> None:
+    cancelled = threading.Event()
+
+    def cancel(r: Any) -> Any:
+        cancelled.set()
+        return lock_pb2.CancelAcquireResponse()
+
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
+    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(
+        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"))
+    c = fake_client([server], request_timeout=0.4)
+    s = c.session()
+    with pytest.raises(errors.Unavailable):
+        s.acquire("x", timeout=0)
+    assert cancelled.wait(10), "the acquire whose outcome is unknown was never cancelled"
+    (acquire, *_), (cancel_req,) = server.requests("Acquire"), server.requests("CancelAcquire")
+    assert (cancel_req.name, cancel_req.request_id, cancel_req.session_id) == ("x", acquire.request_id, 7)
+
+
+def test_a_refused_acquire_is_not_cancelled() -> None:
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews()})
+    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(reason(R.LOCK_HELD, grpc.StatusCode.ABORTED))
+    c = fake_client([server])
+    s = c.session()
+    with pytest.raises(errors.LockHeld):
+        s.try_acquire("x")
+    assert server.requests("CancelAcquire") == []
+
+
+def test_a_grant_that_arrives_after_the_lease_lapsed_is_released_not_returned() -> None:
+    cancelled = threading.Event()
+
+    def slow_grant(r: Any) -> Any:
+        time.sleep(2.1)  # past the lease: 0.9 of the 2 s TTL, with no renewal succeeding meanwhile
+        return lock_pb2.AcquireResponse(token=5)
+
+    def cancel(r: Any) -> Any:
+        cancelled.set()
+        return lock_pb2.CancelAcquireResponse()
+
+    server = FakeServer(
+        {"OpenSession": opens(2000), "KeepAlive": down, "Acquire": slow_grant, "CancelAcquire": cancel}
+    )
+    c = fake_client([server], request_timeout=5)
+    c.attempt_timeout = 5
+    s = c.session(ttl=2)
+    with pytest.raises(errors.LeaseLost, match="token 5"):
+        s.acquire("x", timeout=0)
+    assert cancelled.wait(10), "the late grant was not released"
+    assert not s.is_valid()
+
+
+def test_the_lease_ends_a_tenth_of_the_ttl_before_the_server_could_expire_the_session() -> None:
+    server = FakeServer({"OpenSession": opens(2000), "KeepAlive": down})
+    c = fake_client([server])
+    sent = time.monotonic()
+    s = c.session(ttl=2)
+    remaining = s.lease_remaining()
+    assert remaining is not None and remaining <= 1.8
+    why = s.wait_lost(timeout=5)
+    lost_after = time.monotonic() - sent
+    assert why == "no keepalive succeeded within the TTL"
+    # Counted from when the open was sent (the server counts from when it received it, later).
+    assert 1.8 - 0.01 <= lost_after < 2.0, lost_after
+    assert len(server.requests("KeepAlive")) >= 2, "renewals were retried meanwhile"
+
+
+def test_a_renewal_extends_the_lease_from_when_it_was_sent() -> None:
+    gate = threading.Event()
+    renewed = threading.Event()
+    sent_at: list[float] = []
+
+    def slow_renewal(r: Any) -> Any:
+        sent_at.append(time.monotonic())
+        gate.wait(5)
+        time.sleep(0.5)  # the answer comes 0.5 s after the request was sent
+        renewed.set()
+        return renews(2000)(r)
+
+    server = FakeServer({"OpenSession": opens(2000), "KeepAlive": slow_renewal, "CloseSession": closes})
+    c = fake_client([server])
+    with c.session(ttl=2) as s:
+        gate.set()
+        assert renewed.wait(5)
+        time.sleep(0.05)
+        remaining = s.lease_remaining()
+        assert remaining is not None
+        assert remaining <= sent_at[0] + 1.8 - time.monotonic() + 0.01
+
+
+def test_a_forgotten_session_stops_being_renewed() -> None:
+    server = FakeServer({"OpenSession": opens(2000), "KeepAlive": renews(2000)})
+    c = fake_client([server])
+    s = c.session(ttl=2)
+    thread = s._thread
+    del s
+    gc.collect()
+    thread.join(2)  # at most one renewal interval (TTL/3)
+    assert not thread.is_alive(), "the keepalive thread kept a session nobody refers to alive"
+
+
+def test_close_ends_the_lease_before_the_server_frees_the_locks() -> None:
+    valid_during_close: list[bool] = []
+    holder: list[holdfast.Session] = []
+
+    def close(r: Any) -> Any:
+        valid_during_close.append(holder[0].is_valid())
+        return lock_pb2.CloseSessionResponse()
+
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CloseSession": close})
+    c = fake_client([server])
+    holder.append(c.session())
+    holder[0].close()
+    assert valid_during_close == [False]
+    assert holder[0].lost_reason == "session closed"
