@@ -62,6 +62,8 @@ impl Default for WalOptions {
 
 enum Op {
     Append(Vec<Record>, Done),
+    /// Records nobody waits for (see [`Wal::append_lazy`]).
+    Lazy(Vec<Record>),
     Release(u32, u64),
 }
 
@@ -104,6 +106,7 @@ impl Wal {
             standby,
             next_seq,
             sticky,
+            lazy: Vec::new(),
             released: BTreeMap::new(),
             poisoned: None,
             pinning: Arc::default(),
@@ -165,6 +168,19 @@ impl Wal {
         }
         #[cfg(holdfast_sim)]
         self.wake.notify_one();
+    }
+
+    /// Queues `records` to be written with the next append that is waited for (or when the log closes),
+    /// never on their own: for hints whose loss in a crash costs nothing, such as the committed index,
+    /// which would otherwise cost a write and an `fdatasync` of its own after every commit. They keep
+    /// their place in order after everything queued before them.
+    pub fn append_lazy(&self, records: Vec<Record>) {
+        if records.iter().any(|r| r.payload.len() > MAX_RECORD_BYTES) {
+            return;
+        }
+        if let Some(tx) = self.tx.lock().expect("wal sender lock").as_ref() {
+            let _ = tx.send(Op::Lazy(records));
+        }
     }
 
     /// Appends and blocks until durable. For callers that are not latency-critical (votes, tests).
@@ -304,6 +320,8 @@ struct Writer {
     next_seq: u64,
     /// The latest sticky record per (group, kind), rewritten at the head of each new segment.
     sticky: BTreeMap<(u32, u8), Record>,
+    /// Lazy records waiting for the next frame ([`Wal::append_lazy`]).
+    lazy: Vec<Record>,
     released: BTreeMap<u32, u64>,
     poisoned: Option<String>,
     pinning: Arc<Mutex<Vec<u32>>>,
@@ -319,7 +337,7 @@ impl Writer {
                 Some(op) => op,
                 None => match rx.recv() {
                     Ok(op) => op,
-                    Err(_) => return,
+                    Err(_) => return self.flush_lazy(),
                 },
             };
             let ops = self.gather(first, &rx);
@@ -367,7 +385,7 @@ impl Writer {
                     self.maybe_pre_create(true);
                 }
                 Err(mpsc::TryRecvError::Empty) => wake.notified().await,
-                Err(mpsc::TryRecvError::Disconnected) => return,
+                Err(mpsc::TryRecvError::Disconnected) => return self.flush_lazy(),
             }
         }
     }
@@ -378,31 +396,45 @@ impl Writer {
         self.sync(batch);
     }
 
-    /// First half of a group commit: encodes the batch and writes it (not yet durable).
+    /// Writes the lazy records still waiting, as the log closes (best effort: they are hints).
+    fn flush_lazy(&mut self) {
+        if !self.lazy.is_empty() && self.poisoned.is_none() {
+            let batch = self.write(vec![Op::Append(Vec::new(), Box::new(|_| {}))]);
+            self.sync(batch);
+        }
+    }
+
+    /// First half of a group commit: encodes the batch and writes it (not yet durable). Lazy records
+    /// wait for a batch with an append someone waits for; they are written first, being older.
     fn write(&mut self, ops: Vec<Op>) -> Batch {
-        let mut body = Vec::new();
+        let mut records = std::mem::take(&mut self.lazy);
         let mut b = Batch::default();
         for op in ops {
             match op {
                 Op::Append(rs, done) => {
-                    for r in &rs {
-                        encode_record(&mut body, r);
-                        if r.sticky {
-                            b.sticky.push(r.clone());
-                        } else {
-                            let m = b.index.entry(r.group).or_insert(0);
-                            *m = r.index.max(*m);
-                        }
-                    }
-                    b.records += rs.len();
+                    records.extend(rs);
                     b.dones.push(done);
                 }
+                Op::Lazy(rs) => records.extend(rs),
                 Op::Release(group, index) => b.releases.push((group, index)),
             }
         }
-        if !b.dones.is_empty() {
-            b.written = Some(self.write_frame(&body));
+        if b.dones.is_empty() {
+            self.lazy = records;
+            return b;
         }
+        let mut body = Vec::new();
+        for r in &records {
+            encode_record(&mut body, r);
+            if r.sticky {
+                b.sticky.push(r.clone());
+            } else {
+                let m = b.index.entry(r.group).or_insert(0);
+                *m = r.index.max(*m);
+            }
+        }
+        b.records = records.len();
+        b.written = Some(self.write_frame(&body));
         b
     }
 

@@ -96,6 +96,48 @@ fn concurrent_appends_share_syncs() {
     );
 }
 
+/// Lazy records (the committed-index hint) cost no sync of their own: they ride in the next frame an
+/// append waits for, in order, and whatever is left is written when the log closes.
+#[test]
+fn lazy_records_ride_with_the_next_append_and_are_written_at_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let syncs = Arc::new(AtomicUsize::new(0));
+    let s2 = syncs.clone();
+    let options = || WalOptions {
+        observer: Some(Arc::new({
+            let s2 = s2.clone();
+            move |_| {
+                s2.fetch_add(1, Ordering::Relaxed);
+            }
+        })),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options()).unwrap();
+    wal.append_lazy(vec![rec(1, 1, b"hint 1")]);
+    wal.append_lazy(vec![rec(1, 2, b"hint 2")]);
+    wal.append_blocking(vec![rec(0, 1, b"entry")]).unwrap();
+    assert_eq!(
+        syncs.load(Ordering::Relaxed),
+        1,
+        "the hints took syncs of their own"
+    );
+    wal.append_lazy(vec![rec(1, 3, b"hint 3")]);
+    wal.close();
+    assert_eq!(
+        syncs.load(Ordering::Relaxed),
+        2,
+        "close writes the last hint"
+    );
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), options()).unwrap();
+    let payloads: Vec<&[u8]> = recovered.records.iter().map(|r| &r.payload[..]).collect();
+    assert_eq!(
+        payloads,
+        [&b"hint 1"[..], b"hint 2", b"entry", b"hint 3"],
+        "in the order they were queued"
+    );
+}
+
 /// Writes `batches` frames and returns the file offset where each frame ends.
 fn write_batches(dir: &Path, batches: usize) -> (Vec<u64>, Vec<Vec<Record>>) {
     let (wal, _) = Wal::open(dir, WalOptions::default()).unwrap();
