@@ -2,7 +2,7 @@
 //!
 //! Each write goes to the server believed to lead the lock's group. A `NOT_LEADER` answer names the leader
 //! and the request is sent there at once; an unreachable server, an election in progress or an unknown
-//! outcome make the client try the next server after a backoff (20 ms doubling to 500 ms, each pause
+//! outcome make the client try the next server after a backoff (20 ms doubling to 200 ms, each pause
 //! jittered between half and all of that), until the request's deadline. Every attempt has its own
 //! timeout, so a silent (partitioned or paused) server costs at most one attempt.
 
@@ -504,7 +504,7 @@ impl Client {
             }
             tracing::debug!(%reason, "retrying on another server");
             tokio::time::sleep(pause).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
+            backoff = (backoff * 2).min(Duration::from_millis(200));
             target = (target + 1) % self.server_count();
             redirects = 0;
         }

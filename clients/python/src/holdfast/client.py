@@ -2,7 +2,7 @@
 
 Each write goes to the server believed to lead the lock's group. A ``NOT_LEADER`` answer names the leader
 and the request is sent there at once; an unreachable server, an election in progress or an unknown
-outcome make the client try the next server after a backoff (20 ms doubling to 500 ms, each pause
+outcome make the client try the next server after a backoff (20 ms doubling to 200 ms, each pause
 jittered between half and all of that), until the request's deadline. Every attempt has its own timeout,
 so a silent (partitioned or paused) server costs at most one attempt. A retried write carries the same
 request id (or session nonce), which the server deduplicates: it never acts twice.
@@ -286,7 +286,7 @@ class Client:
             if time.monotonic() + pause > deadline:
                 raise errors.Unavailable(reason)
             time.sleep(pause)
-            backoff = min(backoff * 2, 0.5)
+            backoff = min(backoff * 2, 0.2)
             target = (target + 1) % count
             redirects = 0
 
