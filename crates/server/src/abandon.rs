@@ -383,7 +383,7 @@ pub async fn propose(
         })
         .await?;
     if outcome == Outcome::Abandoned {
-        group.metrics.abandons.fetch_add(1, Relaxed);
+        group.metrics.abandons.inc();
     }
     tracing::debug!(
         group = group.id,

@@ -367,7 +367,7 @@ impl Group {
         let give_up = Instant::now() + NEW_LEADER_RETRY;
         loop {
             let started = Instant::now();
-            self.metrics.proposals.fetch_add(1, Relaxed);
+            self.metrics.proposals.inc();
             let write = tokio::time::timeout(
                 PROPOSE_TIMEOUT,
                 self.raft.client_write(Request(command.clone())),
@@ -379,7 +379,7 @@ impl Group {
             };
             match written {
                 Ok(resp) => {
-                    self.metrics.commit.observe(started.elapsed());
+                    crate::metrics::observe(&self.metrics.commit, started.elapsed());
                     return Ok(resp.data);
                 }
                 Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
@@ -565,7 +565,7 @@ impl Group {
                 (m.state, m.current_term, m.current_leader)
             };
             if leader != last_leader {
-                self.metrics.leader_changes.fetch_add(1, Relaxed);
+                self.metrics.leader_changes.inc();
                 last_leader = leader;
             }
             if state == ServerState::Leader && !self.handing_over.load(Relaxed) {
@@ -721,7 +721,7 @@ impl Group {
                     };
                     match group.propose(command).await {
                         Ok(outcome) => {
-                            group.metrics.expiries.fetch_add(1, Relaxed);
+                            group.metrics.expiries.inc();
                             tracing::info!(
                                 group = group.id,
                                 session = session.0,

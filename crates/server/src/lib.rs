@@ -14,7 +14,8 @@
 //! - [`service`], [`errors`]: the client gRPC API and how refusals become statuses.
 //! - [`backup`]: backup files of every group's table, and seeding a new cluster's data dirs from one.
 //! - [`abandon`]: acquires whose caller went away are abandoned through the log.
-//! - [`http`], [`metrics`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`http`], [`metrics`], [`ui`]: the HTTP port (axum on hyper): `/metrics` (prometheus-client),
+//!   `/healthz`, `/readyz` and the dashboard.
 //! - [`access`]: principals and the policy file (who may lock, read, administer which names).
 //! - [`tls`]: certificates for all three ports, who the peer port admits, reloading on change.
 //! - [`watch`]: the recent history of lock changes that `Watch` streams read.

@@ -1,110 +1,38 @@
-//! Prometheus metrics, rendered in the text exposition format by hand (no metrics dependency), and the
-//! standard `process_*` figures read from `/proc` ([`ProcessStats`]).
-//!
-//! Counters and histograms are atomics updated on the hot paths; gauges (sessions, locks, term, ...) are
-//! read from the groups at scrape time.
+//! Prometheus metrics on `prometheus-client`: the hot paths update its counters and histograms (atomics
+//! and a short mutex per observation); [`registry`] registers them, and a [`Collector`] reads everything
+//! else at scrape time: per-group figures, gauges read from the groups (sessions, locks, term, lag), the
+//! TLS and policy counters, and the standard `process_*` figures read from `/proc` ([`ProcessStats`]).
+//! `/metrics` is encoded in the Prometheus text format 0.0.4 ([`render`]).
 
-use std::fmt::Write;
+use crate::node::NodeShared;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// A fixed-bucket histogram of durations.
-pub struct Histogram {
-    bounds_us: &'static [u64],
-    counts: Vec<AtomicU64>,
-    sum_us: AtomicU64,
-    count: AtomicU64,
-}
-
-/// 100 µs .. 10 s, roughly ×2.5 per step: covers an fsync on tmpfs up to a stalled disk.
-pub const LATENCY_BUCKETS_US: &[u64] = &[
-    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
-    10_000_000,
+/// 100 µs .. 10 s, roughly ×2.5 per step, in seconds: covers an fsync on tmpfs up to a stalled disk.
+pub const LATENCY_BUCKETS: [f64; 13] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0,
 ];
 /// Records per group commit.
-pub const BATCH_BUCKETS: &[u64] = &[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096];
+pub const BATCH_BUCKETS: [f64; 11] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0,
+];
 
-impl Histogram {
-    pub fn new(bounds_us: &'static [u64]) -> Self {
-        Histogram {
-            bounds_us,
-            counts: (0..bounds_us.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_us: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    pub fn observe(&self, d: Duration) {
-        self.observe_value(d.as_micros() as u64);
-    }
-
-    pub fn observe_value(&self, v: u64) {
-        if let Some(i) = self.bounds_us.iter().position(|&b| v <= b) {
-            self.counts[i].fetch_add(1, Relaxed);
-        }
-        self.sum_us.fetch_add(v, Relaxed);
-        self.count.fetch_add(1, Relaxed);
-    }
+/// A latency histogram with [`LATENCY_BUCKETS`].
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
 }
 
-/// What a histogram's values are.
-#[derive(Clone, Copy)]
-pub enum Unit {
-    /// Microseconds, rendered as seconds (exact decimals, not float noise like `0.00009999999999999999`).
-    Seconds,
-    /// Plain counts.
-    Count,
-}
-
-impl Unit {
-    fn show(self, v: u64) -> String {
-        match self {
-            Unit::Count => v.to_string(),
-            Unit::Seconds => {
-                let (whole, micros) = (v / 1_000_000, v % 1_000_000);
-                if micros == 0 {
-                    whole.to_string()
-                } else {
-                    format!("{whole}.{}", format!("{micros:06}").trim_end_matches('0'))
-                }
-            }
-        }
-    }
-}
-
-/// Renders one histogram family: its HELP and TYPE once, then every series (`labels` without braces,
-/// empty for none).
-pub fn histograms(
-    out: &mut String,
-    name: &str,
-    help: &str,
-    unit: Unit,
-    series: &[(String, &Histogram)],
-) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-    for (labels, h) in series {
-        let braces = |extra: &str| match (labels.is_empty(), extra.is_empty()) {
-            (true, true) => String::new(),
-            (true, false) => format!("{{{extra}}}"),
-            (false, true) => format!("{{{labels}}}"),
-            (false, false) => format!("{{{labels},{extra}}}"),
-        };
-        let mut cumulative = 0;
-        for (b, c) in h.bounds_us.iter().zip(&h.counts) {
-            cumulative += c.load(Relaxed);
-            let le = format!("le=\"{}\"", unit.show(*b));
-            let _ = writeln!(out, "{name}_bucket{} {cumulative}", braces(&le));
-        }
-        let count = h.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{} {count}", braces("le=\"+Inf\""));
-        let _ = writeln!(
-            out,
-            "{name}_sum{} {}",
-            braces(""),
-            unit.show(h.sum_us.load(Relaxed))
-        );
-        let _ = writeln!(out, "{name}_count{} {count}", braces(""));
-    }
+/// Records a duration in seconds.
+pub fn observe(h: &Histogram, d: Duration) {
+    h.observe(d.as_secs_f64());
 }
 
 /// Server-wide metrics.
@@ -112,39 +40,39 @@ pub struct ServerMetrics {
     pub fsync: Histogram,
     pub fsync_batch_records: Histogram,
     /// Session ids renewed.
-    pub keepalives: AtomicU64,
+    pub keepalives: Counter,
     /// Keepalive messages (unary calls and stream messages); each may carry many session ids.
-    pub keepalive_messages: AtomicU64,
+    pub keepalive_messages: Counter,
     /// `KeepAliveStream` calls in progress.
-    pub keepalive_streams: std::sync::Arc<AtomicU64>,
+    pub keepalive_streams: Arc<AtomicU64>,
     /// Client connections closed at accept because `max_client_connections` were open.
-    pub client_connections_refused: std::sync::Arc<AtomicU64>,
+    pub client_connections_refused: Arc<AtomicU64>,
     /// Peer connections closed at accept because [`crate::node::MAX_PEER_CONNECTIONS`] were open.
-    pub peer_connections_refused: std::sync::Arc<AtomicU64>,
+    pub peer_connections_refused: Arc<AtomicU64>,
     /// HTTP connections closed at accept because `http::MAX_CONNECTIONS` were being served.
-    pub http_connections_refused: AtomicU64,
+    pub http_connections_refused: Counter,
     /// The client listener's connection slots (set when it starts listening).
-    pub client_connection_slots: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>>,
+    pub client_connection_slots: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
     /// Events sent on watch streams.
-    pub watch_events: AtomicU64,
+    pub watch_events: Counter,
     /// Watch streams ended because they fell behind the history (`WATCH_TOO_SLOW`).
-    pub watches_cut_off: AtomicU64,
+    pub watches_cut_off: Counter,
 }
 
 impl Default for ServerMetrics {
     fn default() -> Self {
         ServerMetrics {
-            fsync: Histogram::new(LATENCY_BUCKETS_US),
+            fsync: latency_histogram(),
             fsync_batch_records: Histogram::new(BATCH_BUCKETS),
-            keepalives: AtomicU64::new(0),
-            keepalive_messages: AtomicU64::new(0),
+            keepalives: Counter::default(),
+            keepalive_messages: Counter::default(),
             keepalive_streams: Default::default(),
             client_connections_refused: Default::default(),
             peer_connections_refused: Default::default(),
-            http_connections_refused: AtomicU64::new(0),
+            http_connections_refused: Counter::default(),
             client_connection_slots: Default::default(),
-            watch_events: AtomicU64::new(0),
-            watches_cut_off: AtomicU64::new(0),
+            watch_events: Counter::default(),
+            watches_cut_off: Counter::default(),
         }
     }
 }
@@ -152,41 +80,332 @@ impl Default for ServerMetrics {
 /// Per-group metrics.
 pub struct GroupMetrics {
     pub commit: Histogram,
-    pub proposals: AtomicU64,
-    pub leader_changes: AtomicU64,
-    pub expiries: AtomicU64,
+    pub proposals: Counter,
+    pub leader_changes: Counter,
+    pub expiries: Counter,
     /// Acquires abandoned by this server as leader (their caller went away, or CancelAcquire).
-    pub abandons: AtomicU64,
+    pub abandons: Counter,
 }
 
 impl Default for GroupMetrics {
     fn default() -> Self {
         GroupMetrics {
-            commit: Histogram::new(LATENCY_BUCKETS_US),
-            proposals: AtomicU64::new(0),
-            leader_changes: AtomicU64::new(0),
-            expiries: AtomicU64::new(0),
-            abandons: AtomicU64::new(0),
+            commit: latency_histogram(),
+            proposals: Counter::default(),
+            leader_changes: Counter::default(),
+            expiries: Counter::default(),
+            abandons: Counter::default(),
         }
     }
 }
 
-pub fn counter(out: &mut String, name: &str, help: &str, values: &[(String, u64)]) {
-    series(out, name, help, "counter", values);
+/// Every metric of `node`: the server-wide counters and histograms registered, the rest read by a
+/// [`NodeCollector`] at each scrape. Help texts are given without their final period (the registry adds it).
+pub fn registry(node: Arc<NodeShared>) -> Registry {
+    let mut r = Registry::default();
+    let m = &node.metrics;
+    r.register(
+        "holdfast_wal_fsync_seconds",
+        "WAL fdatasync latency",
+        m.fsync.clone(),
+    );
+    r.register(
+        "holdfast_wal_batch_records",
+        "Records per group commit (one fsync)",
+        m.fsync_batch_records.clone(),
+    );
+    r.register(
+        "holdfast_watch_events",
+        "Events sent on watch streams",
+        m.watch_events.clone(),
+    );
+    r.register(
+        "holdfast_watches_cut_off",
+        "Watch streams ended because they fell behind the kept history (WATCH_TOO_SLOW)",
+        m.watches_cut_off.clone(),
+    );
+    r.register(
+        "holdfast_keepalives",
+        "Session keepalives answered as leader",
+        m.keepalives.clone(),
+    );
+    r.register(
+        "holdfast_keepalive_messages",
+        "Keepalive messages answered as leader (each may renew many sessions)",
+        m.keepalive_messages.clone(),
+    );
+    r.register_collector(Box::new(NodeCollector(node)));
+    r
 }
 
-pub fn gauge(out: &mut String, name: &str, help: &str, values: &[(String, u64)]) {
-    series(out, name, help, "gauge", values);
+/// `/metrics`: the registry in the Prometheus text format (0.0.4).
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::with_capacity(16 << 10);
+    // Writing to a String cannot fail; a metric's own encoder only fails on its writer.
+    let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, registry);
+    out
 }
 
-fn series(out: &mut String, name: &str, help: &str, kind: &str, values: &[(String, u64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    for (labels, v) in values {
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name} {v}");
-        } else {
-            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+/// The content type of [`render`]'s output.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// The figures read at scrape time from the node: per group, from the other modules' counters, from
+/// `/proc`.
+pub struct NodeCollector(pub Arc<NodeShared>);
+
+impl std::fmt::Debug for NodeCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeCollector")
+    }
+}
+
+/// One family: its descriptor, then a value per label set (no labels when a set is empty).
+fn family<M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    series: impl IntoIterator<Item = (Labels, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, kind)?;
+    for (labels, metric) in series {
+        metric.encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// A series' labels (none: an empty list).
+type Labels = Vec<(&'static str, String)>;
+
+fn one<T>(v: T) -> [(Labels, T); 1] {
+    [(Vec::new(), v)]
+}
+
+fn counters(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    family(
+        encoder,
+        name,
+        help,
+        MetricType::Counter,
+        series.into_iter().map(|(l, v)| (l, ConstCounter::new(v))),
+    )
+}
+
+fn gauges(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    family(
+        encoder,
+        name,
+        help,
+        MetricType::Gauge,
+        series
+            .into_iter()
+            .map(|(l, v)| (l, ConstGauge::new(v as i64))),
+    )
+}
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let node = &self.0;
+        let m = &node.metrics;
+        let label = |k: &'static str, v: &str| vec![(k, v.to_string())];
+        gauges(
+            &mut e,
+            "holdfast_build_info",
+            "Always 1; the labels say which build this server runs.",
+            [(label("version", env!("CARGO_PKG_VERSION")), 1)],
+        )?;
+        gauges(
+            &mut e,
+            "holdfast_keepalive_streams",
+            "KeepAliveStream calls in progress (at most max_streams_per_connection per connection).",
+            one(m.keepalive_streams.load(Relaxed)),
+        )?;
+        gauges(
+            &mut e,
+            "holdfast_watch_streams",
+            "Watch streams open now (at most watch::MAX_WATCH_STREAMS, 1,024).",
+            one(node.watches.open() as u64),
+        )?;
+        let open = m.client_connection_slots.get().map_or(0, |s| {
+            node.config
+                .max_client_connections
+                .saturating_sub(s.available_permits()) as u64
+        });
+        gauges(
+            &mut e,
+            "holdfast_client_connections",
+            "Client connections open now (at most max_client_connections).",
+            one(open),
+        )?;
+        counters(
+            &mut e,
+            "holdfast_connections_refused",
+            "Connections closed as soon as they were accepted, because max_client_connections (port=\"client\"), MAX_PEER_CONNECTIONS, 256 (port=\"peer\"), or http::MAX_CONNECTIONS, 64 (port=\"http\"), were open.",
+            [
+                (label("port", "client"), m.client_connections_refused.load(Relaxed)),
+                (label("port", "peer"), m.peer_connections_refused.load(Relaxed)),
+                (label("port", "http"), m.http_connections_refused.get()),
+            ],
+        )?;
+        if let Some(tls) = &node.tls {
+            counters(
+                &mut e,
+                "holdfast_tls_reloads",
+                "Changes of the certificate files, by whether they loaded (now in use) or not (the previous ones stay).",
+                [
+                    (label("result", "ok"), tls.reloads.load(Relaxed)),
+                    (label("result", "error"), tls.reload_failures.load(Relaxed)),
+                ],
+            )?;
+            counters(
+                &mut e,
+                "holdfast_tls_handshakes_refused",
+                "Connections closed because their TLS handshake failed (no or a foreign certificate, plaintext, a timeout) or, on the peer port, the certificate is not a server's.",
+                [
+                    (label("port", "client"), tls.refused_client.load(Relaxed)),
+                    (label("port", "peer"), tls.refused_peer.load(Relaxed)),
+                ],
+            )?;
         }
+        if let Some(access) = &node.access {
+            counters(
+                &mut e,
+                "holdfast_policy_reloads",
+                "Changes of the policy file, by whether they loaded (now in use) or not (the previous policy stays).",
+                [
+                    (label("result", "ok"), access.reloads.load(Relaxed)),
+                    (label("result", "error"), access.reload_failures.load(Relaxed)),
+                ],
+            )?;
+            counters(
+                &mut e,
+                "holdfast_permission_denied",
+                "Client requests the access policy refused (PERMISSION_DENIED naming the principal).",
+                one(access.denied.load(Relaxed)),
+            )?;
+        }
+        let (pre_created, created_inline) = node.wal.rotations();
+        counters(
+            &mut e,
+            "holdfast_wal_rotations",
+            "WAL segments started, by whether the next file was pre-created or had to be created inside the commit that filled the last one.",
+            [
+                (label("segment", "pre_created"), pre_created),
+                (label("segment", "created_inline"), created_inline),
+            ],
+        )?;
+        let group = |g: &crate::group::Group| label("group", &g.id.to_string());
+        family(
+            &mut e,
+            "holdfast_commit_seconds",
+            "Time from proposal to applied outcome on the leader.",
+            MetricType::Histogram,
+            node.groups
+                .iter()
+                .map(|g| (group(g), g.metrics.commit.clone())),
+        )?;
+        // How far each follower's log is behind this leader's (leaders only).
+        let me = node.config.node_id;
+        let lag = node.groups.iter().flat_map(|g| {
+            let m = g.raft_metrics();
+            let last = m.last_log_index.unwrap_or(0);
+            m.replication
+                .into_iter()
+                .flatten()
+                .filter(|(follower, _)| *follower != me)
+                .map(move |(follower, matched)| {
+                    (
+                        vec![
+                            ("group", g.id.to_string()),
+                            ("follower", follower.to_string()),
+                        ],
+                        last.saturating_sub(matched.map_or(0, |l| l.index)),
+                    )
+                })
+                .collect::<Vec<_>>()
+        });
+        gauges(
+            &mut e,
+            "holdfast_replication_lag_entries",
+            "Log entries a follower is behind this leader's last log index (reported by leaders).",
+            lag,
+        )?;
+        type PerGroup = fn(&GroupMetrics) -> u64;
+        let per_group: [(&str, &str, PerGroup); 4] = [
+            ("holdfast_proposals", "Log entries proposed by this server.", |m| m.proposals.get()),
+            ("holdfast_leader_changes", "Leader changes seen by this server.", |m| m.leader_changes.get()),
+            ("holdfast_session_expiries", "Sessions expired by this server as leader.", |m| m.expiries.get()),
+            (
+                "holdfast_acquires_abandoned",
+                "Acquires abandoned through the log by this server as leader: their caller went away before the answer, or sent CancelAcquire.",
+                |m| m.abandons.get(),
+            ),
+        ];
+        for (name, help, value) in per_group {
+            counters(
+                &mut e,
+                name,
+                help,
+                node.groups.iter().map(|g| (group(g), value(&g.metrics))),
+            )?;
+        }
+        let tables: Vec<(Labels, [u64; 8])> = node
+            .groups
+            .iter()
+            .map(|g| {
+                let m = g.raft_metrics();
+                let s = g.state.read().expect("state lock");
+                let values = [
+                    s.table.session_count() as u64,
+                    s.table.lock_count() as u64,
+                    s.table.waiter_count(),
+                    m.current_term,
+                    s.last_applied.map_or(0, |l| l.index),
+                    u64::from(m.state == openraft::ServerState::Leader),
+                    s.table.table_bytes(),
+                    s.table.table_budget(),
+                ];
+                (group(g), values)
+            })
+            .collect();
+        let names = [
+            ("holdfast_sessions", "Live sessions."),
+            ("holdfast_locks", "Held locks."),
+            ("holdfast_waiters", "Queued waiters."),
+            ("holdfast_raft_term", "Current Raft term."),
+            ("holdfast_applied_index", "Last applied log index."),
+            ("holdfast_is_leader", "1 if this server leads the group."),
+            (
+                "holdfast_table_bytes",
+                "What the lock table is charged against its memory budget (sessions, locks, grants, waits).",
+            ),
+            (
+                "holdfast_table_budget_bytes",
+                "The lock table's memory budget (0: none); past it opens, grants and waits are refused.",
+            ),
+        ];
+        for (i, (name, help)) in names.iter().enumerate() {
+            gauges(
+                &mut e,
+                name,
+                help,
+                tables.iter().map(|(l, v)| (l.clone(), v[i])),
+            )?;
+        }
+        if let Some(process) = ProcessStats::read() {
+            process.encode(&mut e)?;
+        }
+        Ok(())
     }
 }
 
@@ -266,52 +485,49 @@ impl ProcessStats {
         })
     }
 
-    /// Appends the `process_*` families.
-    pub fn render(&self, out: &mut String) {
-        let mut float = |name: &str, help: &str, kind: &str, v: f64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
-            );
-        };
-        float(
-            "process_cpu_seconds_total",
+    /// Encodes the `process_*` families.
+    pub fn encode(&self, e: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        family(
+            e,
+            "process_cpu_seconds",
             "User and system CPU time spent, in seconds.",
-            "counter",
-            self.cpu_seconds,
-        );
-        float(
+            MetricType::Counter,
+            one(ConstCounter::new(self.cpu_seconds)),
+        )?;
+        family(
+            e,
             "process_start_time_seconds",
             "When the process started, in seconds since the Unix epoch.",
-            "gauge",
-            self.start_time_seconds,
-        );
-        gauge(
-            out,
+            MetricType::Gauge,
+            one(ConstGauge::new(self.start_time_seconds)),
+        )?;
+        gauges(
+            e,
             "process_resident_memory_bytes",
             "Resident memory size in bytes.",
-            &[(String::new(), self.resident_bytes)],
-        );
-        gauge(
-            out,
+            one(self.resident_bytes),
+        )?;
+        gauges(
+            e,
             "process_virtual_memory_bytes",
             "Virtual memory size in bytes.",
-            &[(String::new(), self.virtual_bytes)],
-        );
-        gauge(
-            out,
+            one(self.virtual_bytes),
+        )?;
+        gauges(
+            e,
             "process_open_fds",
             "Open file descriptors.",
-            &[(String::new(), self.open_fds)],
-        );
+            one(self.open_fds),
+        )?;
         if let Some(max) = self.max_fds {
-            gauge(
-                out,
+            gauges(
+                e,
                 "process_max_fds",
                 "The limit on open file descriptors.",
-                &[(String::new(), max)],
-            );
+                one(max),
+            )?;
         }
+        Ok(())
     }
 }
 
@@ -349,11 +565,14 @@ mod tests {
             ProcessStats::parse(stat, "Name:\tx\n", boot, limits, 1),
             None
         );
-        let mut out = String::new();
-        s.render(&mut out);
-        assert!(out.contains("\nprocess_cpu_seconds_total 3\n"), "{out}");
+        let out = render(&process_registry(s));
+        assert!(out.contains("\nprocess_cpu_seconds_total 3.0\n"), "{out}");
         assert!(
             out.contains("\nprocess_resident_memory_bytes 8388608\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("\n# TYPE process_cpu_seconds_total counter\n"),
             "{out}"
         );
         assert!(out.contains("\nprocess_max_fds 1024\n"), "{out}");
@@ -393,37 +612,56 @@ mod tests {
         assert!(s.cpu_seconds >= 0.0, "{s:?}");
     }
 
+    #[derive(Debug)]
+    struct Process(ProcessStats);
+
+    impl Collector for Process {
+        fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+            self.0.encode(&mut e)
+        }
+    }
+
+    fn process_registry(s: ProcessStats) -> Registry {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(Process(s)));
+        r
+    }
+
+    /// The bucket bounds come out as the exact decimals of the docs (no float noise such as
+    /// `0.00025000000000000001`), and a series without labels has no empty braces.
     #[test]
     fn histograms_render_exact_bounds_and_no_empty_label_sets() {
-        let h = Histogram::new(LATENCY_BUCKETS_US);
-        h.observe(Duration::from_micros(90));
-        h.observe(Duration::from_micros(2_400));
-        let mut out = String::new();
-        histograms(
-            &mut out,
-            "x_seconds",
-            "help.",
-            Unit::Seconds,
-            &[(String::new(), &h)],
-        );
+        let h = latency_histogram();
+        observe(&h, Duration::from_micros(90));
+        observe(&h, Duration::from_micros(2_400));
+        let b = Histogram::new(BATCH_BUCKETS);
+        b.observe(3.0);
+        let c = Counter::<u64>::default();
+        c.inc_by(7);
+        let mut r = Registry::default();
+        r.register("x_seconds", "help", h);
+        r.register("b", "help", b);
+        r.register("c", "help", c);
+        let out = render(&r);
         assert!(out.contains("x_seconds_bucket{le=\"0.0001\"} 1\n"), "{out}");
+        assert!(
+            out.contains("x_seconds_bucket{le=\"0.00025\"} 1\n"),
+            "{out}"
+        );
         assert!(out.contains("x_seconds_bucket{le=\"0.0025\"} 2\n"), "{out}");
         assert!(out.contains("x_seconds_bucket{le=\"10\"} 2\n"), "{out}");
-        assert!(out.contains("x_seconds_sum 0.00249\n"), "{out}");
+        assert!(out.contains("x_seconds_bucket{le=\"+Inf\"} 2\n"), "{out}");
         assert!(out.contains("x_seconds_count 2\n"), "{out}");
-        assert!(!out.contains("{}"), "{out}");
-        let mut out = String::new();
-        let b = Histogram::new(BATCH_BUCKETS);
-        b.observe_value(3);
-        histograms(
-            &mut out,
-            "b",
-            "help.",
-            Unit::Count,
-            &[("group=\"0\"".into(), &b), ("group=\"1\"".into(), &b)],
+        assert!(out.contains("b_bucket{le=\"4\"} 1\n"), "{out}");
+        assert!(
+            out.contains("\n# TYPE c_total counter\nc_total 7\n"),
+            "{out}"
         );
-        assert_eq!(out.matches("# TYPE b histogram").count(), 1, "{out}");
-        assert!(out.contains("b_bucket{group=\"1\",le=\"4\"} 1\n"), "{out}");
-        assert!(out.contains("b_sum{group=\"0\"} 3\n"), "{out}");
+        assert!(!out.contains("{}"), "{out}");
+        assert!(
+            !out.lines()
+                .any(|l| l.contains("_bucket") && l.contains("0000000")),
+            "{out}"
+        );
     }
 }

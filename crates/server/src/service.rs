@@ -229,8 +229,8 @@ impl ClientService {
         self.node
             .metrics
             .keepalives
-            .fetch_add(req.session_ids.len() as u64, Relaxed);
-        self.node.metrics.keepalive_messages.fetch_add(1, Relaxed);
+            .inc_by(req.session_ids.len() as u64);
+        self.node.metrics.keepalive_messages.inc();
         let results = req
             .session_ids
             .iter()
@@ -1088,7 +1088,7 @@ impl Holdfast for ClientService {
                         return;
                     }
                     Err(gone) => {
-                        node.metrics.watches_cut_off.fetch_add(1, Relaxed);
+                        node.metrics.watches_cut_off.inc();
                         let _ = tx
                             .send(Err(errors::watch_too_slow(cursor.index, gone.floor)))
                             .await;
@@ -1099,9 +1099,7 @@ impl Holdfast for ClientService {
                 // At least one message a tick, so the client can tell a live stream from a silent one.
                 let beat = last_sent.elapsed() >= WATCH_TICK;
                 if !batch.events.is_empty() || beat {
-                    node.metrics
-                        .watch_events
-                        .fetch_add(batch.events.len() as u64, Relaxed);
+                    node.metrics.watch_events.inc_by(batch.events.len() as u64);
                     let message = pb::WatchResponse {
                         events: batch.events.into_iter().map(watch_event).collect(),
                         through_index: batch.through,

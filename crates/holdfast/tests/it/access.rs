@@ -102,11 +102,18 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
         assert_eq!(code, 403, "{path}: {body}");
         assert!(!body.contains("a/x"), "{body}");
     }
+    // The overview keeps roles and counts, and leaves out what names the cluster or says where its
+    // servers are.
     let (code, body) = c.http_get(1, "/ui/api/overview").await;
     assert!(
         code == 200 && body.contains("\"lists_allowed\":false") && !body.contains("a/x"),
         "{body}"
     );
+    let (_, status) = c.http_get(1, "/metrics").await;
+    assert!(status.contains("holdfast_is_leader"), "{status}");
+    for hidden in ["127.0.0.1", "\"cluster_id\":\""] {
+        assert!(!body.contains(hidden), "{hidden} in {body}");
+    }
     let before = digest(&c).await;
     denied(
         session.try_acquire("b/x").await,
