@@ -817,9 +817,10 @@ const BALANCE_BACKOFF: Duration = Duration::from_secs(30);
 const BALANCE_SETTLE: Duration = Duration::from_secs(10);
 
 /// Spreads group leaderships over the voters (`balance_leaders`). Each server only ever gives away its
-/// own leaderships, one at a time: when, in its own view of every group's leader, it leads more than
-/// its share (`ceil(groups / voters)`) and at least two more than the live voter that leads the fewest,
-/// it hands one group to that voter. The target must have acknowledged this leader within the last
+/// own leaderships, one at a time: when, in its own view of every group's leader, it leads at least two
+/// more than the live voter that leads the fewest, and either more than its share (`ceil(groups /
+/// voters)`) or the most of all servers (the lowest id among equals), it hands one group to that voter.
+/// So the counts end at most one apart: within one of even. The target must have acknowledged this leader within the last
 /// election timeout (a dead voter leads nothing and would otherwise be chosen again and again) and
 /// have the group's log up to the commit index; groups in a membership change, or already handing
 /// over, are left alone. After a failed move it waits [`BALANCE_BACKOFF`], and after any change of
@@ -863,7 +864,13 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
         }
         let mine = led.get(&me).copied().unwrap_or(0);
         let share = node.groups.len().div_ceil(led.len().max(1));
-        if mine <= share {
+        // Over its share, a server gives one away. At or under it, only the lowest-numbered of the
+        // servers that lead the most does, so that a server that leads nothing (just restarted: its
+        // groups went to others, every one of which is now at its share) still gets one, and the
+        // servers at the top do not all hand it one at once.
+        let most = led.values().copied().max().unwrap_or(0);
+        let first_of_most = led.iter().find(|(_, n)| **n == most).map(|(id, _)| *id);
+        if mine <= share && first_of_most != Some(me) {
             continue;
         }
         let candidate = node.groups.iter().find_map(|g| {

@@ -254,6 +254,37 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        // With several groups, how the leaderships are spread (as the leaders themselves say).
+        let mut leads: std::collections::BTreeMap<u64, Vec<u32>> =
+            std::collections::BTreeMap::new();
+        let mut groups = 0;
+        for (_, a) in &answers {
+            if let Ok(s) = a {
+                leads.entry(s.node_id).or_default();
+                groups = groups.max(s.groups.len());
+                for g in s.groups.iter().filter(|g| g.role == "leader") {
+                    leads.entry(s.node_id).or_default().push(g.group);
+                }
+            }
+        }
+        if groups > 1 {
+            let spread: Vec<String> = leads
+                .iter()
+                .map(|(node, gs)| {
+                    let list: Vec<String> = gs.iter().map(u32::to_string).collect();
+                    format!(
+                        "node {node}: {} ({})",
+                        gs.len(),
+                        if list.is_empty() {
+                            "-".into()
+                        } else {
+                            list.join(" ")
+                        }
+                    )
+                })
+                .collect();
+            println!("leaders per node: {}", spread.join(", "));
+        }
     }
     if answers.iter().all(|(_, a)| a.is_err()) {
         for p in &problems {

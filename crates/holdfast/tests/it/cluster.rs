@@ -365,6 +365,98 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
     assert_eq!(lock.token, held.token());
 }
 
+/// Eight groups on five servers with `--balance-leaders`: the leaderships end within one of even (one or
+/// two per server), stay there, and are back within one of even after the server that leads the most
+/// is restarted (its groups go to the others by election; then it leads none, which every other
+/// server is at or under its share of, so only the most-loaded server's move brings it back in).
+/// `holdfast status` shows the spread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_groups_on_five_servers_stay_within_one_of_even_through_a_restart() {
+    const GROUPS: u32 = 8;
+    let mut c = Cluster::start(Options {
+        nodes: 5,
+        groups: GROUPS,
+        server_args: vec!["--balance-leaders".into()],
+        ..Options::default()
+    })
+    .await;
+    async fn leaders(c: &Cluster) -> Vec<u64> {
+        let mut out = Vec::new();
+        for g in 0..GROUPS {
+            out.push(c.wait_for_leader(g, Duration::from_secs(20)).await);
+        }
+        out
+    }
+    let count = |l: &[u64], n: u64| l.iter().filter(|&&x| x == n).count();
+    let even = |l: &[u64]| (1..=5).all(|n| (1..=2).contains(&count(l, n)));
+    async fn wait_until(c: &Cluster, what: &str, ok: impl Fn(&[u64]) -> bool) -> Vec<u64> {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let now = leaders(c).await;
+            if ok(&now) {
+                return now;
+            }
+            assert!(Instant::now() < deadline, "{what}: leaders {now:?}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    let spread = wait_until(&c, "within one of even", even).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(leaders(&c).await, spread, "leaderships moved once even");
+    let status = String::from_utf8(c.holdfast_ok(&["status"]).await.stdout).unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("leaders per node: "))
+        .unwrap_or_else(|| panic!("{status}"));
+    for n in 1..=5u64 {
+        assert!(
+            line.contains(&format!("node {n}: {} (", count(&spread, n))),
+            "{line} vs {spread:?}"
+        );
+    }
+
+    let busiest = (1..=5).max_by_key(|&n| (count(&spread, n), n)).unwrap();
+    c.kill(busiest).await;
+    wait_until(&c, "re-elected without the restarted server", |l| {
+        count(l, busiest) == 0
+    })
+    .await;
+    c.start_server(busiest);
+    let back = wait_until(&c, "within one of even after a restart", |l| {
+        even(l) && count(l, busiest) >= 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(leaders(&c).await, back, "leaderships moved once even again");
+
+    // The layout a restart can leave: every other server at its share (two), the restarted one at
+    // none. Only the rule for the most-loaded server moves anything from here.
+    let mut now = back;
+    for g in 0..GROUPS {
+        if now[g as usize] != busiest {
+            continue;
+        }
+        let to = (1..=5)
+            .find(|&n| n != busiest && count(&now, n) < 2)
+            .unwrap();
+        c.holdfast_ok(&[
+            "leader",
+            "transfer",
+            "--group",
+            &g.to_string(),
+            "--to",
+            &to.to_string(),
+        ])
+        .await;
+        now = wait_until(&c, "moved by hand", |l| l[g as usize] == to).await;
+    }
+    assert_eq!(count(&now, busiest), 0, "{now:?}");
+    wait_until(&c, "the idle server leads again", |l| {
+        even(l) && count(l, busiest) >= 1
+    })
+    .await;
+}
+
 /// With `--balance-leaders`, four groups all led by node 1 (moved there by an operator's transfers)
 /// end up led by all three servers (at most two each) through the balancer's own moves, and then stay
 /// put. With a server killed and every group moved to node 1 again, they are balanced between the two
