@@ -594,3 +594,84 @@ fn a_version_7_snapshot_decodes_without_a_budget() {
     assert_eq!(holders(&t, "r"), vec![(3, 11, false)]);
     t.check_invariants();
 }
+
+/// The current snapshot format (version 8) pinned: `testdata/snapshot-v8.bin` was written by the build
+/// before locks were stored boxed with their rarely used parts behind one pointer. A table with every
+/// kind of lock state (exclusive with a value and waiters, shared holders, a semaphore, a lock-delay
+/// placeholder, a budget, a window of remembered outcomes) must encode to exactly those bytes, and they
+/// must decode back to an equal table. `HOLDFAST_WRITE_GOLDEN=1` rewrites the file (only for a new
+/// format version).
+#[test]
+fn the_version_8_snapshot_bytes_are_pinned() {
+    let mut t = LockTable::default();
+    let mut index = 0;
+    // As the server does: the events and changes of each entry are taken after it.
+    let mut apply = |t: &mut LockTable, c: Command| {
+        index += 1;
+        let outcome = t.apply(index, &c);
+        t.take_events();
+        t.take_changes();
+        outcome
+    };
+    apply(
+        &mut t,
+        Command::SetTableBudget {
+            bytes: 1 << 20,
+            now_ms: 7,
+        },
+    );
+    for nonce in 1..=5 {
+        apply(&mut t, open(nonce));
+    }
+    // Sessions are 2..=6 (opened at indexes 2..=6).
+    let with_value = |s: u64, r: u64, n: &str, value: &[u8]| match acq(s, r, n, Wait) {
+        Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            attempt,
+            now_ms,
+            ..
+        } => Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            value: value.into(),
+            attempt,
+            now_ms,
+        },
+        _ => unreachable!(),
+    };
+    apply(&mut t, with_value(2, 1, "x", b"node-a:7001"));
+    apply(&mut t, with_value(3, 1, "x", b"node-b"));
+    apply(&mut t, acq(4, 1, "x", Wait));
+    apply(&mut t, shared(acq(2, 2, "r", Wait)));
+    apply(&mut t, shared(acq(3, 2, "r", Wait)));
+    apply(&mut t, acq(4, 2, "r", Wait));
+    apply(&mut t, permits(3, acq(5, 1, "s", Wait)));
+    apply(&mut t, permits(3, acq(6, 1, "s", Wait)));
+    apply(&mut t, delayed(5_000, acq(6, 2, "d", Wait)));
+    apply(&mut t, acq(5, 2, "d", Wait));
+    apply(&mut t, acq(6, 3, "plain", Try));
+    apply(&mut t, rel(6, 4, "plain", 17));
+    apply(&mut t, expire(6));
+    t.check_invariants();
+    assert_eq!(holders(&t, "r"), vec![(2, 10, true), (3, 11, true)]);
+    assert!(t
+        .describe(&name("d"))
+        .is_some_and(|v| v.holder.session.0 == 0));
+    let bytes = t.encode_snapshot();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/snapshot-v8.bin");
+    if std::env::var_os("HOLDFAST_WRITE_GOLDEN").is_some() {
+        std::fs::write(path, &bytes).unwrap();
+    }
+    let golden = include_bytes!("../testdata/snapshot-v8.bin");
+    assert_eq!(&bytes[..], &golden[..], "the version 8 encoding changed");
+    let decoded = LockTable::decode_snapshot(golden).unwrap();
+    decoded.check_invariants();
+    assert_eq!(decoded, t);
+    assert_eq!(decoded.encode_snapshot(), bytes);
+    assert_eq!(decoded.table_bytes(), t.table_bytes());
+}
