@@ -114,8 +114,8 @@ mod v7 {
 
     #[derive(Deserialize)]
     pub(super) struct LockTable {
-        sessions: BTreeMap<SessionId, Session>,
-        locks: BTreeMap<LockName, Lock>,
+        sessions: BTreeMap<SessionId, Box<Session>>,
+        locks: BTreeMap<LockName, Box<Lock>>,
         open_nonces: BTreeMap<u128, (SessionId, u64)>,
         open_nonce_order: VecDeque<u128>,
         waiter_count: u64,
@@ -147,7 +147,7 @@ mod v6 {
 
     #[derive(Deserialize)]
     pub(super) struct LockTable {
-        sessions: BTreeMap<SessionId, table::Session>,
+        sessions: BTreeMap<SessionId, Box<table::Session>>,
         locks: BTreeMap<LockName, Lock>,
         open_nonces: BTreeMap<u128, (SessionId, u64)>,
         open_nonce_order: VecDeque<u128>,
@@ -186,33 +186,33 @@ mod v6 {
     impl From<Lock> for table::Lock {
         fn from(l: Lock) -> Self {
             let h = l.holder;
-            let mut waiters = table::Queue::default();
+            let mut waiters = VecDeque::new();
             for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
                 waiters.push_back(table::Waiter {
                     session: w.session,
                     request: w.request,
                     enqueued_at_ms: w.enqueued_at_ms,
-                    value: w.value,
+                    value: w.value.into(),
                     attempt: w.attempt,
                     lock_delay_ms: w.lock_delay_ms,
                     shared: false,
                 });
             }
-            table::Lock {
-                holder: table::Holder {
+            table::Lock::from_parts(
+                table::Holder {
                     session: h.session,
                     token: h.token,
                     request: h.request,
                     granted_at_ms: h.granted_at_ms,
-                    value: h.value,
+                    value: h.value.into(),
                     attempt: h.attempt,
                     lock_delay_ms: h.lock_delay_ms,
                     shared: false,
                 },
                 waiters,
-                more: table::Holders::default(),
-                permits: 0,
-            }
+                Vec::new(),
+                0,
+            )
         }
     }
 
@@ -220,7 +220,11 @@ mod v6 {
         fn from(t: LockTable) -> Self {
             table::LockTable {
                 sessions: t.sessions,
-                locks: t.locks.into_iter().map(|(n, l)| (n, l.into())).collect(),
+                locks: t
+                    .locks
+                    .into_iter()
+                    .map(|(n, l)| (n, Box::new(l.into())))
+                    .collect(),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -240,7 +244,7 @@ mod v5 {
 
     #[derive(Deserialize)]
     pub(super) struct LockTable {
-        sessions: BTreeMap<SessionId, table::Session>,
+        sessions: BTreeMap<SessionId, Box<table::Session>>,
         locks: BTreeMap<LockName, Lock>,
         open_nonces: BTreeMap<u128, (SessionId, u64)>,
         open_nonce_order: VecDeque<u128>,
@@ -277,39 +281,42 @@ mod v5 {
     impl From<Lock> for table::Lock {
         fn from(l: Lock) -> Self {
             let h = l.holder;
-            let mut waiters = table::Queue::default();
+            let mut waiters = VecDeque::new();
             for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
                 waiters.push_back(table::Waiter {
                     session: w.session,
                     request: w.request,
                     enqueued_at_ms: w.enqueued_at_ms,
-                    value: w.value,
+                    value: w.value.into(),
                     attempt: w.attempt,
                     lock_delay_ms: 0,
                     shared: false,
                 });
             }
-            table::Lock {
-                holder: table::Holder {
+            table::Lock::from_parts(
+                table::Holder {
                     session: h.session,
                     token: h.token,
                     request: h.request,
                     granted_at_ms: h.granted_at_ms,
-                    value: h.value,
+                    value: h.value.into(),
                     attempt: h.attempt,
                     lock_delay_ms: 0,
                     shared: false,
                 },
                 waiters,
-                more: table::Holders::default(),
-                permits: 0,
-            }
+                Vec::new(),
+                0,
+            )
         }
     }
 
     /// Version 5's locks as this version's.
-    pub(super) fn locks(locks: BTreeMap<LockName, Lock>) -> BTreeMap<LockName, table::Lock> {
-        locks.into_iter().map(|(n, l)| (n, l.into())).collect()
+    pub(super) fn locks(locks: BTreeMap<LockName, Lock>) -> BTreeMap<LockName, Box<table::Lock>> {
+        locks
+            .into_iter()
+            .map(|(n, l)| (n, Box::new(l.into())))
+            .collect()
     }
 
     impl From<LockTable> for table::LockTable {
@@ -336,7 +343,7 @@ mod v4 {
 
     #[derive(Deserialize)]
     pub(super) struct LockTable {
-        sessions: BTreeMap<SessionId, table::Session>,
+        sessions: BTreeMap<SessionId, Box<table::Session>>,
         locks: BTreeMap<LockName, super::v5::Lock>,
         open_nonces: BTreeMap<u128, (SessionId, u64)>,
         open_nonce_order: VecDeque<u128>,
@@ -410,7 +417,7 @@ mod v3 {
                 sessions: t
                     .sessions
                     .into_iter()
-                    .map(|(id, s)| (id, s.into()))
+                    .map(|(id, s)| (id, Box::new(s.into())))
                     .collect(),
                 locks: super::v5::locks(t.locks),
                 open_nonces: t.open_nonces,
@@ -480,30 +487,25 @@ mod v2 {
                         token: h.token,
                         request: h.request,
                         granted_at_ms: h.granted_at_ms,
-                        value: h.value,
+                        value: h.value.into(),
                         attempt: 0,
                         lock_delay_ms: 0,
                         shared: false,
                     };
-                    let mut waiters = table::Queue::default();
+                    let mut waiters = VecDeque::new();
                     for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {
                         waiters.push_back(table::Waiter {
                             session: w.session,
                             request: w.request,
                             enqueued_at_ms: w.enqueued_at_ms,
-                            value: w.value,
+                            value: w.value.into(),
                             attempt: 0,
                             lock_delay_ms: 0,
                             shared: false,
                         });
                     }
-                    let lock = table::Lock {
-                        holder,
-                        waiters,
-                        more: table::Holders::default(),
-                        permits: 0,
-                    };
-                    (name, lock)
+                    let lock = table::Lock::from_parts(holder, waiters, Vec::new(), 0);
+                    (name, Box::new(lock))
                 })
                 .collect();
             table::LockTable {
@@ -512,7 +514,7 @@ mod v2 {
                 sessions: t
                     .sessions
                     .into_iter()
-                    .map(|(id, s)| (id, s.into()))
+                    .map(|(id, s)| (id, Box::new(s.into())))
                     .collect(),
                 locks,
                 open_nonces: t.open_nonces,

@@ -43,7 +43,7 @@ pub(crate) struct Holder {
     pub(crate) token: FencingToken,
     pub(crate) request: RequestId,
     pub(crate) granted_at_ms: u64,
-    pub(crate) value: Box<[u8]>,
+    pub(crate) value: Value,
     /// The acquire call that last reported on this grant (see [`Command::AbandonAcquire`]).
     pub(crate) attempt: u64,
     /// The lock-delay the grant asked for ([`Command::WithLockDelay`]); 0: none. On a delayed lock's
@@ -62,7 +62,7 @@ pub(crate) struct Waiter {
     pub(crate) session: SessionId,
     pub(crate) request: RequestId,
     pub(crate) enqueued_at_ms: u64,
-    pub(crate) value: Box<[u8]>,
+    pub(crate) value: Value,
     /// The acquire call that last reported on this wait (see [`Command::AbandonAcquire`]).
     pub(crate) attempt: u64,
     /// The lock-delay its grant will have.
@@ -73,34 +73,144 @@ pub(crate) struct Waiter {
 
 /// A lock exists in the table exactly while it has a holder (a session's, or [`NO_SESSION`] during a
 /// lock-delay); waiters exist only behind a holder.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// In memory a lock is its first holder and one pointer: most locks have one holder, no waiters and no
+/// permits, and then `rest` is `None`. Encoded as it always was: the holder, the queue (`None` when
+/// empty), the further holders (`None` when none) and the permits.
+#[derive(Clone, Debug)]
 pub(crate) struct Lock {
     /// The oldest holder (inline: most locks have exactly one).
     pub(crate) holder: Holder,
-    pub(crate) waiters: Queue,
-    /// Further holders in grant order: shared holders, or a semaphore's other permits.
-    pub(crate) more: Holders,
-    /// A semaphore's permits; 0 for a lock (exclusive or shared).
-    pub(crate) permits: u32,
+    /// The queue, the further holders and the permits; `None` exactly when all three are empty (0).
+    rest: Option<Box<Rest>>,
 }
+
+/// What few locks have: waiters, several holders, permits.
+#[derive(Clone, Debug, Default)]
+struct Rest {
+    /// The FIFO queue.
+    waiters: VecDeque<Waiter>,
+    /// Further holders in grant order: shared holders, or a semaphore's other permits.
+    more: Vec<Holder>,
+    /// A semaphore's permits; 0 for a lock (exclusive or shared).
+    permits: u32,
+}
+
+static NO_WAITERS: VecDeque<Waiter> = VecDeque::new();
+
+impl PartialEq for Lock {
+    fn eq(&self, other: &Lock) -> bool {
+        self.holder == other.holder
+            && self.waiters() == other.waiters()
+            && self.more() == other.more()
+            && self.permits() == other.permits()
+    }
+}
+
+impl Eq for Lock {}
 
 impl Lock {
     fn new(holder: Holder, permits: u32) -> Lock {
-        Lock {
+        Lock::from_parts(holder, VecDeque::new(), Vec::new(), permits)
+    }
+
+    pub(crate) fn from_parts(
+        holder: Holder,
+        waiters: VecDeque<Waiter>,
+        more: Vec<Holder>,
+        permits: u32,
+    ) -> Lock {
+        let mut lock = Lock {
             holder,
-            waiters: Queue::default(),
-            more: Holders::default(),
-            permits,
+            rest: Some(Box::new(Rest {
+                waiters,
+                more,
+                permits,
+            })),
+        };
+        lock.tidy();
+        lock
+    }
+
+    /// Drops `rest` when it holds nothing.
+    fn tidy(&mut self) {
+        if self
+            .rest
+            .as_ref()
+            .is_some_and(|r| r.waiters.is_empty() && r.more.is_empty() && r.permits == 0)
+        {
+            self.rest = None;
         }
+    }
+
+    fn rest_mut(&mut self) -> &mut Rest {
+        self.rest.get_or_insert_with(Default::default)
+    }
+
+    /// The FIFO queue.
+    pub(crate) fn waiters(&self) -> &VecDeque<Waiter> {
+        self.rest.as_ref().map_or(&NO_WAITERS, |r| &r.waiters)
+    }
+
+    pub(crate) fn waiters_mut(&mut self) -> impl Iterator<Item = &mut Waiter> {
+        self.rest.iter_mut().flat_map(|r| r.waiters.iter_mut())
+    }
+
+    pub(crate) fn push_waiter(&mut self, w: Waiter) {
+        self.rest_mut().waiters.push_back(w);
+    }
+
+    pub(crate) fn pop_waiter(&mut self) -> Option<Waiter> {
+        let w = self.rest.as_mut()?.waiters.pop_front();
+        self.tidy();
+        w
+    }
+
+    /// Removes `session`'s waits: how many there were, and what they were charged.
+    pub(crate) fn remove_waits(&mut self, session: SessionId) -> (usize, u64) {
+        let (mut removed, mut freed) = (0, 0);
+        if let Some(r) = self.rest.as_mut() {
+            r.waiters.retain(|w| {
+                let keep = w.session != session;
+                if !keep {
+                    removed += 1;
+                    freed += grant_bytes(&w.value);
+                }
+                keep
+            });
+        }
+        self.tidy();
+        (removed, freed)
+    }
+
+    /// Further holders in grant order: shared holders, or a semaphore's other permits.
+    pub(crate) fn more(&self) -> &[Holder] {
+        self.rest.as_ref().map_or(&[], |r| &r.more)
+    }
+
+    pub(crate) fn push_holder(&mut self, h: Holder) {
+        self.rest_mut().more.push(h);
+    }
+
+    /// Removes the further holder at `at` (which exists).
+    pub(crate) fn remove_more(&mut self, at: usize) -> Holder {
+        let h = self.rest_mut().more.remove(at);
+        self.tidy();
+        h
+    }
+
+    /// A semaphore's permits; 0 for a lock (exclusive or shared).
+    pub(crate) fn permits(&self) -> u32 {
+        self.rest.as_ref().map_or(0, |r| r.permits)
     }
 
     /// Every holder, oldest grant first.
     pub(crate) fn holders(&self) -> impl Iterator<Item = &Holder> {
-        std::iter::once(&self.holder).chain(self.more.iter())
+        std::iter::once(&self.holder).chain(self.more().iter())
     }
 
     pub(crate) fn holder_count(&self) -> usize {
-        1 + self.more.len()
+        1 + self.more().len()
     }
 
     /// The grant `session` holds (never a placeholder's: [`NO_SESSION`] holds nothing).
@@ -117,13 +227,17 @@ impl Lock {
         if self.holder.session == session {
             return Some(&mut self.holder);
         }
-        self.more.iter_mut().find(|h| h.session == session)
+        self.rest
+            .iter_mut()
+            .flat_map(|r| r.more.iter_mut())
+            .find(|h| h.session == session)
     }
 
     /// Whether one more grant (`shared` or not) fits beside the holders, ignoring the queue.
     pub(crate) fn admits(&self, shared: bool) -> bool {
-        if self.permits > 0 {
-            self.holder_count() < self.permits as usize
+        let permits = self.permits();
+        if permits > 0 {
+            self.holder_count() < permits as usize
         } else {
             // With several holders all are shared, so the first one says how the lock is held.
             shared && self.holder.shared && self.holder_count() < MAX_HOLDERS_PER_LOCK
@@ -131,11 +245,67 @@ impl Lock {
     }
 }
 
+/// [`Lock`] as snapshots encode it (the layout of format versions 7 and 8).
+#[derive(Serialize)]
+#[serde(rename = "Lock")]
+struct LockOut<'a> {
+    holder: &'a Holder,
+    waiters: Option<&'a VecDeque<Waiter>>,
+    more: Option<&'a Vec<Holder>>,
+    permits: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(rename = "Lock")]
+struct LockIn {
+    holder: Holder,
+    waiters: Option<VecDeque<Waiter>>,
+    more: Option<Vec<Holder>>,
+    permits: u32,
+}
+
+impl Serialize for Lock {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let rest = self.rest.as_deref();
+        LockOut {
+            holder: &self.holder,
+            waiters: rest.map(|r| &r.waiters).filter(|w| !w.is_empty()),
+            more: rest.map(|r| &r.more).filter(|m| !m.is_empty()),
+            permits: self.permits(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Lock {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let l = LockIn::deserialize(d)?;
+        // Never `Some` and empty, so that equal locks encode alike.
+        if l.waiters.as_ref().is_some_and(|w| w.is_empty())
+            || l.more.as_ref().is_some_and(|m| m.is_empty())
+        {
+            return Err(serde::de::Error::custom("a lock has an empty queue"));
+        }
+        Ok(Lock::from_parts(
+            l.holder,
+            l.waiters.unwrap_or_default(),
+            l.more.unwrap_or_default(),
+            l.permits,
+        ))
+    }
+}
+
 /// The replicated state of one group.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LockTable {
-    pub(crate) sessions: BTreeMap<SessionId, Session>,
-    pub(crate) locks: BTreeMap<LockName, Lock>,
+    /// Boxed, like `locks`: a node's empty room costs 16 bytes an entry instead of 136.
+    #[serde(deserialize_with = "bulk")]
+    pub(crate) sessions: BTreeMap<SessionId, Box<Session>>,
+    /// Boxed: a map node has room for 11 entries, and inserting one at a time leaves about 6 of them
+    /// used (the bench's load), so the room left empty costs 24 bytes an entry (name and pointer)
+    /// instead of 80 (name and lock).
+    #[serde(deserialize_with = "bulk")]
+    pub(crate) locks: BTreeMap<LockName, Box<Lock>>,
     /// Recent `OpenSession` nonces, so a retried open returns the session it opened the first time.
     pub(crate) open_nonces: BTreeMap<u128, (SessionId, u64)>,
     pub(crate) open_nonce_order: VecDeque<u128>,
@@ -408,7 +578,7 @@ impl LockTable {
             token,
             request: RequestId(index),
             granted_at_ms: now_ms,
-            value: Box::default(),
+            value: Value::default(),
             attempt: 0,
             lock_delay_ms: delay_ms,
             shared,
@@ -594,8 +764,8 @@ impl LockTable {
             None if usage.held + usage.waiting >= quota.locks => Some(locks),
             None => None,
             // Refused for its own reason.
-            Some(lock) if lock.permits != permits => None,
-            Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) => {
+            Some(lock) if lock.permits() != permits => None,
+            Some(lock) if lock.waiters().is_empty() && lock.admits(shared) => {
                 (usage.held + usage.waiting >= quota.locks).then_some(locks)
             }
             Some(_) if mode == AcquireMode::Try => None,
@@ -658,12 +828,12 @@ impl LockTable {
         let session = SessionId(index);
         self.sessions.insert(
             session,
-            Session {
+            Box::new(Session {
                 ttl_ms,
                 opened_at_ms: now_ms,
                 secret,
                 ..Session::default()
-            },
+            }),
         );
         self.open_nonces.insert(nonce, (session, ttl_ms));
         self.open_nonce_order.push_back(nonce);
@@ -706,7 +876,7 @@ impl LockTable {
         // Waits go first, so a lock this session holds is never handed to this same session's waiter.
         for (name, request) in &ended.waiting {
             let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-            let (removed, freed) = lock.waiters.remove_session(session);
+            let (removed, freed) = lock.remove_waits(session);
             assert_eq!(removed, 1, "a session waits at most once per lock");
             self.discharge(freed);
             self.waiter_count -= 1;
@@ -783,7 +953,7 @@ impl LockTable {
             }
             if waiting {
                 let mut position = 0;
-                for (i, w) in lock.waiters.iter_mut().enumerate() {
+                for (i, w) in lock.waiters_mut().enumerate() {
                     if w.session == session_id {
                         w.attempt = attempt;
                         position = i as u32 + 1;
@@ -811,8 +981,8 @@ impl LockTable {
                 })
             }
             _ if session.waiting.contains_key(name) => Outcome::Refused(Refusal::AlreadyWaiting),
-            Some(lock) if lock.permits != permits => Outcome::Refused(Refusal::PermitsMismatch {
-                permits: lock.permits,
+            Some(lock) if lock.permits() != permits => Outcome::Refused(Refusal::PermitsMismatch {
+                permits: lock.permits(),
             }),
             _ if session.held.len() + session.waiting.len() >= MAX_LOCKS_PER_SESSION => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::LocksPerSession))
@@ -820,11 +990,13 @@ impl LockTable {
             None if self.locks.len() >= MAX_LOCKS => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::Locks))
             }
-            Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) && fits_grant.is_err() => {
+            Some(lock)
+                if lock.waiters().is_empty() && lock.admits(shared) && fits_grant.is_err() =>
+            {
                 Outcome::Refused(fits_grant.expect_err("matched"))
             }
             None if fits_lock.is_err() => Outcome::Refused(fits_lock.expect_err("matched")),
-            Some(lock) if lock.waiters.len() == 0 && lock.admits(shared) => {
+            Some(lock) if lock.waiters().is_empty() && lock.admits(shared) => {
                 let token = FencingToken(index);
                 assert!(
                     lock.holders().all(|h| h.token < token),
@@ -841,7 +1013,7 @@ impl LockTable {
                     shared,
                 };
                 let lock = self.locks.get_mut(name).expect("matched above");
-                lock.more.push(holder);
+                lock.push_holder(holder);
                 self.charge(grant_bytes(value));
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
@@ -866,7 +1038,8 @@ impl LockTable {
                     lock_delay_ms: self.acquire_lock_delay,
                     shared,
                 };
-                self.locks.insert(name.clone(), Lock::new(holder, permits));
+                self.locks
+                    .insert(name.clone(), Box::new(Lock::new(holder, permits)));
                 self.charge(lock_bytes(name) + grant_bytes(value));
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
@@ -883,13 +1056,13 @@ impl LockTable {
                 holder: lock.holder.session,
                 token: lock.holder.token,
             }),
-            Some(lock) if lock.waiters.len() >= MAX_WAITERS_PER_LOCK => {
+            Some(lock) if lock.waiters().len() >= MAX_WAITERS_PER_LOCK => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::WaitersPerLock))
             }
             Some(_) if fits_grant.is_err() => Outcome::Refused(fits_grant.expect_err("matched")),
             Some(_) => {
                 let lock = self.locks.get_mut(name).expect("matched above");
-                lock.waiters.push_back(Waiter {
+                lock.push_waiter(Waiter {
                     session: session_id,
                     request,
                     enqueued_at_ms: now_ms,
@@ -898,7 +1071,7 @@ impl LockTable {
                     lock_delay_ms: self.acquire_lock_delay,
                     shared,
                 });
-                let position = lock.waiters.len() as u32;
+                let position = lock.waiters().len() as u32;
                 self.charge(grant_bytes(value));
                 self.waiter_count += 1;
                 self.session_mut(session_id)
@@ -990,7 +1163,7 @@ impl LockTable {
         let ours = |a: u64| attempt.is_none_or(|mine| mine == a);
         if session.waiting.get(name) == Some(&request) {
             let lock = &self.locks[name];
-            let w = lock.waiters.iter().find(|w| w.session == session_id);
+            let w = lock.waiters().iter().find(|w| w.session == session_id);
             if !w.is_some_and(|w| ours(w.attempt)) {
                 return Outcome::Refused(Refusal::NotWaiting);
             }
@@ -1059,7 +1232,7 @@ impl LockTable {
         assert_eq!(removed, Some(request), "the session records this wait");
         self.count(session_id, 0, -1);
         let lock = self.locks.get_mut(name).expect("a waited-for lock exists");
-        let (_, freed) = lock.waiters.remove_session(session_id);
+        let (_, freed) = lock.remove_waits(session_id);
         self.discharge(freed);
         self.waiter_count -= 1;
         self.events.push(Event::WaiterRemoved {
@@ -1083,10 +1256,15 @@ impl LockTable {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
         if lock.holder_count() > 1 {
             let removed = if which(&lock.holder) {
-                std::mem::replace(&mut lock.holder, lock.more.remove(0))
+                let first = lock.remove_more(0);
+                std::mem::replace(&mut lock.holder, first)
             } else {
-                let at = lock.more.position(&which).expect("the holder to remove");
-                lock.more.remove(at)
+                let at = lock
+                    .more()
+                    .iter()
+                    .position(&which)
+                    .expect("the holder to remove");
+                lock.remove_more(at)
             };
             self.discharge(grant_bytes(&removed.value));
             self.promote(index, name, now_ms);
@@ -1096,7 +1274,7 @@ impl LockTable {
         // The last holder left: the lock goes, unless a waiter takes it (and those behind that fit).
         let mut lock = self.locks.remove(name).expect("a held lock exists");
         self.discharge(grant_bytes(&lock.holder.value));
-        let Some(next) = lock.waiters.pop_front() else {
+        let Some(next) = lock.pop_waiter() else {
             self.discharge(lock_bytes(name));
             return;
         };
@@ -1114,11 +1292,11 @@ impl LockTable {
             let Some(lock) = self.locks.get_mut(name) else {
                 return;
             };
-            match lock.waiters.front() {
+            match lock.waiters().front() {
                 Some(w) if lock.admits(w.shared) => {}
                 _ => return,
             }
-            let next = lock.waiters.pop_front().expect("checked above");
+            let next = lock.pop_waiter().expect("checked above");
             // Holders granted by this same entry share its token; every earlier one is smaller.
             let previous = lock
                 .holders()
@@ -1130,8 +1308,7 @@ impl LockTable {
             self.locks
                 .get_mut(name)
                 .expect("still held")
-                .more
-                .push(holder);
+                .push_holder(holder);
         }
     }
 
@@ -1163,7 +1340,7 @@ impl LockTable {
             kind: ChangeKind::Granted,
             session: next.session,
             token: Some(token),
-            value: next.value.clone(),
+            value: next.value.to_boxed(),
         });
         self.events.push(Event::Granted {
             name: name.clone(),
@@ -1192,6 +1369,9 @@ impl LockTable {
                 session.dedup_evicted_max = session.dedup_evicted_max.max(old.0);
             }
         }
+        // Grow one entry at a time (at most DEDUP_WINDOW small copies in a session's life): a session
+        // that made 10 requests keeps room for 10, not the 16 that doubling gives.
+        session.dedup.reserve_exact(1);
         session.dedup.push_back((request, outcome.clone()));
     }
 
@@ -1316,14 +1496,14 @@ impl LockTable {
                 }
                 assert!(holder.token.0 > 0, "token 0 is never issued");
             }
-            if lock.permits > 0 {
+            if lock.permits() > 0 {
                 assert!(
-                    lock.holder_count() <= lock.permits as usize
-                        && lock.permits as usize <= MAX_HOLDERS_PER_LOCK,
+                    lock.holder_count() <= lock.permits() as usize
+                        && lock.permits() as usize <= MAX_HOLDERS_PER_LOCK,
                     "{name}: more holders than permits"
                 );
                 assert!(
-                    lock.holders().all(|h| !h.shared) && lock.waiters.iter().all(|w| !w.shared),
+                    lock.holders().all(|h| !h.shared) && lock.waiters().iter().all(|w| !w.shared),
                     "{name}: a semaphore held shared"
                 );
             } else if lock.holder_count() > 1 {
@@ -1332,11 +1512,11 @@ impl LockTable {
                     "{name}: an exclusive holder beside others"
                 );
             }
-            if let Some(front) = lock.waiters.front() {
+            if let Some(front) = lock.waiters().front() {
                 assert!(!lock.admits(front.shared), "{name}: its first waiter fits");
             }
             let mut seen = BTreeSet::new();
-            for w in lock.waiters.iter() {
+            for w in lock.waiters().iter() {
                 assert!(seen.insert(w.session), "session waits twice for {name}");
                 assert!(
                     !holding.contains(&w.session),
@@ -1372,7 +1552,7 @@ impl LockTable {
                 assert!(self
                     .locks
                     .get(name)
-                    .is_some_and(|l| l.waiters.iter().any(|w| w.session == *id)));
+                    .is_some_and(|l| l.waiters().iter().any(|w| w.session == *id)));
             }
             assert!(s.dedup.len() <= DEDUP_WINDOW);
         }
@@ -1397,7 +1577,7 @@ impl LockTable {
                 lock_bytes(name)
                     + lock.holders().map(|h| grant_bytes(&h.value)).sum::<u64>()
                     + lock
-                        .waiters
+                        .waiters()
                         .iter()
                         .map(|w| grant_bytes(&w.value))
                         .sum::<u64>()
@@ -1438,7 +1618,7 @@ fn holder_view(h: &Holder) -> HolderView {
         session: h.session,
         token: h.token,
         granted_at_ms: h.granted_at_ms,
-        value: h.value.clone(),
+        value: h.value.to_boxed(),
         lock_delay_ms: h.lock_delay_ms,
         shared: h.shared,
     }
@@ -1448,9 +1628,9 @@ fn lock_view(name: &LockName, lock: &Lock) -> LockView {
     LockView {
         name: name.clone(),
         holder: holder_view(&lock.holder),
-        more: lock.more.iter().map(holder_view).collect(),
+        more: lock.more().iter().map(holder_view).collect(),
         waiters: lock
-            .waiters
+            .waiters()
             .iter()
             .map(|w| WaiterView {
                 session: w.session,
@@ -1458,7 +1638,7 @@ fn lock_view(name: &LockName, lock: &Lock) -> LockView {
                 shared: w.shared,
             })
             .collect(),
-        permits: lock.permits,
+        permits: lock.permits(),
     }
 }
 
@@ -1469,114 +1649,6 @@ fn session_view(id: SessionId, s: &Session) -> SessionView {
         opened_at_ms: s.opened_at_ms,
         held: s.held.len() as u32,
         waiting: s.waiting.len() as u32,
-    }
-}
-
-/// A lock's FIFO queue. Most locks have no waiters, so an empty queue is one null pointer (8 bytes)
-/// instead of an empty `VecDeque` (32 bytes); it is never `Some` and empty, so equal queues encode alike.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[allow(
-    clippy::box_collection,
-    reason = "the point: an empty queue costs one pointer, not an empty VecDeque"
-)]
-pub(crate) struct Queue(Option<Box<VecDeque<Waiter>>>);
-
-impl Queue {
-    pub(crate) fn len(&self) -> usize {
-        self.0.as_ref().map_or(0, |q| q.len())
-    }
-
-    pub(crate) fn push_back(&mut self, w: Waiter) {
-        self.0.get_or_insert_with(Default::default).push_back(w);
-    }
-
-    pub(crate) fn front(&self) -> Option<&Waiter> {
-        self.0.as_ref().and_then(|q| q.front())
-    }
-
-    pub(crate) fn pop_front(&mut self) -> Option<Waiter> {
-        let q = self.0.as_mut()?;
-        let w = q.pop_front();
-        if q.is_empty() {
-            self.0 = None;
-        }
-        w
-    }
-
-    /// Removes `session`'s waits: how many there were, and what they were charged.
-    pub(crate) fn remove_session(&mut self, session: SessionId) -> (usize, u64) {
-        let (mut removed, mut freed) = (0, 0);
-        if let Some(q) = self.0.as_mut() {
-            q.retain(|w| {
-                let keep = w.session != session;
-                if !keep {
-                    removed += 1;
-                    freed += grant_bytes(&w.value);
-                }
-                keep
-            });
-            if q.is_empty() {
-                self.0 = None;
-            }
-        }
-        (removed, freed)
-    }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiter> {
-        self.0.iter().flat_map(|q| q.iter())
-    }
-
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Waiter> {
-        self.0.iter_mut().flat_map(|q| q.iter_mut())
-    }
-
-    fn is_normal(&self) -> bool {
-        self.0.as_ref().is_none_or(|q| !q.is_empty())
-    }
-}
-
-/// A lock's holders after the first, in grant order: like [`Queue`], one null pointer when there are
-/// none (every exclusive lock), never `Some` and empty.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[allow(
-    clippy::box_collection,
-    reason = "the point: no further holders cost one pointer, not an empty Vec"
-)]
-pub(crate) struct Holders(Option<Box<Vec<Holder>>>);
-
-impl Holders {
-    pub(crate) fn len(&self) -> usize {
-        self.0.as_ref().map_or(0, |v| v.len())
-    }
-
-    pub(crate) fn push(&mut self, h: Holder) {
-        self.0.get_or_insert_with(Default::default).push(h);
-    }
-
-    /// Removes the holder at `at` (which exists).
-    pub(crate) fn remove(&mut self, at: usize) -> Holder {
-        let v = self.0.as_mut().expect("a holder to remove");
-        let h = v.remove(at);
-        if v.is_empty() {
-            self.0 = None;
-        }
-        h
-    }
-
-    fn position(&self, which: impl Fn(&Holder) -> bool) -> Option<usize> {
-        self.iter().position(which)
-    }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &Holder> {
-        self.0.iter().flat_map(|v| v.iter())
-    }
-
-    fn iter_mut(&mut self) -> impl Iterator<Item = &mut Holder> {
-        self.0.iter_mut().flat_map(|v| v.iter_mut())
-    }
-
-    fn is_normal(&self) -> bool {
-        self.0.as_ref().is_none_or(|v| !v.is_empty())
     }
 }
 
@@ -1593,9 +1665,6 @@ impl LockTable {
             s.waiting.clear();
         }
         for (name, lock) in &self.locks {
-            if !lock.waiters.is_normal() || !lock.more.is_normal() {
-                return Err(format!("lock {name} has an empty queue"));
-            }
             for holder in lock.holders() {
                 if holder.session == NO_SESSION {
                     if holder.lock_delay_ms == 0 {
@@ -1613,7 +1682,7 @@ impl LockTable {
                     return Err(format!("session {} holds {name} twice", holder.session));
                 }
             }
-            for w in lock.waiters.iter() {
+            for w in lock.waiters().iter() {
                 let s = self.sessions.get_mut(&w.session).ok_or_else(|| {
                     format!("lock {name} has a waiter of unknown session {}", w.session)
                 })?;
@@ -1643,4 +1712,81 @@ fn grant_bytes(value: &[u8]) -> u64 {
 /// What one lock named `name` is charged besides its grants and waits.
 fn lock_bytes(name: &LockName) -> u64 {
     LOCK_BYTES + name.as_str().len() as u64
+}
+
+/// A grant's or wait's value: one null pointer (8 bytes) when empty, which almost every value is, instead
+/// of a `Box<[u8]>` (16 bytes). Encoded exactly as a `Box<[u8]>`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Value(Option<Box<Box<[u8]>>>);
+
+impl From<&[u8]> for Value {
+    fn from(v: &[u8]) -> Value {
+        Value((!v.is_empty()).then(|| Box::new(v.into())))
+    }
+}
+
+impl From<Box<[u8]>> for Value {
+    fn from(v: Box<[u8]>) -> Value {
+        Value((!v.is_empty()).then(|| Box::new(v)))
+    }
+}
+
+impl std::ops::Deref for Value {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.0.as_deref().map_or(&[], |v| v)
+    }
+}
+
+impl Value {
+    pub(crate) fn to_boxed(&self) -> Box<[u8]> {
+        (**self).into()
+    }
+}
+
+impl Serialize for Value {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        <[u8]>::serialize(self, s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Value {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Box::<[u8]>::deserialize(d).map(Value::from)
+    }
+}
+
+/// Decodes a map by collecting its entries first: `BTreeMap::from_iter` builds full nodes from sorted
+/// entries, where inserting them one by one (serde's way) leaves most nodes a little over half full.
+/// A repeated key keeps its last value, as inserting does.
+fn bulk<'de, D, K, V>(d: D) -> Result<BTreeMap<K, V>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    K: Ord + Deserialize<'de>,
+    V: Deserialize<'de>,
+{
+    struct Entries<K, V>(Vec<(K, V)>);
+    impl<'de, K: Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de> for Entries<K, V> {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visit<K, V>(std::marker::PhantomData<(K, V)>);
+            impl<'de, K: Deserialize<'de>, V: Deserialize<'de>> serde::de::Visitor<'de> for Visit<K, V> {
+                type Value = Entries<K, V>;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a map")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut m: A,
+                ) -> Result<Self::Value, A::Error> {
+                    let mut v = Vec::with_capacity(m.size_hint().unwrap_or(0).min(1 << 16));
+                    while let Some(e) = m.next_entry()? {
+                        v.push(e);
+                    }
+                    Ok(Entries(v))
+                }
+            }
+            d.deserialize_map(Visit(std::marker::PhantomData))
+        }
+    }
+    Ok(Entries::deserialize(d)?.0.into_iter().collect())
 }
