@@ -47,8 +47,10 @@ pub struct ServerConfig {
     pub join: bool,
     /// Leader heartbeat interval.
     pub heartbeat_interval_ms: u64,
-    /// A follower that hears no leader for a random time in [min, max) starts an election. The leader
-    /// lease (how long a leader may answer keepalives without fresh quorum contact) is the max.
+    /// A follower that has heard no leader for the max (openraft's leader lease: until then it refuses
+    /// to vote for another) plus a random time in [min, max) starts an election. A leader answers
+    /// keepalives only within 3/4 of the max of its last quorum contact. The defaults (50 ms heartbeat,
+    /// 200..350 ms) fail over in about 0.7 s; see docs/operations.md, "Timeouts", for the trade-off.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
     /// Build a snapshot and purge the log after this many entries.
@@ -132,9 +134,9 @@ impl Default for ServerConfig {
             cluster_id: None,
             cluster_token: String::new(),
             join: false,
-            heartbeat_interval_ms: 100,
-            election_timeout_min_ms: 500,
-            election_timeout_max_ms: 1_000,
+            heartbeat_interval_ms: 50,
+            election_timeout_min_ms: 200,
+            election_timeout_max_ms: 350,
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
             snapshot_every_bytes: 64 << 20,

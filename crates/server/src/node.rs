@@ -825,7 +825,7 @@ const BALANCE_SETTLE: Duration = Duration::from_secs(10);
 /// have the group's log up to the commit index; groups in a membership change, or already handing
 /// over, are left alone. After a failed move it waits [`BALANCE_BACKOFF`], and after any change of
 /// leaders it did not make, [`BALANCE_SETTLE`]. The two-apart rule is the hysteresis. A move stops that group's keepalive answers until the target takes over (tens of ms; a
-/// failed move costs an election, ~1 s) and gives every session of the group a fresh TTL.
+/// failed move costs an election, under a second) and gives every session of the group a fresh TTL.
 async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool>) {
     let me = node.config.node_id;
     let live_within = Duration::from_millis(node.config.election_timeout_min_ms);

@@ -53,7 +53,9 @@ impl Knobs {
         let mut rng = Rng::new(seed ^ 0x6b6e_6f62_7321_0001);
         let (heartbeat_interval_ms, election_timeout_min_ms, election_timeout_max_ms) =
             rng.pick(&[
-                (100, 500, 1_000),
+                // The defaults, then the defaults before 2026-12 (slower failover, more margin), then
+                // two more.
+                (50, 200, 350),
                 (100, 500, 1_000),
                 (50, 300, 600),
                 (150, 700, 1_000),

@@ -45,10 +45,11 @@ pub struct ServerArgs {
     /// instead of forming a cluster with --members. Needs --cluster-id.
     #[arg(long)]
     join: bool,
-    /// Leader heartbeat interval (default 100).
+    /// Leader heartbeat interval (default 50).
     #[arg(long)]
     heartbeat_interval_ms: Option<u64>,
-    /// Election timeout range (default 500..1000). The max is also the leader lease.
+    /// Election timeout range (default 200..350). The max is also the leader lease: a follower starts an
+    /// election after max + a random time in [min, max) without hearing the leader.
     #[arg(long)]
     election_timeout_min_ms: Option<u64>,
     #[arg(long)]
