@@ -1,6 +1,10 @@
 //! Batched keepalives: one background task per [`Client`] renews every session it opened, sending one
-//! message per group per round over a long-lived `KeepAliveStream` to that group's leader. This is what
-//! keeps the load at the design's "one heartbeat per client connection" instead of one RPC per session.
+//! message per round to each server that leads some of the client's groups (all the groups that server
+//! leads in one message, `KeepAliveRequest.groups`), over a long-lived `KeepAliveStream` per server. This
+//! is what keeps the load at the design's "one heartbeat per client connection" instead of one RPC per
+//! session, or one per group. A group answered NOT_LEADER is sent again, in the same round, to the
+//! leader the answer names. Against a server older than per-group answers (it answers none) the task
+//! falls back to one message per group per round, for the rest of its life.
 //!
 //! A session is due one third of its TTL after the last renewal was sent. A renewal counts from the moment
 //! its message was **sent**; a failed round is retried on the next tick (every 100 ms) until the session's
@@ -88,8 +92,15 @@ struct Stream {
     rx: tonic::Streaming<pb::KeepAliveResponse>,
 }
 
+/// What one round made of one group's sessions: per session, the TTL granted or `None` if not alive;
+/// or why the round failed for the group.
+type GroupOutcome = Result<Vec<Option<Duration>>, String>;
+
 async fn run(client: Weak<Inner>) {
-    let mut streams: BTreeMap<u32, Stream> = BTreeMap::new();
+    // Fan-in streams by server (endpoint index); per-group streams once `legacy`.
+    let mut by_server: BTreeMap<usize, Stream> = BTreeMap::new();
+    let mut by_group: BTreeMap<u32, Stream> = BTreeMap::new();
+    let mut legacy = false;
     loop {
         tokio::time::sleep(TICK).await;
         let Some(inner) = client.upgrade() else {
@@ -109,34 +120,55 @@ async fn run(client: Weak<Inner>) {
         let sent_wall_ms = crate::session::wall_ms();
         // A session is renewed when every group renewed it; the smallest TTL granted counts.
         let mut granted: Vec<Option<Duration>> = vec![Some(Duration::MAX); due.len()];
-        for group in 0..client.groups() {
-            for (chunk_no, chunk) in due.chunks(MAX_BATCH).enumerate() {
-                let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
-                let secrets: Vec<Vec<u8>> =
-                    chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
-                // A round may take no longer than the earliest lease in it has left.
-                let limit = chunk
-                    .iter()
-                    .map(|s| s.valid_until())
-                    .min()
-                    .unwrap_or(now)
-                    .saturating_duration_since(Instant::now());
-                let outcome = match tokio::time::timeout(
-                    limit,
-                    round(&client, &mut streams, group, ids, secrets),
-                )
-                .await
-                {
-                    Ok(r) => r,
-                    Err(_) => {
-                        streams.remove(&group);
-                        Err("the leases ran out during the round".to_string())
+        // One message carries a chunk's sessions in every group it goes to: at most MAX_BATCH ids.
+        let per_message = (MAX_BATCH / client.groups().max(1) as usize).max(1);
+        for (chunk_no, chunk) in due.chunks(per_message).enumerate() {
+            // A round may take no longer than the earliest lease in it has left.
+            let limit = chunk
+                .iter()
+                .map(|s| s.valid_until())
+                .min()
+                .unwrap_or(now)
+                .saturating_duration_since(Instant::now());
+            let outcomes: Vec<GroupOutcome> = if legacy {
+                let mut outcomes = Vec::new();
+                for group in 0..client.groups() {
+                    let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
+                    let secrets: Vec<Vec<u8>> =
+                        chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
+                    let round = round(&client, &mut by_group, group, ids, secrets);
+                    outcomes.push(match tokio::time::timeout(limit, round).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            by_group.remove(&group);
+                            Err("the leases ran out during the round".to_string())
+                        }
+                    });
+                }
+                outcomes
+            } else {
+                match tokio::time::timeout(limit, fan_in(&client, &mut by_server, chunk)).await {
+                    Ok(Ok(outcomes)) => outcomes,
+                    Ok(Err(Unsupported)) => {
+                        tracing::info!("a server answers no per-group keepalives (an older version): one keepalive per group from now on");
+                        legacy = true;
+                        by_server.clear();
+                        vec![Err("retried per group".to_string()); client.groups() as usize]
                     }
-                };
+                    Err(_) => {
+                        by_server.clear();
+                        vec![
+                            Err("the leases ran out during the round".to_string());
+                            client.groups() as usize
+                        ]
+                    }
+                }
+            };
+            for (group, outcome) in outcomes.into_iter().enumerate() {
                 match outcome {
                     Ok(results) => {
                         for (i, r) in results.into_iter().enumerate() {
-                            let slot = &mut granted[chunk_no * MAX_BATCH + i];
+                            let slot = &mut granted[chunk_no * per_message + i];
                             match r {
                                 Some(ttl) => *slot = slot.map(|g| g.min(ttl)),
                                 None => {
@@ -151,7 +183,7 @@ async fn run(client: Weak<Inner>) {
                     Err(reason) => {
                         tracing::debug!(group, %reason, "keepalive round failed; retrying");
                         for i in 0..chunk.len() {
-                            granted[chunk_no * MAX_BATCH + i] = None;
+                            granted[chunk_no * per_message + i] = None;
                         }
                     }
                 }
@@ -162,6 +194,163 @@ async fn run(client: Weak<Inner>) {
                 Some(ttl) if ttl != Duration::MAX => s.renewed(sent, sent_wall_ms, ttl),
                 _ => s.retry_soon(Instant::now() + TICK),
             }
+        }
+    }
+}
+
+/// The server answered no per-group results: it predates `KeepAliveRequest.groups`.
+struct Unsupported;
+
+/// Renews `chunk`'s sessions in every group with one message per server that leads some of the groups
+/// (as far as the client knows), then again for the groups answered NOT_LEADER, at the leader named,
+/// up to one more time than there are servers. Returns each group's outcome, by group.
+async fn fan_in(
+    client: &Client,
+    streams: &mut BTreeMap<usize, Stream>,
+    chunk: &[&Arc<SessionInner>],
+) -> Result<Vec<GroupOutcome>, Unsupported> {
+    let groups = client.groups();
+    let mut out: Vec<Option<GroupOutcome>> = vec![None; groups as usize];
+    for _attempt in 0..client.server_count() + 1 {
+        let mut by_leader: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        for group in (0..groups).filter(|&g| out[g as usize].is_none()) {
+            by_leader
+                .entry(client.leader_of(group))
+                .or_default()
+                .push(group);
+        }
+        if by_leader.is_empty() {
+            break;
+        }
+        for (endpoint, to_renew) in by_leader {
+            let request = pb::KeepAliveRequest {
+                groups: to_renew
+                    .iter()
+                    .map(|&group| {
+                        let secrets: Vec<Vec<u8>> =
+                            chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
+                        pb::GroupKeepAlive {
+                            group,
+                            session_ids: chunk.iter().map(|s| s.id_in(group)).collect(),
+                            // Sessions opened by a server that gave no secrets send none.
+                            session_secrets: if secrets.iter().all(|s| s.is_empty()) {
+                                Vec::new()
+                            } else {
+                                secrets
+                            },
+                        }
+                    })
+                    .collect(),
+                ..Default::default()
+            };
+            let reply = match exchange(client, streams, endpoint, request).await {
+                Ok(reply) => reply,
+                Err(status) => {
+                    // The whole message failed (the server is gone, or refused the call): each
+                    // group tries where the answer points, or the next server.
+                    for &group in &to_renew {
+                        match status.as_ref().map(classify) {
+                            Some(Disposition::Fail(e)) => {
+                                out[group as usize] = Some(Err(e.to_string()))
+                            }
+                            Some(d) => next_target(client, group, endpoint, d),
+                            None => {
+                                client.set_leader(group, (endpoint + 1) % client.server_count())
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            if reply.groups.is_empty() {
+                return Err(Unsupported);
+            }
+            if reply.groups.len() != to_renew.len() {
+                streams.remove(&endpoint);
+                for &group in &to_renew {
+                    out[group as usize] = Some(Err("keepalive answered the wrong groups".into()));
+                }
+                continue;
+            }
+            for (&group, answer) in to_renew.iter().zip(reply.groups) {
+                if answer.group != group {
+                    out[group as usize] = Some(Err("keepalive answered the wrong groups".into()));
+                } else if answer.code == 0 {
+                    out[group as usize] = Some(if answer.results.len() == chunk.len() {
+                        Ok(answer
+                            .results
+                            .iter()
+                            .map(|r| r.alive.then(|| Duration::from_millis(r.ttl_ms)))
+                            .collect())
+                    } else {
+                        Err("keepalive answered the wrong number of sessions".into())
+                    });
+                } else {
+                    let status = tonic::Status::with_details(
+                        tonic::Code::from(answer.code),
+                        answer.message,
+                        answer
+                            .error
+                            .map(|e| prost::Message::encode_to_vec(&e))
+                            .unwrap_or_default()
+                            .into(),
+                    );
+                    match classify(&status) {
+                        Disposition::Fail(e) => out[group as usize] = Some(Err(e.to_string())),
+                        d => next_target(client, group, endpoint, d),
+                    }
+                }
+            }
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|o| o.unwrap_or_else(|| Err("no server renewed the sessions".into())))
+        .collect())
+}
+
+/// Sends one message on `endpoint`'s stream (opened if need be) and waits for its answer. `Err(None)`:
+/// no answer in time, or the stream broke; `Err(Some(status))`: the call failed with `status`.
+async fn exchange(
+    client: &Client,
+    streams: &mut BTreeMap<usize, Stream>,
+    endpoint: usize,
+    request: pb::KeepAliveRequest,
+) -> Result<pb::KeepAliveResponse, Option<tonic::Status>> {
+    let timeout = client.options().attempt_timeout;
+    let stream = match streams.entry(endpoint) {
+        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::btree_map::Entry::Vacant(e) => {
+            let (tx, rx) = mpsc::channel(4);
+            let mut c = client.rpc(endpoint);
+            match tokio::time::timeout(timeout, c.keep_alive_stream(tokio_stream_from(rx))).await {
+                Ok(Ok(resp)) => e.insert(Stream {
+                    endpoint,
+                    tx,
+                    rx: resp.into_inner(),
+                }),
+                Ok(Err(status)) => return Err(Some(status)),
+                Err(_) => return Err(None),
+            }
+        }
+    };
+    let sent = Instant::now();
+    if stream.tx.send(request).await.is_err() {
+        streams.remove(&endpoint);
+        return Err(None);
+    }
+    match tokio::time::timeout(timeout, stream.rx.message()).await {
+        Ok(Ok(Some(reply))) => {
+            client.inner().registry.record(sent.elapsed());
+            Ok(reply)
+        }
+        Ok(Ok(None)) | Err(_) => {
+            streams.remove(&endpoint);
+            Err(None)
+        }
+        Ok(Err(status)) => {
+            streams.remove(&endpoint);
+            Err(Some(status))
         }
     }
 }
@@ -185,6 +374,7 @@ async fn round(
         group,
         session_ids: ids,
         session_secrets: secrets,
+        groups: Vec::new(),
     };
     let timeout = client.options().attempt_timeout;
     for _attempt in 0..client.server_count() + 1 {
@@ -203,7 +393,7 @@ async fn round(
                         rx: resp.into_inner(),
                     }),
                     Ok(Err(status)) => {
-                        next_target(client, group, endpoint, &status);
+                        next_target(client, group, endpoint, classify(&status));
                         continue;
                     }
                     Err(_) => {
@@ -236,7 +426,7 @@ async fn round(
             }
             Ok(Err(status)) => {
                 streams.remove(&group);
-                next_target(client, group, endpoint, &status);
+                next_target(client, group, endpoint, classify(&status));
             }
             Err(_) => {
                 streams.remove(&group);
@@ -248,8 +438,10 @@ async fn round(
     Err("no server renewed the sessions".into())
 }
 
-fn next_target(client: &Client, group: u32, endpoint: usize, status: &tonic::Status) {
-    let next = match classify(status) {
+/// Where `group`'s next try goes after `endpoint` answered `disposition`: the leader it named, else the
+/// next server.
+fn next_target(client: &Client, group: u32, endpoint: usize, disposition: Disposition) {
+    let next = match disposition {
         Disposition::Redirect(ep) => client.server_index(&ep),
         _ => None,
     };

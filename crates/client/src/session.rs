@@ -323,6 +323,7 @@ impl SessionInner {
                         group,
                         session_ids: vec![id],
                         session_secrets: vec![secret.clone()],
+                        ..Default::default()
                     })
                     .await
                 })

@@ -220,6 +220,7 @@ fn write_corpus() {
         group: 0,
         session_ids: vec![1, 2, 3],
         session_secrets: Vec::new(),
+        ..Default::default()
     };
     write(
         "client_request",

@@ -185,15 +185,66 @@ impl ClientService {
         }
     }
 
+    /// One keepalive message: its own group (unless it carries only `groups`), then each of `groups`
+    /// answered on its own. Counted as one message however many groups it renews.
     fn keepalive(&self, req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
-        let group = self.group(req.group)?;
-        if req.session_ids.len() > MAX_KEEPALIVE_BATCH {
+        let ids = req.session_ids.len()
+            + req
+                .groups
+                .iter()
+                .map(|g| g.session_ids.len())
+                .sum::<usize>();
+        if ids > MAX_KEEPALIVE_BATCH {
             return Err(limit(
                 "max_keepalive_batch",
                 MAX_KEEPALIVE_BATCH as u64,
-                format!("{} session ids in one keepalive, over the limit of {MAX_KEEPALIVE_BATCH} (max_keepalive_batch)", req.session_ids.len()),
+                format!("{ids} session ids in one keepalive, over the limit of {MAX_KEEPALIVE_BATCH} (max_keepalive_batch)"),
             ));
         }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(g) = req.groups.iter().find(|g| !seen.insert(g.group)) {
+            return Err(invalid(format!(
+                "group {} appears twice in one keepalive",
+                g.group
+            )));
+        }
+        let results = if req.groups.is_empty() || !req.session_ids.is_empty() {
+            self.renew(req.group, &req.session_ids, &req.session_secrets)?
+        } else {
+            Vec::new()
+        };
+        let groups = req
+            .groups
+            .iter()
+            .map(
+                |g| match self.renew(g.group, &g.session_ids, &g.session_secrets) {
+                    Ok(results) => pb::GroupKeepAliveResult {
+                        group: g.group,
+                        results,
+                        ..Default::default()
+                    },
+                    Err(status) => pb::GroupKeepAliveResult {
+                        group: g.group,
+                        results: Vec::new(),
+                        code: status.code() as i32,
+                        message: status.message().to_string(),
+                        error: errors::detail(&status),
+                    },
+                },
+            )
+            .collect();
+        self.node.metrics.keepalive_messages.inc();
+        Ok(pb::KeepAliveResponse { results, groups })
+    }
+
+    /// Renews `session_ids` of `group` (this server must lead it and may renew now).
+    fn renew(
+        &self,
+        group: u32,
+        session_ids: &[u64],
+        session_secrets: &[Vec<u8>],
+    ) -> Result<Vec<pb::KeepAliveResult>, Status> {
+        let group = self.group(group)?;
         if !group.can_renew() {
             return Err(self.not_leader(
                 group
@@ -201,22 +252,21 @@ impl ClientService {
                     .filter(|&l| l != self.node.config.node_id),
             ));
         }
-        if !req.session_secrets.is_empty() && req.session_secrets.len() != req.session_ids.len() {
+        if !session_secrets.is_empty() && session_secrets.len() != session_ids.len() {
             return Err(invalid(format!(
                 "{} session secrets for {} session ids: send one per id, or none",
-                req.session_secrets.len(),
-                req.session_ids.len()
+                session_secrets.len(),
+                session_ids.len()
             )));
         }
-        let secrets = req
-            .session_secrets
+        let secrets = session_secrets
             .iter()
             .map(|s| errors::session_secret(s))
             .collect::<Result<Vec<u128>, Status>>()?;
-        let mut out = Vec::with_capacity(req.session_ids.len());
+        let mut out = Vec::with_capacity(session_ids.len());
         match group
             .leases
-            .keepalive(&req.session_ids, &secrets, Instant::now(), &mut out)
+            .keepalive(session_ids, &secrets, Instant::now(), &mut out)
         {
             Ok(()) => {}
             Err(KeepAliveRefused::NotLeading) => {
@@ -229,10 +279,8 @@ impl ClientService {
         self.node
             .metrics
             .keepalives
-            .inc_by(req.session_ids.len() as u64);
-        self.node.metrics.keepalive_messages.inc();
-        let results = req
-            .session_ids
+            .inc_by(session_ids.len() as u64);
+        let results = session_ids
             .iter()
             .zip(out)
             .map(|(&session_id, k)| match k {
@@ -248,7 +296,7 @@ impl ClientService {
                 },
             })
             .collect();
-        Ok(pb::KeepAliveResponse { results })
+        Ok(results)
     }
 
     /// Waits for a queued acquire to be granted (`wait`: none for a try, which ends the wait at once),

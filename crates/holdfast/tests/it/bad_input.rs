@@ -78,6 +78,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
                         group: 0,
                         session_ids: vec![a, b],
                         session_secrets: secrets.clone(),
+                        ..Default::default()
                     })
                     .await;
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -217,6 +218,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
                     group: 0,
                     session_ids: vec![a; 10_001],
                     session_secrets: vec![],
+                    ..Default::default()
                 })
                 .await,
             ),

@@ -339,6 +339,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
             group: 0,
             session_ids: vec![session.ids()[0]],
             session_secrets: session.secrets()[..1].to_vec(),
+            ..Default::default()
         })
         .await;
     assert!(
@@ -363,6 +364,87 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
     c.wait_converged(0, SECS_30).await;
     let lock = client.describe("iso/held").await.unwrap().unwrap();
     assert_eq!(lock.token, held.token());
+}
+
+/// One keepalive per client per server per round, whatever the number of groups: a session of a client
+/// spans all four groups, and with every group led by node 1 each keepalive message node 1 answers
+/// renews it in all four (four session ids a message, where one message per group carried one). With
+/// the groups split two and two over nodes 1 and 2, each server's messages carry two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() {
+    const GROUPS: u32 = 4;
+    let c = Cluster::start(Options {
+        nodes: 3,
+        groups: GROUPS,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    async fn led_by(c: &Cluster, want: &[u64]) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut now = Vec::new();
+            for g in 0..GROUPS {
+                now.push(c.wait_for_leader(g, Duration::from_secs(10)).await);
+            }
+            if now == want {
+                return;
+            }
+            assert!(Instant::now() < deadline, "leaders {now:?}, want {want:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
+    led_by(&c, &[1; GROUPS as usize]).await;
+    let client = c.client().await;
+    // Renewed every second (a third of the TTL).
+    let _session = client.open_session(Duration::from_secs(3)).await.unwrap();
+    let counts = |id: u64| {
+        let c = &c;
+        async move {
+            let m = c.metrics(id).await;
+            let get = |k: &str| m.get(k).copied().unwrap_or(0);
+            (
+                get("holdfast_keepalive_messages_total"),
+                get("holdfast_keepalives_total"),
+            )
+        }
+    };
+    // Messages and session ids renewed at each server over `secs` seconds.
+    let window = |secs: u64| async move {
+        let before = [counts(1).await, counts(2).await];
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        let after = [counts(1).await, counts(2).await];
+        [
+            (after[0].0 - before[0].0, after[0].1 - before[0].1),
+            (after[1].0 - before[1].0, after[1].1 - before[1].1),
+        ]
+    };
+    let [(messages, ids), (other, _)] = window(4).await;
+    assert!(messages >= 2, "{messages} keepalive messages in 4 s");
+    assert_eq!(
+        ids,
+        4 * messages,
+        "each message renews the session in every group"
+    );
+    assert_eq!(other, 0, "node 2 leads nothing and got keepalives");
+
+    for g in [2, 3] {
+        c.holdfast_ok(&["leader", "transfer", "--group", &g.to_string(), "--to", "2"])
+            .await;
+    }
+    led_by(&c, &[1, 1, 2, 2]).await;
+    // Let a round that went to node 1 for groups 2 and 3 (and was redirected) pass.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let [(m1, ids1), (m2, ids2)] = window(4).await;
+    assert!(m1 >= 2 && m2 >= 2, "{m1} and {m2} messages in 4 s");
+    assert_eq!(
+        (ids1, ids2),
+        (2 * m1, 2 * m2),
+        "two groups a message at each server"
+    );
+    // One message per server per round: as many to each server.
+    assert!(m1.abs_diff(m2) <= 1, "{m1} vs {m2} messages");
 }
 
 /// Eight groups on five servers with `--balance-leaders`: the leaderships end within one of even (one or

@@ -66,6 +66,7 @@ async fn a_wrong_secret_is_refused_by_every_session_rpc_and_changes_nothing() {
                     group: 0,
                     session_ids: vec![other.session_id, a],
                     session_secrets: vec![other.session_secret.clone(), wrong.clone()],
+                    ..Default::default()
                 })
                 .await,
             ),
@@ -128,6 +129,7 @@ async fn a_wrong_secret_is_refused_by_every_session_rpc_and_changes_nothing() {
             group: 0,
             session_ids: vec![a],
             session_secrets: vec![secret.clone()],
+            ..Default::default()
         })
         .await
         .unwrap()
