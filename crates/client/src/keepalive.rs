@@ -124,15 +124,18 @@ async fn run(client: Weak<Inner>) {
         let per_message = (MAX_BATCH / client.groups().max(1) as usize).max(1);
         for (chunk_no, chunk) in due.chunks(per_message).enumerate() {
             // A round may take no longer than the earliest lease in it has left.
-            let limit = chunk
-                .iter()
-                .map(|s| s.valid_until())
-                .min()
-                .unwrap_or(now)
-                .saturating_duration_since(Instant::now());
+            let limit = || {
+                chunk
+                    .iter()
+                    .map(|s| s.valid_until())
+                    .min()
+                    .unwrap_or(now)
+                    .saturating_duration_since(Instant::now())
+            };
             let outcomes: Vec<GroupOutcome> = if legacy {
                 let mut outcomes = Vec::new();
                 for group in 0..client.groups() {
+                    let limit = limit();
                     let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
                     let secrets: Vec<Vec<u8>> =
                         chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
@@ -147,7 +150,7 @@ async fn run(client: Weak<Inner>) {
                 }
                 outcomes
             } else {
-                match tokio::time::timeout(limit, fan_in(&client, &mut by_server, chunk)).await {
+                match tokio::time::timeout(limit(), fan_in(&client, &mut by_server, chunk)).await {
                     Ok(Ok(outcomes)) => outcomes,
                     Ok(Err(Unsupported)) => {
                         tracing::info!("a server answers no per-group keepalives (an older version): one keepalive per group from now on");
@@ -224,6 +227,10 @@ async fn fan_in(
         }
         for (endpoint, to_renew) in by_leader {
             let request = pb::KeepAliveRequest {
+                // A server older than `groups` checks only this (with no ids): one the client
+                // believes it leads, so that such a server answers (with no groups) instead of
+                // redirecting the whole message elsewhere.
+                group: to_renew[0],
                 groups: to_renew
                     .iter()
                     .map(|&group| {
@@ -246,6 +253,15 @@ async fn fan_in(
             let reply = match exchange(client, streams, endpoint, request).await {
                 Ok(reply) => reply,
                 Err(status) => {
+                    // A server of this version answers NOT_LEADER per group, never for the whole
+                    // message: one that did predates `groups` (it checked `group` alone).
+                    if status
+                        .as_ref()
+                        .and_then(|s| prost::Message::decode(s.details()).ok())
+                        .is_some_and(|d: pb::ErrorDetail| d.reason == pb::Reason::NotLeader as i32)
+                    {
+                        return Err(Unsupported);
+                    }
                     // The whole message failed (the server is gone, or refused the call): each
                     // group tries where the answer points, or the next server.
                     for &group in &to_renew {

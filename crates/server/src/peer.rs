@@ -272,6 +272,10 @@ fn vote_reply_from_pb(r: &pb::VoteReply) -> Result<VoteResponse<TypeConfig>, Str
     })
 }
 
+/// The least time an AppendEntries that carries entries is given before it counts as failed (it includes
+/// the follower's WAL fsync). A vote's deadline is openraft's (3/4 of `election_timeout_min`).
+pub const APPEND_ENTRIES_MIN_TIMEOUT: Duration = Duration::from_millis(200);
+
 impl RaftNetworkV2<TypeConfig> for PeerClient {
     type SnapshotData = SnapshotData;
 
@@ -287,10 +291,16 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
             entries: rpc.entries.iter().map(formats::entry_to_pb).collect(),
             leader_commit: formats::opt_log_id_to_pb(&rpc.leader_commit),
         };
+        // openraft gives replication the heartbeat interval as its deadline (37.5 ms of it with the
+        // 50 ms default): less than a loaded follower's fsync, after which a give-up only resends the
+        // same entries. Entries get at least APPEND_ENTRIES_MIN_TIMEOUT; heartbeats keep the short one.
+        let timeout = if req.entries.is_empty() {
+            option.soft_ttl()
+        } else {
+            option.soft_ttl().max(APPEND_ENTRIES_MIN_TIMEOUT)
+        };
         let reply = self
-            .call(option.soft_ttl(), |mut c| async move {
-                c.append_entries(req).await
-            })
+            .call(timeout, |mut c| async move { c.append_entries(req).await })
             .await?;
         use pb::append_entries_reply::Result as R;
         match reply.result {

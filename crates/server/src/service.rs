@@ -208,7 +208,8 @@ impl ClientService {
                 g.group
             )));
         }
-        let results = if req.groups.is_empty() || !req.session_ids.is_empty() {
+        let own = req.groups.is_empty() || !req.session_ids.is_empty();
+        let results = if own {
             self.renew(req.group, &req.session_ids, &req.session_secrets)?
         } else {
             Vec::new()
@@ -232,8 +233,12 @@ impl ClientService {
                     },
                 },
             )
-            .collect();
-        self.node.metrics.keepalive_messages.inc();
+            .collect::<Vec<_>>();
+        // Counted when it renewed something here: a message whose every group was refused was not
+        // answered as leader.
+        if own || groups.iter().any(|g| g.code == 0) {
+            self.node.metrics.keepalive_messages.inc();
+        }
         Ok(pb::KeepAliveResponse { results, groups })
     }
 

@@ -333,7 +333,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         })
         .await;
     assert!(r.is_err(), "an isolated leader answered a read: {r:?}");
-    // Within its lease guard (3/4 of the 1 s election timeout max) the old leader stops renewing sessions.
+    // Within its lease guard (3/4 of the election timeout max) the old leader stops renewing sessions.
     let r = raw_old
         .keep_alive(KeepAliveRequest {
             group: 0,
