@@ -64,6 +64,10 @@ pub struct ServerConfig {
     /// returned EIO). Never set in production, so only a hidden flag sets it, not a config file.
     #[serde(skip)]
     pub fault_fsync_fail_after: Option<u64>,
+    /// Compatibility test hook: answer keepalives as a server older than `KeepAliveRequest.groups` did
+    /// (ignore that field), so a test can check that clients fall back. Set by a hidden flag only.
+    #[serde(skip)]
+    pub compat_ignore_keepalive_groups: bool,
     /// WAL segment size (default 64 MiB). A test hook (small segments rotate in a short test), set by a
     /// hidden flag only.
     #[serde(skip)]
@@ -141,6 +145,7 @@ impl Default for ServerConfig {
             snapshot_keep_entries: 1_000,
             snapshot_every_bytes: 64 << 20,
             fault_fsync_fail_after: None,
+            compat_ignore_keepalive_groups: false,
             wal_segment_bytes: None,
             audit_log: false,
             rng_seed: None,

@@ -187,7 +187,10 @@ impl ClientService {
 
     /// One keepalive message: its own group (unless it carries only `groups`), then each of `groups`
     /// answered on its own. Counted as one message however many groups it renews.
-    fn keepalive(&self, req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
+    fn keepalive(&self, mut req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
+        if self.node.config.compat_ignore_keepalive_groups {
+            req.groups.clear();
+        }
         let ids = req.session_ids.len()
             + req
                 .groups

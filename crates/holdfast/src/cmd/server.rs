@@ -66,6 +66,9 @@ pub struct ServerArgs {
     /// Test hook: every WAL fsync after this many fails, as if the disk returned EIO.
     #[arg(long, hide = true)]
     fault_fsync_fail_after: Option<u64>,
+    /// Test hook: answer keepalives as a server older than per-group keepalives (ignore their groups).
+    #[arg(long, hide = true)]
+    compat_ignore_keepalive_groups: bool,
     /// Test hook: WAL segment size in bytes (default 64 MiB).
     #[arg(long, hide = true)]
     wal_segment_bytes: Option<u64>,
@@ -163,6 +166,9 @@ impl ServerArgs {
         }
         if self.fault_fsync_fail_after.is_some() {
             c.fault_fsync_fail_after = self.fault_fsync_fail_after;
+        }
+        if self.compat_ignore_keepalive_groups {
+            c.compat_ignore_keepalive_groups = true;
         }
         if self.join {
             c.join = true;

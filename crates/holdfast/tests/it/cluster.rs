@@ -447,6 +447,79 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
     assert!(m1.abs_diff(m2) <= 1, "{m1} vs {m2} messages");
 }
 
+/// In a cluster half way through an upgrade, a client falls back to one message per group and keeps its
+/// session. Node 2 answers as a server older than per-group keepalives did (a hidden flag makes it
+/// ignore `groups`) and leads group 1; node 1, of this version, leads group 0. The old node checks only
+/// the message's own group: a client that named group 0 there was told NOT_LEADER (node 1), and node 1
+/// sent group 1 back to node 2, until the lease ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_falls_back_to_one_keepalive_per_group_against_an_older_server() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        groups: 2,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    c.wait_for_leader(0, Duration::from_secs(10)).await;
+    c.kill(2).await;
+    c.servers[1].extra_args = vec!["--compat-ignore-keepalive-groups".into()];
+    c.start_server(2);
+    // Node 2 must catch up before it can take a leadership: transfer until both moved.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = [
+            c.wait_for_leader(0, Duration::from_secs(10)).await,
+            c.wait_for_leader(1, Duration::from_secs(10)).await,
+        ];
+        if now == [1, 2] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "leaders {now:?}, want [1, 2]");
+        for (g, to) in [(0u32, 1u64), (1, 2)] {
+            if now[g as usize] != to {
+                let _ = c
+                    .holdfast()
+                    .args([
+                        "leader",
+                        "transfer",
+                        "--group",
+                        &g.to_string(),
+                        "--to",
+                        &to.to_string(),
+                    ])
+                    .output()
+                    .await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(3)).await.unwrap();
+    // The first round (a second after the open) finds out and falls back; count after it.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // Three TTLs: a client that could not renew would have lost the session twice over.
+    let before = c.metrics(2).await;
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    assert!(
+        session.is_valid(),
+        "the session was lost against older servers"
+    );
+    let after = c.metrics(2).await;
+    let delta = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+    let (messages, ids) = (
+        delta("holdfast_keepalive_messages_total"),
+        delta("holdfast_keepalives_total"),
+    );
+    assert!(
+        messages >= 4,
+        "{messages} keepalives renewed group 1 in 9 s"
+    );
+    assert_eq!(ids, messages, "one id a message: one message per group");
+    let guard = session.try_acquire("compat/x").await.unwrap();
+    guard.release().await.unwrap();
+}
+
 /// Eight groups on five servers with `--balance-leaders`: the leaderships end within one of even (one or
 /// two per server), stay there, and are back within one of even after the server that leads the most
 /// is restarted (its groups go to the others by election; then it leads none, which every other
