@@ -366,6 +366,33 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
     assert_eq!(lock.token, held.token());
 }
 
+/// The leader of each of groups `0..groups`, as a majority of the servers report it.
+async fn leaders_of(c: &Cluster, groups: u32) -> Vec<u64> {
+    let mut out = Vec::new();
+    for g in 0..groups {
+        out.push(c.wait_for_leader(g, Duration::from_secs(20)).await);
+    }
+    out
+}
+
+/// Waits (up to 90 s) until the leaders of groups `0..groups` satisfy `ok`, and returns them.
+async fn wait_for_leaders(
+    c: &Cluster,
+    groups: u32,
+    what: &str,
+    ok: impl Fn(&[u64]) -> bool,
+) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let now = leaders_of(c, groups).await;
+        if ok(&now) {
+            return now;
+        }
+        assert!(Instant::now() < deadline, "{what}: leaders {now:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// One keepalive per client per server per round, whatever the number of groups: a session of a client
 /// spans all four groups, and with every group led by node 1 each keepalive message node 1 answers
 /// renews it in all four (four session ids a message, where one message per group carried one). With
@@ -380,22 +407,8 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
         ..Options::default()
     })
     .await;
-    async fn led_by(c: &Cluster, want: &[u64]) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let mut now = Vec::new();
-            for g in 0..GROUPS {
-                now.push(c.wait_for_leader(g, Duration::from_secs(10)).await);
-            }
-            if now == want {
-                return;
-            }
-            assert!(Instant::now() < deadline, "leaders {now:?}, want {want:?}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
     c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
-    led_by(&c, &[1; GROUPS as usize]).await;
+    wait_for_leaders(&c, GROUPS, "all on node 1", |l| l == [1; GROUPS as usize]).await;
     let client = c.client().await;
     // Renewed every second (a third of the TTL).
     let _session = client.open_session(Duration::from_secs(3)).await.unwrap();
@@ -433,7 +446,10 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
         c.holdfast_ok(&["leader", "transfer", "--group", &g.to_string(), "--to", "2"])
             .await;
     }
-    led_by(&c, &[1, 1, 2, 2]).await;
+    wait_for_leaders(&c, GROUPS, "split over nodes 1 and 2", |l| {
+        l == [1, 1, 2, 2]
+    })
+    .await;
     // Let a round that went to node 1 for groups 2 and 3 (and was redirected) pass.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let [(m1, ids1), (m2, ids2)] = window(4).await;
@@ -535,29 +551,15 @@ async fn eight_groups_on_five_servers_stay_within_one_of_even_through_a_restart(
         ..Options::default()
     })
     .await;
-    async fn leaders(c: &Cluster) -> Vec<u64> {
-        let mut out = Vec::new();
-        for g in 0..GROUPS {
-            out.push(c.wait_for_leader(g, Duration::from_secs(20)).await);
-        }
-        out
-    }
     let count = |l: &[u64], n: u64| l.iter().filter(|&&x| x == n).count();
     let even = |l: &[u64]| (1..=5).all(|n| (1..=2).contains(&count(l, n)));
-    async fn wait_until(c: &Cluster, what: &str, ok: impl Fn(&[u64]) -> bool) -> Vec<u64> {
-        let deadline = Instant::now() + Duration::from_secs(90);
-        loop {
-            let now = leaders(c).await;
-            if ok(&now) {
-                return now;
-            }
-            assert!(Instant::now() < deadline, "{what}: leaders {now:?}");
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    }
-    let spread = wait_until(&c, "within one of even", even).await;
+    let spread = wait_for_leaders(&c, GROUPS, "within one of even", even).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(leaders(&c).await, spread, "leaderships moved once even");
+    assert_eq!(
+        leaders_of(&c, GROUPS).await,
+        spread,
+        "leaderships moved once even"
+    );
     let status = String::from_utf8(c.holdfast_ok(&["status"]).await.stdout).unwrap();
     let line = status
         .lines()
@@ -572,17 +574,21 @@ async fn eight_groups_on_five_servers_stay_within_one_of_even_through_a_restart(
 
     let busiest = (1..=5).max_by_key(|&n| (count(&spread, n), n)).unwrap();
     c.kill(busiest).await;
-    wait_until(&c, "re-elected without the restarted server", |l| {
+    wait_for_leaders(&c, GROUPS, "re-elected without the restarted server", |l| {
         count(l, busiest) == 0
     })
     .await;
     c.start_server(busiest);
-    let back = wait_until(&c, "within one of even after a restart", |l| {
+    let back = wait_for_leaders(&c, GROUPS, "within one of even after a restart", |l| {
         even(l) && count(l, busiest) >= 1
     })
     .await;
     tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(leaders(&c).await, back, "leaderships moved once even again");
+    assert_eq!(
+        leaders_of(&c, GROUPS).await,
+        back,
+        "leaderships moved once even again"
+    );
 
     // The layout a restart can leave: every other server at its share (two), the restarted one at
     // none. Only the rule for the most-loaded server moves anything from here.
@@ -603,10 +609,10 @@ async fn eight_groups_on_five_servers_stay_within_one_of_even_through_a_restart(
             &to.to_string(),
         ])
         .await;
-        now = wait_until(&c, "moved by hand", |l| l[g as usize] == to).await;
+        now = wait_for_leaders(&c, GROUPS, "moved by hand", |l| l[g as usize] == to).await;
     }
     assert_eq!(count(&now, busiest), 0, "{now:?}");
-    wait_until(&c, "the idle server leads again", |l| {
+    wait_for_leaders(&c, GROUPS, "the idle server leads again", |l| {
         even(l) && count(l, busiest) >= 1
     })
     .await;
@@ -626,28 +632,10 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
         ..Options::default()
     })
     .await;
-    async fn leaders(c: &Cluster) -> Vec<u64> {
-        let mut out = Vec::new();
-        for g in 0..4 {
-            out.push(c.wait_for_leader(g, Duration::from_secs(10)).await);
-        }
-        out
-    }
-    async fn wait_until(c: &Cluster, what: &str, ok: impl Fn(&[u64]) -> bool) -> Vec<u64> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let now = leaders(c).await;
-            if ok(&now) {
-                return now;
-            }
-            assert!(Instant::now() < deadline, "{what}: leaders {now:?}");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
     let count = |l: &[u64], n: u64| l.iter().filter(|&&x| x == n).count();
     c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
-    wait_until(&c, "all on node 1", |l| count(l, 1) == 4).await;
-    let spread = wait_until(&c, "spread", |l| {
+    wait_for_leaders(&c, 4, "all on node 1", |l| count(l, 1) == 4).await;
+    let spread = wait_for_leaders(&c, 4, "spread", |l| {
         (1..=3).all(|n| (1..=2).contains(&count(l, n)))
     })
     .await;
@@ -658,7 +646,7 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
     // Three balancing rounds (2 s each) later, nothing moved.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
-        leaders(&c).await,
+        leaders_of(&c, 4).await,
         spread,
         "leaderships kept moving after they were spread"
     );
@@ -678,13 +666,13 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
     // check who is alive would hand it a group, fail, and back off. Node 3 gets two instead.
     c.kill(2).await;
     c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
-    let two = wait_until(&c, "two each on the live servers", |l| {
+    let two = wait_for_leaders(&c, 4, "two each on the live servers", |l| {
         count(l, 1) == 2 && count(l, 3) == 2
     })
     .await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
-        leaders(&c).await,
+        leaders_of(&c, 4).await,
         two,
         "leaderships kept moving with a server down"
     );
