@@ -831,7 +831,9 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
     let live_within = Duration::from_millis(node.config.election_timeout_min_ms);
     let mut tick = tokio::time::interval(BALANCE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut quiet_until = tokio::time::Instant::now();
+    // The elections that start a cluster are changes this server did not make: settle after them too
+    // (an operator may be placing leaders by hand meanwhile).
+    let mut quiet_until = tokio::time::Instant::now() + BALANCE_SETTLE;
     // The leaders seen at the last tick (None: not comparable, after this server's own move).
     let mut last_seen: Option<Vec<Option<u64>>> = None;
     loop {

@@ -393,6 +393,38 @@ async fn wait_for_leaders(
     }
 }
 
+/// Moves group `g`'s leadership to `want[g]` for every group, by `holdfast leader transfer`, again
+/// while any is elsewhere (a transfer whose target was briefly unreachable ends in an election that
+/// may elect another server, and a new member may first have to catch up), and returns once all are.
+async fn transfer_until(c: &Cluster, want: &[u64]) {
+    let groups = want.len() as u32;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let now = leaders_of(c, groups).await;
+        if now == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "leaders {now:?}, want {want:?}");
+        for (g, (&at, &to)) in now.iter().zip(want).enumerate() {
+            if at != to {
+                let _ = c
+                    .holdfast()
+                    .args([
+                        "leader",
+                        "transfer",
+                        "--group",
+                        &g.to_string(),
+                        "--to",
+                        &to.to_string(),
+                    ])
+                    .output()
+                    .await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
 /// One keepalive per client per server per round, whatever the number of groups: a session of a client
 /// spans all four groups, and with every group led by node 1 each keepalive message node 1 answers
 /// renews it in all four (four session ids a message, where one message per group carried one). With
@@ -407,8 +439,7 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
         ..Options::default()
     })
     .await;
-    c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
-    wait_for_leaders(&c, GROUPS, "all on node 1", |l| l == [1; GROUPS as usize]).await;
+    transfer_until(&c, &[1; GROUPS as usize]).await;
     let client = c.client().await;
     // Renewed every second (a third of the TTL).
     let _session = client.open_session(Duration::from_secs(3)).await.unwrap();
@@ -442,14 +473,7 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
     );
     assert_eq!(other, 0, "node 2 leads nothing and got keepalives");
 
-    for g in [2, 3] {
-        c.holdfast_ok(&["leader", "transfer", "--group", &g.to_string(), "--to", "2"])
-            .await;
-    }
-    wait_for_leaders(&c, GROUPS, "split over nodes 1 and 2", |l| {
-        l == [1, 1, 2, 2]
-    })
-    .await;
+    transfer_until(&c, &[1, 1, 2, 2]).await;
     // Let a round that went to node 1 for groups 2 and 3 (and was redirected) pass.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let [(m1, ids1), (m2, ids2)] = window(4).await;
@@ -481,35 +505,8 @@ async fn a_client_falls_back_to_one_keepalive_per_group_against_an_older_server(
     c.kill(2).await;
     c.servers[1].extra_args = vec!["--compat-ignore-keepalive-groups".into()];
     c.start_server(2);
-    // Node 2 must catch up before it can take a leadership: transfer until both moved.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let now = [
-            c.wait_for_leader(0, Duration::from_secs(10)).await,
-            c.wait_for_leader(1, Duration::from_secs(10)).await,
-        ];
-        if now == [1, 2] {
-            break;
-        }
-        assert!(Instant::now() < deadline, "leaders {now:?}, want [1, 2]");
-        for (g, to) in [(0u32, 1u64), (1, 2)] {
-            if now[g as usize] != to {
-                let _ = c
-                    .holdfast()
-                    .args([
-                        "leader",
-                        "transfer",
-                        "--group",
-                        &g.to_string(),
-                        "--to",
-                        &to.to_string(),
-                    ])
-                    .output()
-                    .await;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    // Node 2 must catch up before it can take a leadership.
+    transfer_until(&c, &[1, 2]).await;
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(3)).await.unwrap();
     // The first round (a second after the open) finds out and falls back; count after it.
@@ -600,16 +597,8 @@ async fn eight_groups_on_five_servers_stay_within_one_of_even_through_a_restart(
         let to = (1..=5)
             .find(|&n| n != busiest && count(&now, n) < 2)
             .unwrap();
-        c.holdfast_ok(&[
-            "leader",
-            "transfer",
-            "--group",
-            &g.to_string(),
-            "--to",
-            &to.to_string(),
-        ])
-        .await;
-        now = wait_for_leaders(&c, GROUPS, "moved by hand", |l| l[g as usize] == to).await;
+        now[g as usize] = to;
+        transfer_until(&c, &now).await;
     }
     assert_eq!(count(&now, busiest), 0, "{now:?}");
     wait_for_leaders(&c, GROUPS, "the idle server leads again", |l| {
@@ -633,8 +622,7 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
     })
     .await;
     let count = |l: &[u64], n: u64| l.iter().filter(|&&x| x == n).count();
-    c.holdfast_ok(&["leader", "transfer", "--to", "1"]).await;
-    wait_for_leaders(&c, 4, "all on node 1", |l| count(l, 1) == 4).await;
+    transfer_until(&c, &[1; 4]).await;
     let spread = wait_for_leaders(&c, 4, "spread", |l| {
         (1..=3).all(|n| (1..=2).contains(&count(l, n)))
     })
