@@ -11,6 +11,8 @@
 //! - [`limits`]: every bound the table enforces, with the reason for each number.
 //! - [`command`]: the commands (log entry payloads) and their outcomes.
 //! - [`table`]: the state and `apply`, plus read-only views for describe/list.
+//! - `cow`: the copy-on-write map the table's sessions and locks live in, so a snapshot can be written
+//!   a chunk at a time while entries keep being applied.
 //! - [`snapshot`]: a versioned, checksummed encoding of the whole table and its digest.
 //! - [`name`]: lock-name rules and the stable name → group hash.
 //!
@@ -24,6 +26,7 @@
 //! - tokens are log indexes, so they strictly increase per lock and are never 0.
 
 pub mod command;
+mod cow;
 pub mod limits;
 pub mod name;
 pub mod snapshot;
@@ -35,7 +38,7 @@ pub use command::{
     Refusal, Share,
 };
 pub use name::{group_for, validate_name, NameError};
-pub use snapshot::SnapshotError;
+pub use snapshot::{SnapshotError, SnapshotWriter};
 pub use table::{HolderView, LockTable, LockView, SessionView, WaiterView};
 pub use types::{FencingToken, GroupId, LockName, RequestId, SessionId};
 

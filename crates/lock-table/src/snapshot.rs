@@ -34,6 +34,40 @@ pub enum SnapshotError {
     Checksum { stored: u32, computed: u32 },
     #[error("lock table snapshot does not decode: {0}")]
     Decode(String),
+    #[error(
+        "the snapshot being written was abandoned (the table was replaced or the snapshot aborted)"
+    )]
+    Abandoned,
+}
+
+/// A snapshot of a [`LockTable`] being written a chunk at a time ([`LockTable::snapshot_begin`]).
+#[derive(Debug)]
+pub struct SnapshotWriter {
+    stage: Stage,
+    /// The number of locks at the start.
+    locks: usize,
+    /// The encoding of the fields after the locks, taken at the start.
+    tail: Vec<u8>,
+    crc: crc32fast::Hasher,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Sessions,
+    Locks,
+    Done,
+}
+
+/// Appends a map's length as postcard encodes it (the prefix of the map's entries).
+fn push_map_len(out: &mut Vec<u8>, len: usize) {
+    struct Len(usize);
+    impl serde::Serialize for Len {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            serde::ser::SerializeMap::end(s.serialize_map(Some(self.0))?)
+        }
+    }
+    let bytes = std::mem::take(out);
+    *out = postcard::to_extend(&Len(len), bytes).expect("encoding to a Vec cannot fail");
 }
 
 impl LockTable {
@@ -47,6 +81,88 @@ impl LockTable {
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
         out
+    }
+
+    /// Starts writing a snapshot of the table as it is now, while it goes on changing: returns the
+    /// writer and appends the first bytes to `out`. Then [`LockTable::snapshot_next`] appends the rest a
+    /// chunk at a time, with any number of applies in between; the bytes are exactly what
+    /// [`LockTable::encode_snapshot`] returned at this call. While it runs, the first change to each
+    /// session or lock not yet written keeps a copy of its encoding (see the `cow` module). A snapshot
+    /// already under way is abandoned.
+    pub fn snapshot_begin(&mut self, out: &mut Vec<u8>) -> SnapshotWriter {
+        let start = out.len();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        push_map_len(out, self.sessions.len());
+        self.sessions.freeze();
+        self.locks.freeze();
+        // The small parts, encoded now (the fields after `locks`, in their order).
+        let tail = postcard::to_allocvec(&(
+            &self.open_nonces,
+            &self.open_nonce_order,
+            self.waiter_count,
+            &self.owners,
+            self.budget,
+        ))
+        .expect("encoding to a Vec cannot fail");
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&out[start..]);
+        SnapshotWriter {
+            stage: Stage::Sessions,
+            locks: self.locks.len(),
+            tail,
+            crc,
+        }
+    }
+
+    /// Appends up to `max_entries` more sessions or locks (or the end) of the snapshot `writer` writes.
+    /// Returns true once the snapshot is complete (its checksum appended). An error if the table is not
+    /// the one the writer started on (it was replaced, or [`LockTable::snapshot_abort`] was called).
+    pub fn snapshot_next(
+        &mut self,
+        writer: &mut SnapshotWriter,
+        out: &mut Vec<u8>,
+        max_entries: usize,
+    ) -> Result<bool, SnapshotError> {
+        let start = out.len();
+        let done = match writer.stage {
+            Stage::Sessions | Stage::Locks => {
+                let map_done = if writer.stage == Stage::Sessions {
+                    if !self.sessions.is_frozen() {
+                        return Err(SnapshotError::Abandoned);
+                    }
+                    self.sessions.write_chunk(out, max_entries)
+                } else {
+                    if !self.locks.is_frozen() {
+                        return Err(SnapshotError::Abandoned);
+                    }
+                    self.locks.write_chunk(out, max_entries)
+                };
+                if map_done {
+                    writer.stage = if writer.stage == Stage::Sessions {
+                        push_map_len(out, writer.locks);
+                        Stage::Locks
+                    } else {
+                        out.extend_from_slice(&writer.tail);
+                        Stage::Done
+                    };
+                }
+                writer.stage == Stage::Done
+            }
+            Stage::Done => return Ok(true),
+        };
+        writer.crc.update(&out[start..]);
+        if done {
+            let crc = std::mem::take(&mut writer.crc).finalize();
+            out.extend_from_slice(&crc.to_le_bytes());
+        }
+        Ok(done)
+    }
+
+    /// Abandons a snapshot under way (its writer failed): changes stop keeping copies.
+    pub fn snapshot_abort(&mut self) {
+        self.sessions.thaw();
+        self.locks.thaw();
     }
 
     /// Decodes a table from [`LockTable::encode_snapshot`] output, checking magic, version and checksum.
@@ -125,8 +241,8 @@ mod v7 {
     impl From<LockTable> for table::LockTable {
         fn from(t: LockTable) -> Self {
             table::LockTable {
-                sessions: t.sessions,
-                locks: t.locks,
+                sessions: t.sessions.into(),
+                locks: t.locks.into(),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -219,7 +335,7 @@ mod v6 {
     impl From<LockTable> for table::LockTable {
         fn from(t: LockTable) -> Self {
             table::LockTable {
-                sessions: t.sessions,
+                sessions: t.sessions.into(),
                 locks: t
                     .locks
                     .into_iter()
@@ -322,8 +438,8 @@ mod v5 {
     impl From<LockTable> for table::LockTable {
         fn from(t: LockTable) -> Self {
             table::LockTable {
-                sessions: t.sessions,
-                locks: locks(t.locks),
+                sessions: t.sessions.into(),
+                locks: locks(t.locks).into(),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -355,8 +471,8 @@ mod v4 {
             table::LockTable {
                 budget: 0,
                 bytes: 0,
-                sessions: t.sessions,
-                locks: super::v5::locks(t.locks),
+                sessions: t.sessions.into(),
+                locks: super::v5::locks(t.locks).into(),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -419,7 +535,7 @@ mod v3 {
                     .into_iter()
                     .map(|(id, s)| (id, Box::new(s.into())))
                     .collect(),
-                locks: super::v5::locks(t.locks),
+                locks: super::v5::locks(t.locks).into(),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,

@@ -7,6 +7,7 @@ use crate::command::{
     AcquireMode, Change, ChangeKind, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits,
     Refusal, Share,
 };
+use crate::cow::SnapMap;
 use crate::limits::{
     DEDUP_WINDOW, GRANT_BYTES, LOCK_BYTES, MAX_HOLDERS_PER_LOCK, MAX_LOCKS, MAX_LOCKS_PER_SESSION,
     MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS,
@@ -299,13 +300,12 @@ impl<'de> Deserialize<'de> for Lock {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LockTable {
     /// Boxed, like `locks`: a node's empty room costs 16 bytes an entry instead of 136.
-    #[serde(deserialize_with = "bulk")]
-    pub(crate) sessions: BTreeMap<SessionId, Box<Session>>,
+    /// A [`SnapMap`], like `locks`: snapshots are written from it while it changes.
+    pub(crate) sessions: SnapMap<SessionId, Session>,
     /// Boxed: a map node has room for 11 entries, and inserting one at a time leaves about 6 of them
     /// used (the bench's load), so the room left empty costs 24 bytes an entry (name and pointer)
     /// instead of 80 (name and lock).
-    #[serde(deserialize_with = "bulk")]
-    pub(crate) locks: BTreeMap<LockName, Box<Lock>>,
+    pub(crate) locks: SnapMap<LockName, Lock>,
     /// Recent `OpenSession` nonces, so a retried open returns the session it opened the first time.
     pub(crate) open_nonces: BTreeMap<u128, (SessionId, u64)>,
     pub(crate) open_nonce_order: VecDeque<u128>,
@@ -1759,7 +1759,7 @@ impl<'de> Deserialize<'de> for Value {
 /// Decodes a map by collecting its entries first: `BTreeMap::from_iter` builds full nodes from sorted
 /// entries, where inserting them one by one (serde's way) leaves most nodes a little over half full.
 /// A repeated key keeps its last value, as inserting does.
-fn bulk<'de, D, K, V>(d: D) -> Result<BTreeMap<K, V>, D::Error>
+pub(crate) fn bulk<'de, D, K, V>(d: D) -> Result<BTreeMap<K, V>, D::Error>
 where
     D: serde::Deserializer<'de>,
     K: Ord + Deserialize<'de>,

@@ -810,9 +810,16 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
     #[test]
-    fn table_matches_model(ops in proptest::collection::vec(op(), 1..120)) {
+    fn table_matches_model(
+        ops in proptest::collection::vec(op(), 1..120),
+        snapshot_every in 2..12u64,
+        snapshot_chunk in 1..4usize,
+    ) {
         let names = ["a", "b", "c", "dir/d"];
         let mut table = LockTable::new();
+        // A snapshot written a chunk per entry while entries keep being applied (as a server writes
+        // them), with the bytes `encode_snapshot` gave when it started.
+        let mut snapshot: Option<(crate::SnapshotWriter, Vec<u8>, Vec<u8>)> = None;
         let mut model = Model::default();
         let mut opened: Vec<u64> = Vec::new();
         let mut next_request = 1u64;
@@ -889,6 +896,17 @@ proptest! {
             let got = table.apply(index, &command);
             table.take_events();
             table.check_invariants();
+            if snapshot.is_none() && index.is_multiple_of(snapshot_every) {
+                let expected = table.encode_snapshot();
+                let mut out = Vec::new();
+                let writer = table.snapshot_begin(&mut out);
+                snapshot = Some((writer, out, expected));
+            } else if let Some((writer, out, expected)) = snapshot.as_mut() {
+                if table.snapshot_next(writer, out, snapshot_chunk).unwrap() {
+                    prop_assert_eq!(&*out, &*expected, "snapshot written while applying differs");
+                    snapshot = None;
+                }
+            }
             // A watcher that saw only the changes knows every lock's holder and queue.
             for change in table.take_changes() {
                 watched.apply(&change, matches!(command.effective(), Command::ExpireSession { .. }));
@@ -1553,4 +1571,102 @@ fn a_lock_delay_follows_an_expiry_and_only_an_expiry() {
     );
     assert!(t.describe(&name("y")).is_none());
     t.check_invariants();
+}
+
+/// A snapshot written a few entries at a time reads exactly as the table did when it started, whatever
+/// was applied in between: sessions and locks removed, added, and changed, before and after the part
+/// already written.
+#[test]
+fn a_snapshot_written_while_applying_is_the_table_at_its_start() {
+    let mut t = LockTable::new();
+    let mut index = 0;
+    let mut next = |t: &mut LockTable, c: Command| {
+        index += 1;
+        let out = t.apply(index, &c);
+        t.take_events();
+        t.take_changes();
+        out
+    };
+    let mut sessions = Vec::new();
+    for i in 0..40u128 {
+        let Outcome::SessionOpened { session, .. } = next(&mut t, open(i + 1)) else {
+            panic!("open failed")
+        };
+        sessions.push(session.0);
+    }
+    let mut tokens = std::collections::BTreeMap::new();
+    for i in 0..400u64 {
+        let s = sessions[(i % 40) as usize];
+        let n = format!("l/{i:04}");
+        match next(&mut t, acq(s, 1000 + i, &n, crate::AcquireMode::Wait)) {
+            Outcome::Granted { token, .. } => {
+                tokens.insert(n, (s, token.0, 1000 + i));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let clone = t.clone();
+    let expected = t.encode_snapshot();
+    let mut out = Vec::new();
+    let mut writer = t.snapshot_begin(&mut out);
+    let mut step = 0u64;
+    loop {
+        // Between chunks: release a lock, take a new one, end a session, open one, queue a waiter,
+        // spread over the names and sessions written and not yet written.
+        step += 1;
+        let k = (step * 37) % 400;
+        let n = format!("l/{k:04}");
+        if let Some((s, token, r)) = tokens.remove(&n) {
+            next(&mut t, rel(s, r + 5000, &n, token));
+        }
+        next(
+            &mut t,
+            acq(
+                sessions[(step % 40) as usize],
+                9000 + step,
+                &format!("l/{:04}x", (step * 13) % 400),
+                crate::AcquireMode::Wait,
+            ),
+        );
+        next(
+            &mut t,
+            acq(
+                sessions[((step + 1) % 40) as usize],
+                20000 + step,
+                &format!("l/{:04}", (step * 11) % 400),
+                crate::AcquireMode::Wait,
+            ),
+        );
+        if step % 5 == 0 {
+            next(&mut t, close(sessions[(step % 40) as usize]));
+            next(&mut t, open(1000 + step as u128));
+        }
+        if t.snapshot_next(&mut writer, &mut out, 7).unwrap() {
+            break;
+        }
+    }
+    t.check_invariants();
+    assert!(step > 50, "the snapshot took {step} chunks");
+    assert_eq!(out, expected, "the snapshot is not the table at its start");
+    assert_eq!(LockTable::decode_snapshot(&out).unwrap(), clone);
+    // Once written, changes keep no copies, and a new snapshot is today's table.
+    let mut again = Vec::new();
+    let mut w = t.snapshot_begin(&mut again);
+    while !t.snapshot_next(&mut w, &mut again, 1000).unwrap() {}
+    assert_eq!(again, t.encode_snapshot());
+}
+
+/// A writer whose snapshot was aborted (or whose table was replaced) stops with an error.
+#[test]
+fn an_aborted_snapshot_stops_its_writer() {
+    let mut t = LockTable::new();
+    t.apply(1, &open(1));
+    t.apply(2, &acq(1, 1, "a", crate::AcquireMode::Wait));
+    let mut out = Vec::new();
+    let mut w = t.snapshot_begin(&mut out);
+    t.snapshot_abort();
+    assert!(matches!(
+        t.snapshot_next(&mut w, &mut out, 1),
+        Err(crate::SnapshotError::Abandoned)
+    ));
 }

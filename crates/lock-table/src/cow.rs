@@ -1,0 +1,219 @@
+//! [`SnapMap`]: an ordered map that can be encoded as it was at one moment while it keeps changing.
+//!
+//! The table's two large maps (sessions and locks: at the design's scale a million entries, a ~40 MB
+//! encoding) are `SnapMap`s, so a snapshot is written a chunk at a time between applies instead of under
+//! one long lock ([`crate::LockTable::snapshot_begin`]). While a map is *frozen*, the first change to an
+//! entry the encoder has not reached yet saves that entry's encoding as it was (or that it was absent):
+//! copy-on-write by entry, paid only for the entries changed during a snapshot, once each.
+//!
+//! Invariant: reads go straight to the map (it derefs to a `BTreeMap`), and every change goes through
+//! [`SnapMap::get_mut`], [`SnapMap::insert`] or [`SnapMap::remove`], which record the before-image. There
+//! is no `DerefMut`, so the compiler finds any change that would bypass them.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+#[derive(Debug)]
+pub(crate) struct SnapMap<K, V> {
+    map: BTreeMap<K, Box<V>>,
+    frozen: Option<Box<Frozen<K>>>,
+}
+
+/// The part of a frozen map the encoder has not written yet.
+#[derive(Debug)]
+struct Frozen<K> {
+    /// Every entry up to and including this key is written (`None`: none yet).
+    written: Option<K>,
+    /// Entries after `written` changed since the freeze: their encoding at the freeze (`None`: absent
+    /// then).
+    before: BTreeMap<K, Option<Vec<u8>>>,
+}
+
+impl<K, V> std::ops::Deref for SnapMap<K, V> {
+    type Target = BTreeMap<K, Box<V>>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl<'a, K, V> IntoIterator for &'a SnapMap<K, V> {
+    type Item = (&'a K, &'a Box<V>);
+    type IntoIter = std::collections::btree_map::Iter<'a, K, Box<V>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.map.iter()
+    }
+}
+
+/// A copy is never frozen (it is not being written).
+impl<K: Clone, V: Clone> Clone for SnapMap<K, V> {
+    fn clone(&self) -> Self {
+        SnapMap {
+            map: self.map.clone(),
+            frozen: None,
+        }
+    }
+}
+
+/// Equal contents; whether a snapshot is under way does not matter.
+impl<K: PartialEq, V: PartialEq> PartialEq for SnapMap<K, V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.map == other.map
+    }
+}
+impl<K: Eq, V: Eq> Eq for SnapMap<K, V> {}
+
+impl<K: Serialize, V: Serialize> Serialize for SnapMap<K, V> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.map.serialize(s)
+    }
+}
+
+impl<'de, K: Ord + Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de> for SnapMap<K, V> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(SnapMap::from(crate::table::bulk(d)?))
+    }
+}
+
+impl<K, V> Default for SnapMap<K, V> {
+    fn default() -> Self {
+        SnapMap {
+            map: BTreeMap::new(),
+            frozen: None,
+        }
+    }
+}
+
+impl<K: Ord, V> FromIterator<(K, Box<V>)> for SnapMap<K, V> {
+    fn from_iter<I: IntoIterator<Item = (K, Box<V>)>>(iter: I) -> Self {
+        SnapMap::from(iter.into_iter().collect::<BTreeMap<_, _>>())
+    }
+}
+
+impl<K, V> From<BTreeMap<K, Box<V>>> for SnapMap<K, V> {
+    fn from(map: BTreeMap<K, Box<V>>) -> Self {
+        SnapMap { map, frozen: None }
+    }
+}
+
+impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
+    /// Records `key`'s before-image if a snapshot is under way and has not written it yet.
+    #[inline]
+    fn touch(&mut self, key: &K) {
+        if let Some(f) = self.frozen.as_deref_mut() {
+            let pending = f.written.as_ref().is_none_or(|w| key > w);
+            if pending && !f.before.contains_key(key) {
+                let image = self.map.get(key).map(|v| encode_entry(key, v));
+                f.before.insert(key.clone(), image);
+            }
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        self.touch(key);
+        self.map.get_mut(key).map(|b| &mut **b)
+    }
+
+    pub(crate) fn insert(&mut self, key: K, value: Box<V>) -> Option<Box<V>> {
+        self.touch(&key);
+        self.map.insert(key, value)
+    }
+
+    pub(crate) fn remove(&mut self, key: &K) -> Option<Box<V>> {
+        self.touch(key);
+        self.map.remove(key)
+    }
+
+    /// Every value, to change; only outside a snapshot (rebuilding derived state after a decode).
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        assert!(self.frozen.is_none(), "values_mut during a snapshot");
+        self.map.values_mut().map(|b| &mut **b)
+    }
+
+    /// Starts a snapshot: from now on [`SnapMap::write_chunk`] writes the map as it is now.
+    pub(crate) fn freeze(&mut self) {
+        self.frozen = Some(Box::new(Frozen {
+            written: None,
+            before: BTreeMap::new(),
+        }));
+    }
+
+    /// Ends a snapshot early (its writer gave up): no more before-images are kept.
+    pub(crate) fn thaw(&mut self) {
+        self.frozen = None;
+    }
+
+    pub(crate) fn is_frozen(&self) -> bool {
+        self.frozen.is_some()
+    }
+
+    /// Appends the encoding of up to `max` more entries as they were at the freeze (each a postcard
+    /// `(key, value)`, exactly as in the whole map's encoding) to `out`. Returns true, and thaws, once
+    /// every entry is written.
+    pub(crate) fn write_chunk(&mut self, out: &mut Vec<u8>, max: usize) -> bool {
+        let Some(f) = self.frozen.as_deref_mut() else {
+            return true;
+        };
+        let from = match &f.written {
+            Some(k) => Bound::Excluded(k),
+            None => Bound::Unbounded,
+        };
+        let mut live = self.map.range((from.clone(), Bound::Unbounded)).peekable();
+        let mut old = f.before.range((from, Bound::Unbounded)).peekable();
+        let mut last: Option<K> = None;
+        let mut done = false;
+        for _ in 0..max.max(1) {
+            let key = match (live.peek(), old.peek()) {
+                (None, None) => {
+                    done = true;
+                    break;
+                }
+                (Some((l, _)), Some((o, _))) if o <= l => {
+                    let (k, image) = old.next().expect("peeked");
+                    if k == *l {
+                        live.next();
+                    }
+                    if let Some(bytes) = image {
+                        out.extend_from_slice(bytes);
+                    }
+                    k
+                }
+                (Some(_), _) => {
+                    // Not changed since the freeze (a change would have left a before-image).
+                    let (k, v) = live.next().expect("peeked");
+                    let out_vec = std::mem::take(out);
+                    *out = postcard::to_extend(&(k, &**v), out_vec)
+                        .expect("encoding to a Vec cannot fail");
+                    k
+                }
+                (None, Some(_)) => {
+                    let (k, image) = old.next().expect("peeked");
+                    if let Some(bytes) = image {
+                        out.extend_from_slice(bytes);
+                    }
+                    k
+                }
+            };
+            last = Some(key.clone());
+        }
+        if !done && live.peek().is_none() && old.peek().is_none() {
+            done = true;
+        }
+        if done {
+            self.frozen = None;
+            return true;
+        }
+        if let Some(last) = last {
+            // Before-images at or below the written key are no longer needed.
+            let mut rest = f.before.split_off(&last);
+            rest.remove(&last);
+            f.before = rest;
+            f.written = Some(last);
+        }
+        false
+    }
+}
+
+fn encode_entry<K: Serialize, V: Serialize>(key: &K, value: &V) -> Vec<u8> {
+    postcard::to_allocvec(&(key, value)).expect("encoding to a Vec cannot fail")
+}
