@@ -158,7 +158,7 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
             Some(k) => Bound::Excluded(k),
             None => Bound::Unbounded,
         };
-        let mut live = self.map.range((from.clone(), Bound::Unbounded)).peekable();
+        let mut live = self.map.range((from, Bound::Unbounded)).peekable();
         let mut old = f.before.range((from, Bound::Unbounded)).peekable();
         let mut last: Option<K> = None;
         let mut done = false;

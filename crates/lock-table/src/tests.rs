@@ -1637,7 +1637,7 @@ fn a_snapshot_written_while_applying_is_the_table_at_its_start() {
                 crate::AcquireMode::Wait,
             ),
         );
-        if step % 5 == 0 {
+        if step.is_multiple_of(5) {
             next(&mut t, close(sessions[(step % 40) as usize]));
             next(&mut t, open(1000 + step as u128));
         }
