@@ -77,7 +77,28 @@ pub type Vote = openraft::alias::VoteOf<TypeConfig>;
 pub type Entry = openraft::alias::EntryOf<TypeConfig>;
 pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
 pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
-pub type SnapshotData = std::io::Cursor<Vec<u8>>;
+/// A snapshot's body as openraft passes it around.
+pub enum SnapshotData {
+    /// A snapshot file of this server: what a build returns and what is sent to a follower, read (a
+    /// piece at a time) only when sent. A newer snapshot may have replaced it by then; sending then fails
+    /// and openraft asks for the current one again.
+    File(std::path::PathBuf),
+    /// A snapshot received from the leader and checked: the file's bytes, and the table they decode to
+    /// (decoded once, on receipt).
+    Received {
+        bytes: Vec<u8>,
+        table: Box<holdfast_lock_table::LockTable>,
+    },
+}
+
+impl std::fmt::Debug for SnapshotData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SnapshotData::File(path) => write!(f, "File({})", path.display()),
+            SnapshotData::Received { bytes, .. } => write!(f, "Received({} bytes)", bytes.len()),
+        }
+    }
+}
 pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, SnapshotData>;
 
 #[cfg(test)]

@@ -21,6 +21,57 @@ pub struct SnapshotStore {
     dir: PathBuf,
 }
 
+/// A snapshot file being written ([`SnapshotStore::create`]).
+pub struct SnapshotFile {
+    file: std::io::BufWriter<fs::File>,
+    tmp: PathBuf,
+    path: PathBuf,
+    /// Of everything written so far (the file's trailing checksum).
+    crc: crc32fast::Hasher,
+    len: u64,
+}
+
+impl SnapshotFile {
+    /// Appends the next bytes of the lock table's snapshot.
+    pub fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.crc.update(bytes);
+        self.len += bytes.len() as u64;
+        self.file.write_all(bytes)
+    }
+
+    /// Appends the checksum, syncs the file, renames it into place, syncs the directory and deletes
+    /// older snapshots. Returns the file and its length.
+    pub fn finish(self, store: &SnapshotStore) -> std::io::Result<(PathBuf, u64)> {
+        let SnapshotFile {
+            file,
+            tmp,
+            path,
+            crc,
+            len,
+        } = self;
+        let mut file = file.into_inner().map_err(|e| e.into_error())?;
+        file.write_all(&crc.finalize().to_le_bytes())?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, &path)?;
+        holdfast_wal::failpoint::hit("snapshot.rename")?;
+        fs::sync_dir(&store.dir)?;
+        for old in store.files()? {
+            if old != path {
+                fs::remove_file(old)?;
+            }
+        }
+        Ok((path, len + 4))
+    }
+
+    /// Gives up on the file (its writer failed): the temporary is removed.
+    pub fn discard(self) {
+        let SnapshotFile { file, tmp, .. } = self;
+        drop(file.into_inner());
+        let _ = fs::remove_file(tmp);
+    }
+}
+
 /// A decoded snapshot file.
 pub struct Loaded {
     pub meta: SnapshotMeta,
@@ -113,6 +164,43 @@ impl SnapshotStore {
             }
         }
         Ok(())
+    }
+
+    /// Starts writing the snapshot at `meta`'s index a piece at a time ([`SnapshotFile::write`]), to a
+    /// temporary file that [`SnapshotFile::finish`] makes durable and renames into place. The table's
+    /// bytes are streamed in, so a snapshot is never one buffer in memory.
+    pub fn create(&self, meta: &SnapshotMeta) -> std::io::Result<SnapshotFile> {
+        let index = meta.last_log_id.map_or(0, |l| l.index);
+        let path = self.path_for(index);
+        let tmp = path.with_extension("tmp");
+        let meta_bytes = crate::formats::to_bytes(&crate::formats::snapshot_meta_to_pb(meta));
+        let mut header = Vec::with_capacity(12 + meta_bytes.len());
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&(meta_bytes.len() as u32).to_le_bytes());
+        header.extend_from_slice(&meta_bytes);
+        let mut file = SnapshotFile {
+            file: std::io::BufWriter::with_capacity(1 << 20, fs::File::create(&tmp)?),
+            tmp,
+            path,
+            crc: crc32fast::Hasher::new(),
+            len: 0,
+        };
+        holdfast_wal::failpoint::hit_then("snapshot.write", || {
+            let _ = file.file.write_all(&header[..header.len() / 2]);
+            let _ = file.file.flush();
+        })?;
+        file.write(&header)?;
+        Ok(file)
+    }
+
+    /// Where the snapshot at `index` is (or would be) stored.
+    pub fn path_of(&self, index: u64) -> PathBuf {
+        self.path_for(index)
+    }
+
+    /// A snapshot file's bytes.
+    pub fn read(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+        fs::read(path)
     }
 
     /// The newest snapshot file's bytes, if any.
