@@ -5,7 +5,8 @@
 //! default each client has its own connections, as separate processes would (`--connections` shares
 //! fewer among them).
 //!
-//! `--json` prints one JSON object (serde_json); times in milliseconds, to the microsecond.
+//! `--json` prints one JSON object per measurement (serde_json); times in milliseconds, to the
+//! microsecond. `--plot FILE` also writes an SVG chart (see [`super::plot`]).
 
 use super::duration::parse_duration;
 use anyhow::Context;
@@ -35,9 +36,10 @@ pub struct BenchArgs {
 enum Mode {
     /// Clients loop acquire + release; measures the pair's latency and the throughput.
     AcquireRelease {
-        /// Concurrent clients, each with its own session.
-        #[arg(long, default_value_t = 1)]
-        clients: usize,
+        /// Concurrent clients, each with its own session; a comma-separated list (1,16,64,256) runs
+        /// one measurement per count, in turn.
+        #[arg(long, default_value = "1", value_delimiter = ',')]
+        clients: Vec<usize>,
         /// Distinct lock names (default: one per client, so clients do not contend).
         #[arg(long)]
         names: Option<usize>,
@@ -48,6 +50,10 @@ enum Mode {
         /// How long to measure (e.g. 10s, 500ms, 1m), after a 1 s warm-up.
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
         duration: Duration,
+        /// Also write an SVG plot of latency percentiles against throughput, one point per client
+        /// count.
+        #[arg(long, value_name = "FILE")]
+        plot: Option<std::path::PathBuf>,
     },
     /// C sessions each hold M locks for a duration with keepalives running; reports keepalive latency
     /// and every session whose lease was lost (which must be none).
@@ -67,6 +73,9 @@ enum Mode {
         /// one batched message per round.
         #[arg(long)]
         unbatched_keepalives: bool,
+        /// Also write an SVG plot of the keepalive latency (p50, p99, max) per second of the hold.
+        #[arg(long, value_name = "FILE")]
+        plot: Option<std::path::PathBuf>,
     },
     /// One client loops acquire + release and reports every gap between successive grants longer than
     /// 100 ms: kill the leader meanwhile to measure the time from a failure to the next grant.
@@ -94,14 +103,32 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             names,
             connections,
             duration,
+            plot,
         } => {
-            let clients = clients.max(1);
-            let load = Load {
-                clients,
-                names: names.unwrap_or(clients).max(1),
-                connections: connections.unwrap_or(clients).clamp(1, clients),
-            };
-            acquire_release(endpoints, base, load, duration, args.json).await
+            let mut points = Vec::new();
+            for &clients in &clients {
+                let clients = clients.max(1);
+                let load = Load {
+                    clients,
+                    names: names.unwrap_or(clients).max(1),
+                    connections: connections.unwrap_or(clients).clamp(1, clients),
+                };
+                points.push(
+                    acquire_release(endpoints.clone(), base.clone(), load, duration, args.json)
+                        .await?,
+                );
+            }
+            if let Some(path) = plot {
+                let title = match connections {
+                    Some(c) => format!("holdfast acquire+release, clients on {c} connection(s)"),
+                    None => "holdfast acquire+release, one connection per client".to_string(),
+                };
+                super::plot::latency_vs_throughput(&path, &title, &points)?;
+                if !args.json {
+                    println!("plot written to {}", path.display());
+                }
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Mode::Availability { duration } => availability(endpoints, base, duration, args.json).await,
         Mode::Hold {
@@ -111,6 +138,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             ttl,
             concurrency,
             unbatched_keepalives,
+            plot,
         } => {
             let options = ClientOptions {
                 batched_keepalives: !unbatched_keepalives,
@@ -122,7 +150,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 ttl,
                 concurrency: concurrency.max(1),
             };
-            hold(endpoints, options, setup, duration, args.json).await
+            hold(endpoints, options, setup, duration, args.json, plot).await
         }
     }
 }
@@ -218,7 +246,7 @@ async fn acquire_release(
     load: Load,
     duration: Duration,
     json: bool,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<super::plot::SweepPoint> {
     let Load {
         clients,
         names,
@@ -324,7 +352,13 @@ async fn acquire_release(
         );
         println!("  errors: {}", errors.load(Relaxed));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(super::plot::SweepPoint {
+        clients,
+        pairs_per_sec: per_sec,
+        p50_ms: q(0.5),
+        p99_ms: q(0.99),
+        p999_ms: q(0.999),
+    })
 }
 
 async fn connect(endpoints: Vec<String>, options: ClientOptions) -> anyhow::Result<Client> {
@@ -393,6 +427,7 @@ async fn hold(
     setup: HoldSetup,
     duration: Duration,
     json: bool,
+    plot: Option<std::path::PathBuf>,
 ) -> anyhow::Result<ExitCode> {
     let client = connect(endpoints, options).await?;
     let ttl = setup.ttl;
@@ -427,9 +462,29 @@ async fn hold(
     let _ = client.take_keepalive_latencies();
     let started = Instant::now();
     let mut lost_total = 0;
+    let mut hist =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds");
+    let mut samples = 0usize;
+    // Each second's keepalive latencies, for the plot.
+    let mut seconds = Vec::new();
     while started.elapsed() < duration {
         tokio::time::sleep(Duration::from_secs(1).min(duration.saturating_sub(started.elapsed())))
             .await;
+        let mut second =
+            Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds");
+        for us in client.take_keepalive_latencies() {
+            let _ = second.record(u64::from(us).max(1));
+        }
+        if !second.is_empty() {
+            seconds.push(super::plot::HoldSecond {
+                at_s: started.elapsed().as_secs_f64(),
+                p50_ms: second.value_at_quantile(0.5) as f64 / 1000.0,
+                p99_ms: second.value_at_quantile(0.99) as f64 / 1000.0,
+                max_ms: second.max() as f64 / 1000.0,
+            });
+        }
+        samples += second.len() as usize;
+        hist.add(&second).expect("same bounds");
         lost_total = all.iter().filter(|s| !s.is_valid()).count();
         if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
             continue;
@@ -444,14 +499,8 @@ async fn hold(
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         eprintln!();
     }
-    let mut hist =
-        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds");
-    let samples = client.take_keepalive_latencies();
-    for us in &samples {
-        let _ = hist.record(u64::from(*us).max(1));
-    }
     let q = |p: f64| hist.value_at_quantile(p) as f64 / 1000.0;
-    let per_sec = samples.len() as f64 / duration.as_secs_f64();
+    let per_sec = samples as f64 / duration.as_secs_f64();
     if json {
         let us = |p: f64| ms(hist.value_at_quantile(p) as f64);
         let out = serde_json::json!({
@@ -459,7 +508,7 @@ async fn hold(
             "sessions": all.len(),
             "locks": guards.len(),
             "seconds": duration.as_secs_f64(),
-            "keepalive_messages": samples.len(),
+            "keepalive_messages": samples,
             "keepalive_messages_per_sec": per_sec,
             "keepalive_p50_ms": us(0.5),
             "keepalive_p99_ms": us(0.99),
@@ -476,7 +525,7 @@ async fn hold(
             guards.len(),
             duration.as_secs_f64()
         );
-        println!("  keepalive messages: {} ({per_sec:.0}/s)", samples.len());
+        println!("  keepalive messages: {samples} ({per_sec:.0}/s)");
         println!(
             "  keepalive latency ms: p50 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
             q(0.5),
@@ -485,6 +534,17 @@ async fn hold(
             hist.max() as f64 / 1000.0
         );
         println!("  sessions lost: {lost_total}");
+    }
+    if let Some(path) = &plot {
+        let title = format!(
+            "holdfast keepalive latency: {} sessions holding {} locks",
+            all.len(),
+            guards.len()
+        );
+        super::plot::keepalive_over_time(path, &title, &seconds)?;
+        if !json {
+            println!("plot written to {}", path.display());
+        }
     }
     // Leave the locks to the sessions' close: one entry per session instead of one per lock.
     guards.into_iter().for_each(|g| drop(g.into_parts()));

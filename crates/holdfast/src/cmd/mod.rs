@@ -13,6 +13,7 @@ pub mod leader;
 pub mod lock;
 pub mod locks;
 pub mod member;
+pub mod plot;
 pub mod server;
 pub mod sessions;
 pub mod snapshot;

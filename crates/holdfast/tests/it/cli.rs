@@ -255,3 +255,99 @@ async fn bench_reports_json() {
     );
     assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
 }
+
+/// `--clients 1,3` measures each count in turn (one JSON line each) and `--plot` draws them; a hold's
+/// plot shows its keepalive latency per second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_sweeps_client_counts_and_plots_them() {
+    let c = Cluster::start(three()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = dir.path().join("sweep.svg");
+    let out = c
+        .holdfast()
+        .args([
+            "bench",
+            "acquire-release",
+            "--clients",
+            "1,3",
+            "--duration",
+            "1s",
+            "--json",
+        ])
+        .arg("--plot")
+        .arg(&sweep)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let clients: Vec<u64> = lines
+        .iter()
+        .map(|v| v["clients"].as_u64().unwrap())
+        .collect();
+    assert_eq!(clients, [1, 3]);
+    assert!(lines.iter().all(|v| v["ops"].as_u64().unwrap() > 0));
+    let svg = std::fs::read_to_string(&sweep).unwrap();
+    assert!(svg.starts_with("<svg"), "{svg:.200}");
+    for text in [
+        "throughput (acquire+release pairs/s)",
+        "1 clients",
+        "3 clients",
+        "p50",
+        "p99.9",
+    ] {
+        assert!(svg.contains(text), "the plot has no {text:?}");
+    }
+    // Three percentile lines (blue, red, green; each also drawn in the legend), through two points each.
+    for color in ["#1F77B4", "#D62728", "#2CA02C"] {
+        let line = format!("stroke=\"{color}\" stroke-width=\"2\"");
+        assert_eq!(svg.matches(&line).count(), 2, "{color} in {svg}");
+    }
+    assert_eq!(svg.matches("<circle").count(), 6, "{svg}");
+
+    let kept = dir.path().join("hold.svg");
+    let out = c
+        .holdfast()
+        .args([
+            "bench",
+            "hold",
+            "--sessions",
+            "20",
+            "--locks-per-session",
+            "2",
+            "--ttl",
+            "3s",
+            "--duration",
+            "4s",
+            "--plot",
+        ])
+        .arg(&kept)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let svg = std::fs::read_to_string(&kept).unwrap();
+    for text in [
+        "keepalive latency (ms, log scale)",
+        "time into the hold (s)",
+        "max",
+    ] {
+        assert!(svg.contains(text), "the plot has no {text:?}");
+    }
+    for color in ["#1F77B4", "#D62728", "#2CA02C"] {
+        let line = format!("stroke=\"{color}\" stroke-width=\"2\"");
+        assert_eq!(svg.matches(&line).count(), 2, "{color} in {svg}");
+    }
+}
