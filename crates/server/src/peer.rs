@@ -391,9 +391,9 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         let path = match snapshot.snapshot {
             SnapshotData::File(path) => path,
             SnapshotData::Received { .. } => {
-                return Err(StreamingError::from(self.malformed(
-                    "only a snapshot file of this server is sent".into(),
-                )))
+                return Err(StreamingError::from(
+                    self.malformed("only a snapshot file of this server is sent".into()),
+                ))
             }
         };
         let file = crate::blocking(move || holdfast_wal::fs::File::open(&path))
