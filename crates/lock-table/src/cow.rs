@@ -23,6 +23,8 @@ pub(crate) struct SnapMap<K, V> {
 /// The part of a frozen map the encoder has not written yet.
 #[derive(Debug)]
 struct Frozen<K> {
+    /// Which snapshot froze the map (see [`SnapMap::freeze`]).
+    generation: u64,
     /// Every entry up to and including this key is written (`None`: none yet).
     written: Option<K>,
     /// Entries after `written` changed since the freeze: their encoding at the freeze (`None`: absent
@@ -130,9 +132,10 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
         self.map.values_mut().map(|b| &mut **b)
     }
 
-    /// Starts a snapshot: from now on [`SnapMap::write_chunk`] writes the map as it is now.
-    pub(crate) fn freeze(&mut self) {
+    /// Starts snapshot `generation`: from now on [`SnapMap::write_chunk`] writes the map as it is now.
+    pub(crate) fn freeze(&mut self, generation: u64) {
         self.frozen = Some(Box::new(Frozen {
+            generation,
             written: None,
             before: BTreeMap::new(),
         }));
@@ -143,8 +146,11 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
         self.frozen = None;
     }
 
-    pub(crate) fn is_frozen(&self) -> bool {
-        self.frozen.is_some()
+    /// Whether snapshot `generation` (and not another) is writing the map.
+    pub(crate) fn is_frozen_by(&self, generation: u64) -> bool {
+        self.frozen
+            .as_ref()
+            .is_some_and(|f| f.generation == generation)
     }
 
     /// Appends the encoding of up to `max` more entries as they were at the freeze (each a postcard

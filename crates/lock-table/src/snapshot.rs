@@ -43,6 +43,8 @@ pub enum SnapshotError {
 /// A snapshot of a [`LockTable`] being written a chunk at a time ([`LockTable::snapshot_begin`]).
 #[derive(Debug)]
 pub struct SnapshotWriter {
+    /// The snapshot's generation (see [`LockTable::snapshot_begin`]).
+    generation: u64,
     stage: Stage,
     /// The number of locks at the start.
     locks: usize,
@@ -94,8 +96,12 @@ impl LockTable {
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         push_map_len(out, self.sessions.len());
-        self.sessions.freeze();
-        self.locks.freeze();
+        // Unique per snapshot in this process, so a writer whose snapshot was abandoned (and another
+        // begun) is refused instead of advancing the other's. Not part of the table's state.
+        static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let generation = GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.sessions.freeze(generation);
+        self.locks.freeze(generation);
         // The small parts, encoded now (the fields after `locks`, in their order).
         let tail = postcard::to_allocvec(&(
             &self.open_nonces,
@@ -108,6 +114,7 @@ impl LockTable {
         let mut crc = crc32fast::Hasher::new();
         crc.update(&out[start..]);
         SnapshotWriter {
+            generation,
             stage: Stage::Sessions,
             locks: self.locks.len(),
             tail,
@@ -117,7 +124,8 @@ impl LockTable {
 
     /// Appends up to `max_entries` more sessions or locks (or the end) of the snapshot `writer` writes.
     /// Returns true once the snapshot is complete (its checksum appended). An error if the table is not
-    /// the one the writer started on (it was replaced, or [`LockTable::snapshot_abort`] was called).
+    /// the one the writer started on (it was replaced, or [`LockTable::snapshot_abort`] was called, or
+    /// another snapshot began).
     pub fn snapshot_next(
         &mut self,
         writer: &mut SnapshotWriter,
@@ -128,12 +136,12 @@ impl LockTable {
         let done = match writer.stage {
             Stage::Sessions | Stage::Locks => {
                 let map_done = if writer.stage == Stage::Sessions {
-                    if !self.sessions.is_frozen() {
+                    if !self.sessions.is_frozen_by(writer.generation) {
                         return Err(SnapshotError::Abandoned);
                     }
                     self.sessions.write_chunk(out, max_entries)
                 } else {
-                    if !self.locks.is_frozen() {
+                    if !self.locks.is_frozen_by(writer.generation) {
                         return Err(SnapshotError::Abandoned);
                     }
                     self.locks.write_chunk(out, max_entries)

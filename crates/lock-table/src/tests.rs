@@ -1669,4 +1669,15 @@ fn an_aborted_snapshot_stops_its_writer() {
         t.snapshot_next(&mut w, &mut out, 1),
         Err(crate::SnapshotError::Abandoned)
     ));
+    // A writer whose snapshot another one replaced is refused too, and leaves the other's alone.
+    let mut first = Vec::new();
+    let mut old = t.snapshot_begin(&mut first);
+    let mut second = Vec::new();
+    let mut new = t.snapshot_begin(&mut second);
+    assert!(matches!(
+        t.snapshot_next(&mut old, &mut first, 1),
+        Err(crate::SnapshotError::Abandoned)
+    ));
+    while !t.snapshot_next(&mut new, &mut second, 1).unwrap() {}
+    assert_eq!(second, t.encode_snapshot());
 }

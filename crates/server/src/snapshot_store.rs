@@ -39,9 +39,15 @@ impl SnapshotFile {
         self.file.write_all(bytes)
     }
 
-    /// Appends the checksum, syncs the file, renames it into place, syncs the directory and deletes
-    /// older snapshots. Returns the file and its length.
-    pub fn finish(self, store: &SnapshotStore) -> std::io::Result<(PathBuf, u64)> {
+    /// Appends the checksum, syncs the file, has `verify` read it (still under its temporary name),
+    /// then renames it into place, syncs the directory and deletes older snapshots. Returns the file
+    /// and its length. On an error before the rename the temporary file is removed, and the last good
+    /// snapshot stays.
+    pub fn finish(
+        self,
+        store: &SnapshotStore,
+        verify: impl FnOnce(&std::path::Path) -> std::io::Result<()>,
+    ) -> std::io::Result<(PathBuf, u64)> {
         let SnapshotFile {
             file,
             tmp,
@@ -49,10 +55,17 @@ impl SnapshotFile {
             crc,
             len,
         } = self;
-        let mut file = file.into_inner().map_err(|e| e.into_error())?;
-        file.write_all(&crc.finalize().to_le_bytes())?;
-        file.sync_all()?;
-        drop(file);
+        let written = (|| {
+            let mut file = file.into_inner().map_err(|e| e.into_error())?;
+            file.write_all(&crc.finalize().to_le_bytes())?;
+            file.sync_all()?;
+            drop(file);
+            verify(&tmp)
+        })();
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
         fs::rename(&tmp, &path)?;
         holdfast_wal::failpoint::hit("snapshot.rename")?;
         fs::sync_dir(&store.dir)?;
@@ -185,12 +198,18 @@ impl SnapshotStore {
             crc: crc32fast::Hasher::new(),
             len: 0,
         };
-        holdfast_wal::failpoint::hit_then("snapshot.write", || {
+        let started = holdfast_wal::failpoint::hit_then("snapshot.write", || {
             let _ = file.file.write_all(&header[..header.len() / 2]);
             let _ = file.file.flush();
-        })?;
-        file.write(&header)?;
-        Ok(file)
+        })
+        .and_then(|()| file.write(&header));
+        match started {
+            Ok(()) => Ok(file),
+            Err(e) => {
+                file.discard();
+                Err(e)
+            }
+        }
     }
 
     /// Where the snapshot at `index` is (or would be) stored.

@@ -234,9 +234,12 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             SnapshotData::Received { bytes, table } => (bytes, table),
             // Not how openraft installs (it passes what the network received), but correct anyway.
             SnapshotData::File(path) => {
-                let bytes = crate::blocking(move || SnapshotStore::read(&path)).await?;
-                let loaded = SnapshotStore::decode(&bytes).map_err(io::Error::other)?;
-                (bytes, Box::new(loaded.table))
+                crate::blocking(move || {
+                    let bytes = SnapshotStore::read(&path)?;
+                    let loaded = SnapshotStore::decode(&bytes).map_err(io::Error::other)?;
+                    Ok((bytes, Box::new(loaded.table)))
+                })
+                .await?
             }
         };
         // Never under a build: it would write the replaced table's snapshot after this one.
@@ -352,6 +355,19 @@ pub struct SnapshotBuilder {
     guard: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
+/// Thaws the table (`LockTable::snapshot_abort`) when dropped while armed.
+struct Unfreeze<'a>(Option<&'a RwLock<SmState>>);
+
+impl Drop for Unfreeze<'_> {
+    fn drop(&mut self) {
+        if let Some(state) = self.0 {
+            if let Ok(mut s) = state.write() {
+                s.table.snapshot_abort();
+            }
+        }
+    }
+}
+
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     type SnapshotData = SnapshotData;
 
@@ -372,14 +388,22 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             let writer = s.table.snapshot_begin(&mut header);
             (meta, writer, header, digest)
         };
+        // From here until the last chunk the table keeps copies of what changes; however the build
+        // ends early (an error, or its task dropped), it must stop.
+        let mut unfreeze = Unfreeze(Some(&self.state));
         let index = meta.last_log_id.map_or(0, |l| l.index);
         let written = async {
             let store = self.snapshots.clone();
             let for_file = meta.clone();
             let mut file = crate::blocking(move || {
                 let mut file = store.create(&for_file)?;
-                file.write(&header)?;
-                Ok(file)
+                match file.write(&header) {
+                    Ok(()) => Ok(file),
+                    Err(e) => {
+                        file.discard();
+                        Err(e)
+                    }
+                }
             })
             .await?;
             loop {
@@ -412,14 +436,16 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             }
             let store = self.snapshots.clone();
             crate::blocking(move || {
-                let (path, len) = file.finish(&store)?;
-                if let Some(digest) = digest {
+                file.finish(&store, |written| {
+                    let Some(digest) = digest else {
+                        return Ok(());
+                    };
                     // Never keep (or send) a snapshot that does not read back as the table it was
-                    // taken of. An error, not a panic: openraft builds snapshots in a task of its
-                    // own, where a panic would be swallowed, while an error stops the group (and the
-                    // server) loudly.
+                    // taken of: checked before it replaces the last good one. An error, not a
+                    // panic: openraft builds snapshots in a task of its own, where a panic would be
+                    // swallowed, while an error stops the group (and the server) loudly.
                     let loaded =
-                        SnapshotStore::decode(&SnapshotStore::read(&path)?).map_err(|e| {
+                        SnapshotStore::decode(&SnapshotStore::read(written)?).map_err(|e| {
                             io::Error::other(format!(
                                 "refusing a snapshot that does not read back: {e}"
                             ))
@@ -429,24 +455,15 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                             "refusing a snapshot that reads back as another table",
                         ));
                     }
-                }
-                Ok((path, len))
+                    Ok(())
+                })
             })
             .await
         }
         .await;
-        let (path, len) = match written {
-            Ok(written) => written,
-            Err(e) => {
-                // Stop keeping copies of what changes.
-                self.state
-                    .write()
-                    .expect("state machine lock poisoned")
-                    .table
-                    .snapshot_abort();
-                return Err(e);
-            }
-        };
+        let (path, len) = written?;
+        // The last chunk thawed the table.
+        unfreeze.0 = None;
         *self.current.lock().expect("snapshot meta lock") = Some((meta.clone(), path.clone()));
         tracing::info!(index, bytes = len, "built snapshot");
         Ok(Snapshot {
