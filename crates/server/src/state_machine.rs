@@ -19,9 +19,10 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
-/// Sessions or locks encoded per step of a snapshot build, under the state lock: at ~100 ns each about
-/// half a millisecond, the longest an apply waits for a build (it used to wait for the whole encode:
-/// ~114 ms at 1,000,000 locks). The simulation's tables are small, so it takes three at a time there,
+/// Sessions or locks encoded per step of a snapshot build, under the state lock: the longest an apply
+/// waits for a build (it used to wait for the whole encode: ~114 ms at 1,000,000 locks). Locks encode
+/// at ~100 ns each, so a chunk of them takes about half a millisecond; a session with a full dedup
+/// window costs more (not measured on its own). The simulation's tables are small, so it takes three at a time there,
 /// to have entries applied between the chunks of nearly every snapshot.
 const SNAPSHOT_CHUNK_ENTRIES: usize = if cfg!(holdfast_sim) { 3 } else { 4096 };
 
