@@ -21,6 +21,16 @@ pub struct SnapshotStore {
     dir: PathBuf,
 }
 
+/// A snapshot file's bytes before the lock table's: the magic, the meta's length and the meta.
+fn header(meta: &SnapshotMeta) -> Vec<u8> {
+    let meta_bytes = crate::formats::to_bytes(&crate::formats::snapshot_meta_to_pb(meta));
+    let mut out = Vec::with_capacity(12 + meta_bytes.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(meta_bytes.len() as u32).to_le_bytes());
+    out.extend_from_slice(&meta_bytes);
+    out
+}
+
 /// A snapshot file being written ([`SnapshotStore::create`]).
 pub struct SnapshotFile {
     file: std::io::BufWriter<fs::File>,
@@ -66,14 +76,7 @@ impl SnapshotFile {
             let _ = fs::remove_file(&tmp);
             return Err(e);
         }
-        fs::rename(&tmp, &path)?;
-        holdfast_wal::failpoint::hit("snapshot.rename")?;
-        fs::sync_dir(&store.dir)?;
-        for old in store.files()? {
-            if old != path {
-                fs::remove_file(old)?;
-            }
-        }
+        store.install(&tmp, &path)?;
         Ok((path, len + 4))
     }
 
@@ -106,11 +109,8 @@ impl SnapshotStore {
 
     /// Encodes a snapshot file's bytes (also what is sent to a peer that needs it).
     pub fn encode(meta: &SnapshotMeta, table_bytes: &[u8]) -> Vec<u8> {
-        let meta_bytes = crate::formats::to_bytes(&crate::formats::snapshot_meta_to_pb(meta));
-        let mut out = Vec::with_capacity(16 + meta_bytes.len() + table_bytes.len());
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&(meta_bytes.len() as u32).to_le_bytes());
-        out.extend_from_slice(&meta_bytes);
+        let mut out = header(meta);
+        out.reserve(table_bytes.len() + 4);
         out.extend_from_slice(table_bytes);
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -168,7 +168,13 @@ impl SnapshotStore {
         })?;
         file.write_all(bytes)?;
         file.sync_all()?;
-        fs::rename(&tmp, &path)?;
+        self.install(&tmp, &path)
+    }
+
+    /// Renames the synced temporary file `tmp` to `path`, syncs the directory and deletes every other
+    /// snapshot.
+    fn install(&self, tmp: &std::path::Path, path: &std::path::Path) -> std::io::Result<()> {
+        fs::rename(tmp, path)?;
         holdfast_wal::failpoint::hit("snapshot.rename")?;
         fs::sync_dir(&self.dir)?;
         for old in self.files()? {
@@ -186,11 +192,7 @@ impl SnapshotStore {
         let index = meta.last_log_id.map_or(0, |l| l.index);
         let path = self.path_for(index);
         let tmp = path.with_extension("tmp");
-        let meta_bytes = crate::formats::to_bytes(&crate::formats::snapshot_meta_to_pb(meta));
-        let mut header = Vec::with_capacity(12 + meta_bytes.len());
-        header.extend_from_slice(MAGIC);
-        header.extend_from_slice(&(meta_bytes.len() as u32).to_le_bytes());
-        header.extend_from_slice(&meta_bytes);
+        let header = header(meta);
         let mut file = SnapshotFile {
             file: std::io::BufWriter::with_capacity(1 << 20, fs::File::create(&tmp)?),
             tmp,

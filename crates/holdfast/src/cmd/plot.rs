@@ -24,9 +24,6 @@ pub struct HoldSecond {
     pub max_ms: f64,
 }
 
-/// One plotted line: its legend name and how it reads a point's value.
-type Line<T> = (&'static str, fn(&T) -> f64);
-
 const SIZE: (u32, u32) = (900, 560);
 /// The three lines' colours: blue, red, green.
 const COLORS: [RGBColor; 3] = [
@@ -35,128 +32,116 @@ const COLORS: [RGBColor; 3] = [
     RGBColor(0x2c, 0xa0, 0x2c),
 ];
 
+/// What one chart shows: three named lines of (x, y) points, y in ms on a log scale.
+struct Chart<'a> {
+    title: &'a str,
+    x_desc: &'a str,
+    y_desc: &'a str,
+    /// The right end of the x axis.
+    x_max: f64,
+    lines: [(&'a str, Vec<(f64, f64)>); 3],
+    /// Mark every point with a dot.
+    marks: bool,
+    /// Text placed at a point.
+    labels: Vec<(String, (f64, f64))>,
+}
+
 /// Latency (ms, log scale) against throughput (pairs/s), one point per client count, labelled.
 pub fn latency_vs_throughput(
     path: &Path,
     title: &str,
     points: &[SweepPoint],
 ) -> anyhow::Result<()> {
-    let x_max = points.iter().map(|p| p.pairs_per_sec).fold(1.0, f64::max) * 1.15;
-    let lines: [Line<SweepPoint>; 3] = [
-        ("p50", |p| p.p50_ms),
-        ("p99", |p| p.p99_ms),
-        ("p99.9", |p| p.p999_ms),
-    ];
-    let (y_min, y_max) = bounds(
-        points
-            .iter()
-            .flat_map(|p| lines.iter().map(move |l| (l.1)(p))),
-    );
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_error)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(16)
-        .margin_right(32)
-        .x_label_area_size(48)
-        .y_label_area_size(64)
-        .build_cartesian_2d(0f64..x_max, (y_min..y_max).log_scale())
-        .map_err(plot_error)?;
-    chart
-        .configure_mesh()
-        .x_desc("throughput (acquire+release pairs/s)")
-        .y_desc("pair latency (ms, log scale)")
-        .label_style(("sans-serif", 14))
-        .axis_desc_style(("sans-serif", 16))
-        .draw()
-        .map_err(plot_error)?;
-    for (i, (name, value)) in lines.iter().enumerate() {
-        let color = COLORS[i];
-        let xy: Vec<(f64, f64)> = points.iter().map(|p| (p.pairs_per_sec, value(p))).collect();
-        chart
-            .draw_series(LineSeries::new(xy.clone(), color.stroke_width(2)))
-            .map_err(plot_error)?
-            .label(*name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-        chart
-            .draw_series(
-                xy.iter()
-                    .map(|&(x, y)| Circle::new((x, y), 3, color.filled())),
-            )
-            .map_err(plot_error)?;
-    }
-    // Each point's client count, above its p99.9.
-    chart
-        .draw_series(points.iter().map(|p| {
-            Text::new(
-                format!("{} clients", p.clients),
-                (p.pairs_per_sec, p.p999_ms * 1.15),
-                ("sans-serif", 13),
-            )
-        }))
-        .map_err(plot_error)?;
-    legend(&mut chart)?;
-    root.present().map_err(plot_error)?;
-    Ok(())
+    let line = |f: fn(&SweepPoint) -> f64| points.iter().map(|p| (p.pairs_per_sec, f(p))).collect();
+    draw(
+        path,
+        Chart {
+            title,
+            x_desc: "throughput (acquire+release pairs/s)",
+            y_desc: "pair latency (ms, log scale)",
+            x_max: points.iter().map(|p| p.pairs_per_sec).fold(1.0, f64::max) * 1.15,
+            lines: [
+                ("p50", line(|p| p.p50_ms)),
+                ("p99", line(|p| p.p99_ms)),
+                ("p99.9", line(|p| p.p999_ms)),
+            ],
+            marks: true,
+            // Each point's client count, above its p99.9.
+            labels: points
+                .iter()
+                .map(|p| {
+                    (
+                        format!("{} clients", p.clients),
+                        (p.pairs_per_sec, p.p999_ms * 1.15),
+                    )
+                })
+                .collect(),
+        },
+    )
 }
 
 /// Keepalive latency (ms, log scale) per second of a hold.
 pub fn keepalive_over_time(path: &Path, title: &str, seconds: &[HoldSecond]) -> anyhow::Result<()> {
-    let x_max = seconds.iter().map(|s| s.at_s).fold(1.0, f64::max);
-    let lines: [Line<HoldSecond>; 3] = [
-        ("p50", |s| s.p50_ms),
-        ("p99", |s| s.p99_ms),
-        ("max", |s| s.max_ms),
-    ];
-    let (y_min, y_max) = bounds(
-        seconds
-            .iter()
-            .flat_map(|s| lines.iter().map(move |l| (l.1)(s))),
-    );
+    let line = |f: fn(&HoldSecond) -> f64| seconds.iter().map(|s| (s.at_s, f(s))).collect();
+    draw(
+        path,
+        Chart {
+            title,
+            x_desc: "time into the hold (s)",
+            y_desc: "keepalive latency (ms, log scale)",
+            x_max: seconds.iter().map(|s| s.at_s).fold(1.0, f64::max),
+            lines: [
+                ("p50", line(|s| s.p50_ms)),
+                ("p99", line(|s| s.p99_ms)),
+                ("max", line(|s| s.max_ms)),
+            ],
+            marks: false,
+            labels: Vec::new(),
+        },
+    )
+}
+
+fn draw(path: &Path, c: Chart<'_>) -> anyhow::Result<()> {
+    let (y_min, y_max) = bounds(c.lines.iter().flat_map(|(_, xy)| xy.iter().map(|p| p.1)));
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(plot_error)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
+        .caption(c.title, ("sans-serif", 22))
         .margin(16)
         .margin_right(32)
         .x_label_area_size(48)
         .y_label_area_size(64)
-        .build_cartesian_2d(0f64..x_max, (y_min..y_max).log_scale())
+        .build_cartesian_2d(0f64..c.x_max, (y_min..y_max).log_scale())
         .map_err(plot_error)?;
     chart
         .configure_mesh()
-        .x_desc("time into the hold (s)")
-        .y_desc("keepalive latency (ms, log scale)")
+        .x_desc(c.x_desc)
+        .y_desc(c.y_desc)
         .label_style(("sans-serif", 14))
         .axis_desc_style(("sans-serif", 16))
         .draw()
         .map_err(plot_error)?;
-    for (i, (name, value)) in lines.iter().enumerate() {
-        let color = COLORS[i];
+    for ((name, xy), color) in c.lines.iter().zip(COLORS) {
         chart
-            .draw_series(LineSeries::new(
-                seconds.iter().map(|s| (s.at_s, value(s))),
-                color.stroke_width(2),
-            ))
+            .draw_series(LineSeries::new(xy.iter().copied(), color.stroke_width(2)))
             .map_err(plot_error)?
             .label(*name)
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
+        if c.marks {
+            chart
+                .draw_series(xy.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(plot_error)?;
+        }
     }
-    legend(&mut chart)?;
-    root.present().map_err(plot_error)?;
-    Ok(())
-}
-
-fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
-    chart: &mut ChartContext<'a, DB, CT>,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
+    chart
+        .draw_series(
+            c.labels
+                .iter()
+                .map(|(text, at)| Text::new(text.clone(), *at, ("sans-serif", 13))),
+        )
+        .map_err(plot_error)?;
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
@@ -165,6 +150,7 @@ where
         .border_style(BLACK)
         .draw()
         .map_err(plot_error)?;
+    root.present().map_err(plot_error)?;
     Ok(())
 }
 
