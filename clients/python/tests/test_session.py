@@ -31,7 +31,10 @@ def test_a_session_closed_elsewhere_is_lost_and_on_lost_fires(client: holdfast.C
         called.set()
 
     s = client.session(ttl=2, on_lost=on_lost)
+    s.open_for(name)
     for group, sid in enumerate(s.ids):
+        if not sid:
+            continue
         client.call(
             group,
             "CloseSession",
@@ -97,3 +100,35 @@ def test_without_a_quorum_the_lease_runs_out_on_the_client(
     while client.describe(name) is not None:
         assert time.monotonic() < end, "the lost session's lock was never freed"
         time.sleep(0.1)
+
+
+def test_a_session_opens_only_where_used_and_its_client_sends_one_keepalive_per_leader(
+    client: holdfast.Client, cluster: DevCluster
+) -> None:
+    """Sessions open in a group at their first use there, and one keepalive thread per client renews all
+    of them: one message per round per server that leads a group where one is open, whatever the
+    number of sessions."""
+    groups = client.groups
+    assert groups > 1
+    names = [
+        next(n for n in (f"py/lazy/{i}" for i in range(1000)) if holdfast.group_for(n, groups) == g)
+        for g in range(groups)
+    ]
+    sessions = [client.session(ttl=2) for _ in range(4)]
+    try:
+        assert all(s.ids == [0] * groups for s in sessions), "opened in no group before a use"
+        sessions[0].try_acquire(names[0])
+        for s in sessions[1:]:
+            s.open_for(names[1])
+        assert [bool(x) for x in sessions[0].ids] == [g == 0 for g in range(groups)]
+        assert all([bool(x) for x in s.ids] == [g == 1 for g in range(groups)] for s in sessions[1:])
+        leaders = {client._leader_of(0), client._leader_of(1)}
+        before = client._keepalives.messages
+        time.sleep(4.0)  # five or six rounds at a TTL of 2 s (each due every 0.67 s)
+        sent = client._keepalives.messages - before
+        assert all(s.is_valid() for s in sessions), [s.lost_reason for s in sessions]
+        # One message per round per leading server (not per session, not per group).
+        assert 4 * len(leaders) <= sent <= 8 * len(leaders), f"{sent} messages to {len(leaders)} leaders"
+    finally:
+        for s in sessions:
+            s.close()

@@ -89,6 +89,9 @@ def fake_client(servers: list[FakeServer], request_timeout: float = 2.0) -> Clie
     c._random = random.Random(1)
     c.groups = 1
     c._leaders = [0]
+    from holdfast.keepalive import Registry
+
+    c._keepalives = Registry(c)
     return c
 
 
@@ -97,9 +100,19 @@ def opens(ttl_ms: int = 3000) -> Callable[[Any], Any]:
 
 
 def renews(ttl_ms: int = 3000) -> Callable[[Any], Any]:
-    return lambda r: lock_pb2.KeepAliveResponse(
-        results=[lock_pb2.KeepAliveResult(session_id=7, alive=True, ttl_ms=ttl_ms)]
-    )
+    """Renews every session asked for: per group when the request has groups (as this version's servers
+    answer), else the request's own ids (as older ones did)."""
+
+    def answer(r: Any) -> Any:
+        def results(ids: Any) -> list[Any]:
+            return [lock_pb2.KeepAliveResult(session_id=i, alive=True, ttl_ms=ttl_ms) for i in ids]
+
+        return lock_pb2.KeepAliveResponse(
+            results=results(r.session_ids),
+            groups=[lock_pb2.GroupKeepAliveResult(group=g.group, results=results(g.session_ids)) for g in r.groups],
+        )
+
+    return answer
 
 
 def closes(r: Any) -> Any:
@@ -287,11 +300,59 @@ def test_a_forgotten_session_stops_being_renewed() -> None:
     server = FakeServer({"OpenSession": opens(2000), "KeepAlive": renews(2000)})
     c = fake_client([server])
     s = c.session(ttl=2)
-    thread = s._thread
+    assert c._keepalives._live() == [s]
     del s
     gc.collect()
-    thread.join(2)  # at most one renewal interval (TTL/3)
-    assert not thread.is_alive(), "the keepalive thread kept a session nobody refers to alive"
+    assert c._keepalives._live() == [], "the keepalives kept a session nobody refers to"
+    # And a forgotten client's keepalive thread ends (at its next tick).
+    thread = c._keepalives._thread
+    assert thread is not None
+    del c
+    gc.collect()
+    thread.join(2)
+    assert not thread.is_alive(), "the keepalive thread outlived its client"
+
+
+def test_one_keepalive_goes_to_each_leader_and_a_group_it_does_not_lead_follows_the_redirect() -> None:
+    """Two groups, two servers: server 0 leads group 0 and answers group 1 NOT_LEADER (naming server 1),
+    as this version's servers do, per group. Three sessions open in both groups are renewed by one
+    message to each server per round, the redirect is followed in the same round, and none is lost."""
+    first = FakeServer({"OpenSession": opens(2000), "CloseSession": closes})
+    second = FakeServer({"OpenSession": opens(2000), "CloseSession": closes})
+    c = fake_client([first, second])
+    c.groups = 2
+    c._leaders = [0, 0]  # stale: the client believes server 0 leads both
+    r2 = renews(2000)
+    second.handlers["KeepAlive"] = r2
+
+    def first_keepalive(r: Any) -> Any:
+        answer = r2(r)
+        for g in answer.groups:
+            if g.group == 1:
+                del g.results[:]
+                g.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                g.message = "not the leader"
+                g.error.CopyFrom(lock_pb2.ErrorDetail(reason=R.NOT_LEADER, leader_endpoint="127.0.0.1:9002"))
+        return answer
+
+    first.handlers["KeepAlive"] = first_keepalive
+    sessions = [c.session(ttl=2) for _ in range(3)]
+    for s in sessions:
+        s._open_in(0)
+        s._open_in(1)
+    c._leaders = [0, 0]
+    end = time.monotonic() + 5
+    while len(second.requests("KeepAlive")) < 2:
+        assert time.monotonic() < end, "group 1 was never renewed at its leader"
+        time.sleep(0.05)
+    to_first, to_second = first.requests("KeepAlive"), second.requests("KeepAlive")
+    # Three sessions, two groups: each message carries all three ids of each group it is for.
+    assert all(len(g.session_ids) == 3 for r in to_first + to_second for g in r.groups)
+    assert [g.group for g in to_second[-1].groups] == [1], "after the redirect, group 1 alone"
+    assert [g.group for g in to_first[-1].groups] == [0], "server 0 now gets group 0 alone"
+    assert all(s.is_valid() for s in sessions)
+    for s in sessions:
+        s.close()
 
 
 def test_close_ends_the_lease_before_the_server_frees_the_locks() -> None:

@@ -6,9 +6,11 @@
 //! leader the answer names. Against a server older than per-group answers (it answers none) the task
 //! falls back to one message per group per round, for the rest of its life.
 //!
-//! A session is due one third of its TTL after the last renewal was sent. A renewal counts from the moment
-//! its message was **sent**; a failed round is retried on the next tick (every 100 ms) until the session's
-//! client-side lease runs out, and then the session is marked lost.
+//! A session is due one third of its TTL after the last renewal was sent, and a round also takes the
+//! sessions due within the next sixth of their TTL, so that sessions opened at different times share
+//! rounds. A renewal counts from the moment its message was **sent**; a failed round is retried on the
+//! next tick (every 100 ms) until the session's client-side lease runs out, and then the session is
+//! marked lost.
 
 use crate::client::{Client, Inner};
 use crate::error::{classify, Disposition};
@@ -92,9 +94,39 @@ struct Stream {
     rx: tonic::Streaming<pb::KeepAliveResponse>,
 }
 
-/// What one round made of one group's sessions: per session, the TTL granted or `None` if not alive;
-/// or why the round failed for the group.
+/// What one round made of one group's sessions: per session open in the group (in the order of its
+/// members), the TTL granted or `None` if not alive; or why the round failed for the group.
 type GroupOutcome = Result<Vec<Option<Duration>>, String>;
+
+/// Which sessions of a chunk are open in each group (indexes into the chunk), taken once per chunk: a
+/// session's part in a group only ever goes from unopened to open, so the message and the reading of
+/// its answer agree. A part opened since is renewed from the next round on (it was opened after this
+/// round was sent, so its lease outlasts this round's).
+fn members_by_group(groups: u32, chunk: &[&Arc<SessionInner>]) -> Vec<Vec<usize>> {
+    (0..groups)
+        .map(|g| {
+            (0..chunk.len())
+                .filter(|&i| chunk[i].in_group(g).is_some())
+                .collect()
+        })
+        .collect()
+}
+
+/// The ids and secrets of `members` of `chunk` in `group` (secrets empty if the server gave none).
+fn ids_and_secrets(
+    chunk: &[&Arc<SessionInner>],
+    members: &[usize],
+    group: u32,
+) -> (Vec<u64>, Vec<Vec<u8>>) {
+    let parts = members.iter().filter_map(|&i| chunk[i].in_group(group));
+    let (ids, secrets): (Vec<u64>, Vec<Vec<u8>>) = parts.map(|p| (p.id, p.secret.clone())).unzip();
+    // Sessions opened by a server that gave no secrets send none.
+    if secrets.iter().all(|s| s.is_empty()) {
+        (ids, Vec::new())
+    } else {
+        (ids, secrets)
+    }
+}
 
 async fn run(client: Weak<Inner>) {
     // Fan-in streams by server (endpoint index); per-group streams once `legacy`.
@@ -112,10 +144,15 @@ async fn run(client: Weak<Inner>) {
         for s in &sessions {
             s.check_expired(now);
         }
-        let due: Vec<&Arc<SessionInner>> = sessions.iter().filter(|s| s.is_due(now)).collect();
-        if due.is_empty() {
+        if !sessions.iter().any(|s| s.is_due(now)) {
             continue;
         }
+        // With them, the sessions due within the next sixth of their TTL: sessions opened at different
+        // times then share their rounds from the first on, instead of each set its own.
+        let due: Vec<&Arc<SessionInner>> = sessions
+            .iter()
+            .filter(|s| s.is_due(now + s.ttl() / 6))
+            .collect();
         let sent = Instant::now();
         let sent_wall_ms = crate::session::wall_ms();
         // A session is renewed when every group renewed it; the smallest TTL granted counts.
@@ -132,13 +169,16 @@ async fn run(client: Weak<Inner>) {
                     .unwrap_or(now)
                     .saturating_duration_since(Instant::now())
             };
+            let members = members_by_group(client.groups(), chunk);
             let outcomes: Vec<GroupOutcome> = if legacy {
                 let mut outcomes = Vec::new();
                 for group in 0..client.groups() {
+                    if members[group as usize].is_empty() {
+                        outcomes.push(Ok(Vec::new()));
+                        continue;
+                    }
                     let limit = limit();
-                    let ids: Vec<u64> = chunk.iter().map(|s| s.id_in(group)).collect();
-                    let secrets: Vec<Vec<u8>> =
-                        chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
+                    let (ids, secrets) = ids_and_secrets(chunk, &members[group as usize], group);
                     let round = round(&client, &mut by_group, group, ids, secrets);
                     outcomes.push(match tokio::time::timeout(limit, round).await {
                         Ok(r) => r,
@@ -150,7 +190,8 @@ async fn run(client: Weak<Inner>) {
                 }
                 outcomes
             } else {
-                match tokio::time::timeout(limit(), fan_in(&client, &mut by_server, chunk)).await {
+                let fan_in = fan_in(&client, &mut by_server, chunk, &members);
+                match tokio::time::timeout(limit(), fan_in).await {
                     Ok(Ok(outcomes)) => outcomes,
                     Ok(Err(Unsupported)) => {
                         tracing::info!("a server answers no per-group keepalives (an older version): one keepalive per group from now on");
@@ -168,9 +209,10 @@ async fn run(client: Weak<Inner>) {
                 }
             };
             for (group, outcome) in outcomes.into_iter().enumerate() {
+                let members = &members[group];
                 match outcome {
                     Ok(results) => {
-                        for (i, r) in results.into_iter().enumerate() {
+                        for (&i, r) in members.iter().zip(results) {
                             let slot = &mut granted[chunk_no * per_message + i];
                             match r {
                                 Some(ttl) => *slot = slot.map(|g| g.min(ttl)),
@@ -185,7 +227,7 @@ async fn run(client: Weak<Inner>) {
                     }
                     Err(reason) => {
                         tracing::debug!(group, %reason, "keepalive round failed; retrying");
-                        for i in 0..chunk.len() {
+                        for &i in members {
                             granted[chunk_no * per_message + i] = None;
                         }
                     }
@@ -204,16 +246,21 @@ async fn run(client: Weak<Inner>) {
 /// The server answered no per-group results: it predates `KeepAliveRequest.groups`.
 struct Unsupported;
 
-/// Renews `chunk`'s sessions in every group with one message per server that leads some of the groups
-/// (as far as the client knows), then again for the groups answered NOT_LEADER, at the leader named,
-/// up to one more time than there are servers. Returns each group's outcome, by group.
+/// Renews `chunk`'s sessions in every group they are open in (`members`) with one message per server
+/// that leads some of those groups (as far as the client knows), then again for the groups answered
+/// NOT_LEADER, at the leader named, up to one more time than there are servers. Returns each group's
+/// outcome, by group (an empty success for a group none of them is open in: nothing is sent for it).
 async fn fan_in(
     client: &Client,
     streams: &mut BTreeMap<usize, Stream>,
     chunk: &[&Arc<SessionInner>],
+    members: &[Vec<usize>],
 ) -> Result<Vec<GroupOutcome>, Unsupported> {
+    let mut out: Vec<Option<GroupOutcome>> = members
+        .iter()
+        .map(|m| m.is_empty().then(|| Ok(Vec::new())))
+        .collect();
     let groups = client.groups();
-    let mut out: Vec<Option<GroupOutcome>> = vec![None; groups as usize];
     for _attempt in 0..client.server_count() + 1 {
         let mut by_leader: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
         for group in (0..groups).filter(|&g| out[g as usize].is_none()) {
@@ -234,17 +281,12 @@ async fn fan_in(
                 groups: to_renew
                     .iter()
                     .map(|&group| {
-                        let secrets: Vec<Vec<u8>> =
-                            chunk.iter().map(|s| s.secret_in(group).to_vec()).collect();
+                        let (session_ids, session_secrets) =
+                            ids_and_secrets(chunk, &members[group as usize], group);
                         pb::GroupKeepAlive {
                             group,
-                            session_ids: chunk.iter().map(|s| s.id_in(group)).collect(),
-                            // Sessions opened by a server that gave no secrets send none.
-                            session_secrets: if secrets.iter().all(|s| s.is_empty()) {
-                                Vec::new()
-                            } else {
-                                secrets
-                            },
+                            session_ids,
+                            session_secrets,
                         }
                     })
                     .collect(),
@@ -292,7 +334,8 @@ async fn fan_in(
                 if answer.group != group {
                     out[group as usize] = Some(Err("keepalive answered the wrong groups".into()));
                 } else if answer.code == 0 {
-                    out[group as usize] = Some(if answer.results.len() == chunk.len() {
+                    let expected = members[group as usize].len();
+                    out[group as usize] = Some(if answer.results.len() == expected {
                         Ok(answer
                             .results
                             .iter()
@@ -380,12 +423,6 @@ async fn round(
     secrets: Vec<Vec<u8>>,
 ) -> Result<Vec<Option<Duration>>, String> {
     let n = ids.len();
-    // Sessions opened by a server that gave no secrets send none.
-    let secrets = if secrets.iter().all(|s| s.is_empty()) {
-        Vec::new()
-    } else {
-        secrets
-    };
     let request = pb::KeepAliveRequest {
         group,
         session_ids: ids,

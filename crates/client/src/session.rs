@@ -1,5 +1,11 @@
-//! Sessions: opened once per group, kept alive in the background, and a client-side lease that says
-//! when the session may be gone on the server.
+//! Sessions: opened in a group at their first use there, kept alive in the background, and a
+//! client-side lease that says when the session may be gone on the server.
+//!
+//! A [`Session`] is one session per Raft group under the hood, but only in the groups it uses: with one
+//! group, [`Client::open_session`] opens it there; with several, it opens none, and the first
+//! operation on a name opens the session in that name's group ([`Session::open_for`]). So a client
+//! that uses two of eight groups costs the servers two sessions, two log entries to open, and
+//! keepalives to the leaders of those two groups only.
 //!
 //! The lease is counted on this process's monotonic clock from the moment the last successful keepalive
 //! was **sent** (the server restarted the TTL when it *received* it, which is later), minus a safety margin
@@ -23,15 +29,28 @@ pub struct LeaseLost(pub String);
 
 #[derive(Clone, Debug)]
 struct Lease {
+    /// The earliest lease end over the groups the session is open in (far in the future before the
+    /// first opens: nothing can be lost yet).
     valid_until: Instant,
     /// Wall-clock ms when the last acknowledged renewal (or the open) was sent, for checkers.
     renewed_sent_wall_ms: u64,
     /// When the batched keepalive task should next renew this session.
     next_due: Instant,
     lost: Option<LeaseLost>,
+    /// The smallest TTL granted by the groups opened so far; None before the first opens.
+    ttl: Option<Duration>,
 }
 
-/// A session: one per group of the cluster under the hood, renewed together. Cheap to clone.
+/// The session's part in one group.
+pub(crate) struct GroupSession {
+    pub(crate) id: u64,
+    /// Empty for a server that gave none: sent with every request that acts on the session, and
+    /// never shown.
+    pub(crate) secret: Vec<u8>,
+}
+
+/// A session: one per group it is used in under the hood (opened at the first use), renewed together.
+/// Cheap to clone.
 #[derive(Clone)]
 pub struct Session {
     pub(crate) inner: Arc<SessionInner>,
@@ -39,12 +58,11 @@ pub struct Session {
 
 pub(crate) struct SessionInner {
     pub(crate) client: Client,
-    ttl: Duration,
-    /// The session id in each group.
-    ids: Vec<u64>,
-    /// The session's secret in each group (empty for a server that gave none): sent with every request
-    /// that acts on the session, and never shown.
-    secrets: Vec<Vec<u8>>,
+    /// The TTL asked for (zero: the servers' default).
+    requested_ttl: Duration,
+    /// The session in each group, once opened there. A cell is set once and never cleared, so a
+    /// concurrent first use of one group opens it once.
+    groups: Vec<tokio::sync::OnceCell<GroupSession>>,
     /// The next request id in each group: each group's table checks its sessions' ids on their own
     /// (a request id may be at most 2^20 above that session's highest), so one counter per group.
     next_request: Vec<AtomicU64>,
@@ -133,14 +151,6 @@ impl Drop for PendingAcquire<'_> {
 }
 
 impl Client {
-    /// Best effort: closes the sessions `ids` (one per group from 0, with their secrets) that an
-    /// [`Client::open_session`] opened before it failed.
-    async fn close_opened(&self, ids: &[u64], secrets: &[Vec<u8>]) {
-        for (group, (&session_id, secret)) in ids.iter().zip(secrets).enumerate() {
-            let _ = self.close_in(group as u32, session_id, secret).await;
-        }
-    }
-
     /// Closes session `session_id` of `group` (a retry whose first attempt landed finds it gone).
     async fn close_in(&self, group: u32, session_id: u64, secret: &[u8]) -> Result<(), Error> {
         let r = self
@@ -162,74 +172,66 @@ impl Client {
         }
     }
 
-    /// Opens a session with `ttl` (zero for the server's default) and starts keeping it alive every
-    /// TTL/3. If the open fails in one group, the sessions it opened in the others are closed.
+    /// Opens a session with `ttl` (zero for the server's default) and keeps it alive every TTL/3.
+    ///
+    /// With one group the session is opened there now, so an unreachable cluster or a refused open
+    /// fails here. With several it is opened in none yet: each group's part opens at the first use of
+    /// a name in that group ([`Session::open_for`], which acquire calls), and fails there.
     pub async fn open_session(&self, ttl: Duration) -> Result<Session, Error> {
-        let started = Instant::now();
-        let started_wall_ms = wall_ms();
-        let mut ids = Vec::new();
-        let mut secrets = Vec::new();
-        let mut granted = Duration::MAX;
-        for group in 0..self.groups() {
-            let (hi, lo) = nonce(self);
-            let ttl_ms = ttl.as_millis() as u64;
-            let r = self
-                .call(group, Duration::ZERO, |mut c| async move {
-                    c.open_session(pb::OpenSessionRequest {
-                        group,
-                        ttl_ms,
-                        nonce_hi: hi,
-                        nonce_lo: lo,
-                    })
-                    .await
-                })
-                .await;
-            let r = match r {
-                Ok(r) => r,
-                Err(e) => {
-                    // The sessions opened in the groups before would hold their groups' memory until
-                    // their TTL ran out, and a caller that retries would open more: close them now.
-                    self.close_opened(&ids, &secrets).await;
-                    return Err(e);
-                }
-            };
-            ids.push(r.session_id);
-            secrets.push(r.session_secret);
-            granted = granted.min(Duration::from_millis(r.ttl_ms));
-        }
         let (lease, _) = watch::channel(Lease {
-            valid_until: started + granted - margin(granted),
-            renewed_sent_wall_ms: started_wall_ms,
-            next_due: started + granted / 3,
+            valid_until: far_future(),
+            renewed_sent_wall_ms: wall_ms(),
+            next_due: far_future(),
             lost: None,
+            ttl: None,
         });
-        let groups_opened = ids.len();
+        let groups = self.groups() as usize;
         let inner = Arc::new(SessionInner {
             client: self.clone(),
-            ttl: granted,
-            ids,
-            secrets,
-            next_request: (0..groups_opened).map(|_| AtomicU64::new(1)).collect(),
+            requested_ttl: ttl,
+            groups: (0..groups).map(|_| tokio::sync::OnceCell::new()).collect(),
+            next_request: (0..groups).map(|_| AtomicU64::new(1)).collect(),
             lease,
             keepalive: Mutex::new(None),
         });
-        if self.options().batched_keepalives {
-            self.inner().registry.add(self.inner(), &inner);
-        } else {
-            let task = tokio::spawn(keepalive_loop(Arc::downgrade(&inner)));
-            *inner.keepalive.lock().expect("keepalive lock") = Some(task);
+        let session = Session { inner };
+        if groups == 1 {
+            session.open_in(0).await?;
         }
-        Ok(Session { inner })
+        if self.options().batched_keepalives {
+            self.inner().registry.add(self.inner(), &session.inner);
+        } else {
+            let task = tokio::spawn(keepalive_loop(Arc::downgrade(&session.inner)));
+            *session.inner.keepalive.lock().expect("keepalive lock") = Some(task);
+        }
+        Ok(session)
     }
+}
+
+/// An instant no lease reaches: ~30 years on (what tokio itself uses for "never").
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86_400 * 365 * 30)
 }
 
 async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
     loop {
         let Some(s) = weak.upgrade() else { return };
-        let interval = s.ttl / 3;
-        let valid_until = s.lease.borrow().valid_until;
-        if s.lease.borrow().lost.is_some() {
+        let (next_due, valid_until, lost) = {
+            let l = s.lease.borrow();
+            (l.next_due, l.valid_until, l.lost.is_some())
+        };
+        if lost {
             return;
+        }
+        if Instant::now() < next_due {
+            // Not due (or open in no group yet): wait until due, or until a first group opens.
+            let mut changed = s.lease.subscribe();
+            drop(s);
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_due) => {}
+                _ = changed.changed() => {}
+            }
+            continue;
         }
         let sent = Instant::now();
         let sent_wall_ms = wall_ms();
@@ -238,19 +240,14 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
             return;
         }
         match s.renew(valid_until).await {
-            Ok(granted) => {
-                s.renewed(sent, sent_wall_ms, granted);
-                drop(s);
-                tokio::time::sleep(interval).await;
-            }
+            Ok(granted) => s.renewed(sent, sent_wall_ms, granted),
             Err(Error::SessionUnknown(msg)) => {
                 s.mark_lost(format!("the server expired or closed the session: {msg}"));
                 return;
             }
             Err(e) => {
                 tracing::debug!(%e, "keepalive failed; retrying");
-                drop(s);
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                s.retry_soon(Instant::now() + Duration::from_millis(200));
             }
         }
     }
@@ -268,6 +265,11 @@ impl SessionInner {
         }
     }
 
+    /// The TTL granted (the smallest over the groups opened), or the one asked for before any opened.
+    pub(crate) fn ttl(&self) -> Duration {
+        self.lease.borrow().ttl.unwrap_or(self.requested_ttl)
+    }
+
     pub(crate) fn valid_until(&self) -> Instant {
         self.lease.borrow().valid_until
     }
@@ -277,17 +279,22 @@ impl SessionInner {
         l.lost.is_none() && now >= l.next_due
     }
 
+    /// The session's part in `group`, if it is open there.
+    pub(crate) fn in_group(&self, group: u32) -> Option<&GroupSession> {
+        self.groups[group as usize].get()
+    }
+
+    /// The secret to send with a request on `group` (empty if not open there: the server refuses).
     pub(crate) fn secret_in(&self, group: u32) -> &[u8] {
-        &self.secrets[group as usize]
+        self.in_group(group).map_or(&[], |g| &g.secret)
     }
 
-    pub(crate) fn id_in(&self, group: u32) -> u64 {
-        self.ids[group as usize]
-    }
-
-    /// A keepalive sent at `sent` was acknowledged with `ttl`.
+    /// A keepalive sent at `sent` was acknowledged with `ttl` by every group it went to. A group opened
+    /// since was opened after `sent`, so its own lease ends no earlier (with a TTL no smaller: the
+    /// smallest granted counts).
     pub(crate) fn renewed(&self, sent: Instant, sent_wall_ms: u64, ttl: Duration) {
         self.lease.send_modify(|l| {
+            let ttl = l.ttl.map_or(ttl, |t| t.min(ttl));
             l.valid_until = l.valid_until.max(sent + ttl - margin(ttl));
             l.renewed_sent_wall_ms = l.renewed_sent_wall_ms.max(sent_wall_ms);
             l.next_due = sent + ttl / 3;
@@ -309,11 +316,68 @@ impl SessionInner {
         });
     }
 
-    /// One keepalive round over every group; returns the smallest TTL granted.
+    /// Opens this session's part in `group` (its first use there): one `OpenSession`, whose grant joins
+    /// the lease (the first group's starts it; a later one can only shorten it). Refused once the
+    /// session is lost; a part whose open returns after the session was lost or closed is closed again.
+    async fn open_part(&self, group: u32) -> Result<GroupSession, Error> {
+        self.check_expired(Instant::now());
+        let lost = self.lease.borrow().lost.clone();
+        if let Some(lost) = lost {
+            return Err(Error::LeaseLost(lost.0));
+        }
+        let sent = Instant::now();
+        let sent_wall_ms = wall_ms();
+        let (hi, lo) = nonce(&self.client);
+        let ttl_ms = self.requested_ttl.as_millis() as u64;
+        let r = self
+            .client
+            .call(group, Duration::ZERO, |mut c| async move {
+                c.open_session(pb::OpenSessionRequest {
+                    group,
+                    ttl_ms,
+                    nonce_hi: hi,
+                    nonce_lo: lo,
+                })
+                .await
+            })
+            .await?;
+        let part = GroupSession {
+            id: r.session_id,
+            secret: r.session_secret,
+        };
+        let granted = Duration::from_millis(r.ttl_ms);
+        let mut refused = None;
+        self.lease.send_modify(|l| {
+            if let Some(lost) = &l.lost {
+                refused = Some(lost.clone());
+                return;
+            }
+            let end = sent + granted - margin(granted);
+            let due = sent + granted / 3;
+            if l.ttl.is_none() {
+                l.valid_until = end;
+                l.next_due = due;
+                l.renewed_sent_wall_ms = sent_wall_ms;
+            } else {
+                l.valid_until = l.valid_until.min(end);
+                l.next_due = l.next_due.min(due);
+            }
+            l.ttl = Some(l.ttl.map_or(granted, |t| t.min(granted)));
+        });
+        if let Some(lost) = refused {
+            // Best effort: otherwise its TTL ends it, as it would any session renewed no more.
+            let _ = self.client.close_in(group, part.id, &part.secret).await;
+            return Err(Error::LeaseLost(lost.0));
+        }
+        Ok(part)
+    }
+
+    /// One keepalive round over every group the session is open in; returns the smallest TTL granted.
     async fn renew(&self, valid_until: Instant) -> Result<Duration, Error> {
         let mut granted = Duration::MAX;
-        for (group, &id) in self.ids.iter().enumerate() {
-            let secret = &self.secrets[group];
+        for (group, part) in self.groups.iter().enumerate() {
+            let Some(part) = part.get() else { continue };
+            let (id, secret) = (part.id, &part.secret);
             let group = group as u32;
             let sent = Instant::now();
             let r = self
@@ -339,25 +403,50 @@ impl SessionInner {
 }
 
 impl Session {
-    /// The session's secret in each group (index = group; empty where the server gave none). Whoever has
-    /// it can act on the session (renew, close, acquire and release its locks), so keep it to this
-    /// process, or hand it only to a process that acts for this one.
-    pub fn secrets(&self) -> &[Vec<u8>] {
-        &self.inner.secrets
+    /// The session's secret in each group (index = group; empty where it is not open yet, or the server
+    /// gave none). Whoever has it can act on the session (renew, close, acquire and release its locks),
+    /// so keep it to this process, or hand it only to a process that acts for this one.
+    pub fn secrets(&self) -> Vec<Vec<u8>> {
+        (0..self.inner.groups.len() as u32)
+            .map(|g| self.inner.secret_in(g).to_vec())
+            .collect()
     }
 
-    /// The session id in each group (index = group).
-    pub fn ids(&self) -> &[u64] {
-        &self.inner.ids
+    /// The session id in each group (index = group; 0, which no session has, where it is not open yet).
+    pub fn ids(&self) -> Vec<u64> {
+        (0..self.inner.groups.len() as u32)
+            .map(|g| self.inner.in_group(g).map_or(0, |p| p.id))
+            .collect()
     }
 
-    /// The session id in the group that owns `name`.
+    /// The session id in the group that owns `name` (0 if it is not open there yet).
     pub fn id_for(&self, name: &str) -> u64 {
-        self.inner.ids[crate::group_for(name, self.inner.client.groups()) as usize]
+        let group = crate::group_for(name, self.inner.client.groups());
+        self.inner.in_group(group).map_or(0, |p| p.id)
     }
 
+    /// The TTL the servers granted (the smallest over the groups opened so far); before the first group
+    /// opens, the TTL asked for (zero: the servers' default, not known yet).
     pub fn ttl(&self) -> Duration {
-        self.inner.ttl
+        self.inner.ttl()
+    }
+
+    /// Opens the session in the group that owns `name`, if it is not open there yet, and returns its id
+    /// there. Acquire does this itself; call it to learn the id before the first acquire, or to have an
+    /// unreachable group fail here rather than there. Fails with [`Error::LeaseLost`] once the session
+    /// is lost or closed: a lost session opens no more groups.
+    pub async fn open_for(&self, name: &str) -> Result<u64, Error> {
+        let group = crate::group_for(name, self.inner.client.groups());
+        Ok(self.open_in(group).await?.id)
+    }
+
+    /// The session's part in `group`, opened now if need be.
+    async fn open_in(&self, group: u32) -> Result<&GroupSession, Error> {
+        let cell = &self.inner.groups[group as usize];
+        if let Some(part) = cell.get() {
+            return Ok(part);
+        }
+        cell.get_or_try_init(|| self.inner.open_part(group)).await
     }
 
     pub fn client(&self) -> &Client {
@@ -394,13 +483,10 @@ impl Session {
     }
 
     /// When the last keepalive the server acknowledged was sent (wall-clock ms since the Unix epoch; the
-    /// open, before any keepalive) and the TTL granted: the server keeps the session at least until then
-    /// plus the TTL. For checkers of "no early expiry".
+    /// first group's open, before any keepalive) and the TTL granted: every group the session is open in
+    /// keeps it at least until then plus the TTL. For checkers of "no early expiry".
     pub fn last_renewal(&self) -> (u64, Duration) {
-        (
-            self.inner.lease.borrow().renewed_sent_wall_ms,
-            self.inner.ttl,
-        )
+        (self.inner.lease.borrow().renewed_sent_wall_ms, self.ttl())
     }
 
     /// How long the client-side lease still runs, if valid.
@@ -465,6 +551,7 @@ impl Session {
             return Err(Error::LeaseLost(lost.0));
         }
         let group = crate::group_for(name, self.inner.client.groups());
+        self.open_in(group).await?;
         let mut pending = PendingAcquire {
             session: self.clone(),
             name,
@@ -508,8 +595,8 @@ impl Session {
     ) -> Result<u64, Error> {
         let (wait, value) = (options.wait, options.value);
         let lock_delay_ms = u32::try_from(options.lock_delay.as_millis()).unwrap_or(u32::MAX);
-        let session_id = self.inner.ids[group as usize];
-        let secret = self.inner.secret_in(group);
+        let part = self.open_in(group).await?;
+        let (session_id, secret) = (part.id, &part.secret);
         let wait_ms = wait.as_millis() as u64;
         let started = Instant::now();
         let r = self
@@ -545,7 +632,7 @@ impl Session {
     /// or the lock released if it was granted. Idempotent.
     pub async fn cancel_acquire(&self, name: &str, request_id: u64) -> Result<(), Error> {
         let group = crate::group_for(name, self.inner.client.groups());
-        let session_id = self.inner.ids[group as usize];
+        let session_id = self.id_in_or_unknown(group)?;
         self.inner
             .client
             .call(group, Duration::ZERO, |mut c| {
@@ -595,7 +682,7 @@ impl Session {
     /// Releases a lock by name and token (what [`LockGuard::release`] does).
     pub async fn release(&self, name: &str, token: u64) -> Result<(), Error> {
         let group = crate::group_for(name, self.inner.client.groups());
-        let session_id = self.inner.ids[group as usize];
+        let session_id = self.id_in_or_unknown(group)?;
         let request_id = self.next_request_id(group);
         let n = name.to_string();
         self.inner
@@ -623,14 +710,25 @@ impl Session {
             task.abort();
         }
         self.inner.mark_lost("session closed".into());
-        for (group, &session_id) in self.inner.ids.iter().enumerate() {
-            let group = group as u32;
-            self.inner
-                .client
-                .close_in(group, session_id, self.inner.secret_in(group))
-                .await?;
+        // A group still opening sees the loss when its open returns and closes itself (open_part).
+        for (group, part) in self.inner.groups.iter().enumerate() {
+            if let Some(part) = part.get() {
+                self.inner
+                    .client
+                    .close_in(group as u32, part.id, &part.secret)
+                    .await?;
+            }
         }
         Ok(())
+    }
+
+    /// The session id in `group`; a session never opened there holds nothing there.
+    fn id_in_or_unknown(&self, group: u32) -> Result<u64, Error> {
+        self.inner.in_group(group).map(|p| p.id).ok_or_else(|| {
+            Error::NotHolder(format!(
+                "this session was never opened in group {group}: it holds no lock there"
+            ))
+        })
     }
 }
 

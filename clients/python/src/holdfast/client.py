@@ -143,6 +143,10 @@ class Client:
         self.groups = 1
         self._leaders: list[int] = [0]
         self._connect(list(endpoints))
+        from holdfast.keepalive import Registry
+
+        #: Renews every session of this client, one message per leading server per round.
+        self._keepalives = Registry(self)
 
     # -- connections -------------------------------------------------------------------------------
 
@@ -223,6 +227,10 @@ class Client:
         self.close()
 
     # -- the retry loop ----------------------------------------------------------------------------
+
+    def _server(self, index: int) -> _Server:
+        with self._lock:
+            return self._servers[index]
 
     def _leader_of(self, group: int) -> int:
         with self._lock:
@@ -361,8 +369,10 @@ class Client:
     # -- sessions ----------------------------------------------------------------------------------
 
     def session(self, ttl: float = 10.0, *, on_lost: Optional[Callable[[str], None]] = None) -> "Session":
-        """Opens a session with ``ttl`` seconds (0: the server's default, 10 s) and starts its keepalive
-        thread. Use it as a context manager (``with client.session() as s:``) to close it at the end."""
+        """Opens a session with ``ttl`` seconds (0: the server's default, 10 s), kept alive by this
+        client's keepalive thread. With one group it is opened now; with several, in each group at its
+        first use there (:meth:`Session.open_for`). Use it as a context manager (``with client.session()
+        as s:``) to close it at the end."""
         from holdfast.session import Session
 
         return Session(self, ttl, on_lost=on_lost)

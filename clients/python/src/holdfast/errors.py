@@ -183,11 +183,25 @@ def _detail(error: grpc.RpcError) -> Optional[object]:
 def from_rpc_error(error: grpc.RpcError) -> Exception:
     """Classifies a failed call: a :class:`HoldfastError` to raise, or an internal :class:`Redirect` or
     :class:`Retry` for the retry loop."""
-    from holdfast.v1 import lock_pb2
-
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = (error.details() if hasattr(error, "details") else None) or str(code)
-    d = _detail(error)
+    return classify(code, message, _detail(error))
+
+
+def from_group_answer(code: int, message: str, detail: Optional[object]) -> Exception:
+    """Classifies one group's failed part of a batched keepalive (``GroupKeepAliveResult``: the gRPC
+    code as a number, its message and error detail), as :func:`from_rpc_error` would the same failure
+    of a keepalive for that group alone."""
+    status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    reason = getattr(detail, "reason", 0)
+    return classify(status, message or str(status), detail if reason else None)
+
+
+def classify(code: grpc.StatusCode, message: str, d: Optional[object]) -> Exception:
+    """The exception for a failure with ``code``, ``message`` and Holdfast error detail ``d`` (None if
+    the failure carried none)."""
+    from holdfast.v1 import lock_pb2
+
     if d is None:
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return Unavailable(

@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -45,8 +44,11 @@ def _ms(seconds: float) -> int:
 
 
 class Session:
-    """A session: one per group of the cluster under the hood, renewed together by a background thread
-    every TTL/3. Locks hang off it: when it is closed or expires, its locks are released.
+    """A session: one per group it is used in under the hood (opened at the first use of a name in that
+    group; with one group, at once), renewed together by its client's keepalive thread every TTL/3.
+    Locks hang off it: when it is closed or expires, its locks are released.
+
+    ``ids[g]`` is the session's id in group ``g``, 0 where it is not open yet.
 
     Use it as a context manager, or call :meth:`close`. ``on_lost`` (if given) is called once, with the
     reason, when the lease may be lost; call :meth:`wait_lost` or check :meth:`is_valid` otherwise.
@@ -60,38 +62,76 @@ class Session:
         self._cond = threading.Condition()
         self._lost: Optional[str] = None
         self._closed = False
-        started = time.monotonic()
-        self.ids: list[int] = []
-        self._secrets: list[bytes] = []
-        granted = float("inf")
-        try:
-            for group in range(client.groups):
-                hi, lo = _nonce()
-                r = client.call(
-                    group,
-                    "OpenSession",
-                    lock_pb2.OpenSessionRequest(group=group, ttl_ms=_ms(ttl), nonce_hi=hi, nonce_lo=lo),
-                )
-                self.ids.append(r.session_id)
-                self._secrets.append(r.session_secret)
-                granted = min(granted, r.ttl_ms / 1000.0)
-        except BaseException:
-            # The sessions opened in the groups before would hold memory until their TTL ran out.
-            self._close_groups(best_effort=True)
-            raise
-        self.ttl = granted
-        self._valid_until = started + granted - granted / 10
-        self._next_due = started + granted / 3
-        self._next_request = [1] * len(self.ids)
-        # The thread holds the session only weakly (between rounds), so a session nobody refers to any
-        # more (no Session, no Lock) stops being renewed and the servers expire it, as in Rust.
-        self._thread = threading.Thread(
-            target=_keepalive_loop,
-            args=(weakref.ref(self), self._cond),
-            name=f"holdfast-keepalive-{self.ids[0]}",
-            daemon=True,
-        )
-        self._thread.start()
+        #: The TTL granted (the smallest over the groups opened so far); before the first opens, the
+        #: TTL asked for (0: the servers' default, not known yet).
+        self.ttl = float(ttl)
+        self._requested_ms = _ms(ttl)
+        self._any_open = False
+        self.ids: list[int] = [0] * client.groups
+        self._secrets: list[bytes] = [b""] * client.groups
+        self._next_request = [1] * client.groups
+        # Nothing can be lost before a group opens.
+        self._valid_until = float("inf")
+        self._next_due = float("inf")
+        # One open at a time: a group's first uses, concurrent, open it once.
+        self._opening = threading.Lock()
+        if client.groups == 1:
+            self._open_in(0)
+        client._keepalives.add(self)
+
+    def open_for(self, name: str) -> int:
+        """Opens the session in the group that owns ``name`` if it is not open there yet, and returns its
+        id there. :meth:`acquire` does this itself; call it to learn the id before the first acquire.
+        Raises :class:`errors.LeaseLost` once the session is lost or closed."""
+        return self._open_in(group_for(name, self.client.groups))
+
+    def _open_in(self, group: int) -> int:
+        if self.ids[group]:
+            return self.ids[group]
+        with self._opening:
+            if self.ids[group]:
+                return self.ids[group]
+            with self._cond:
+                if self._lost is None and time.monotonic() >= self._valid_until:
+                    self._mark_lost_locked("no keepalive succeeded within the TTL")
+                if self._lost is not None:
+                    raise errors.LeaseLost(self._lost)
+            sent = time.monotonic()
+            hi, lo = _nonce()
+            r = self.client.call(
+                group,
+                "OpenSession",
+                lock_pb2.OpenSessionRequest(group=group, ttl_ms=self._requested_ms, nonce_hi=hi, nonce_lo=lo),
+            )
+            granted = r.ttl_ms / 1000.0
+            with self._cond:
+                lost = self._lost
+                if lost is None:
+                    end, due = sent + granted - granted / 10, sent + granted / 3
+                    if not self._any_open:
+                        self._valid_until, self._next_due, self.ttl = end, due, granted
+                    else:
+                        self._valid_until = min(self._valid_until, end)
+                        self._next_due = min(self._next_due, due)
+                        self.ttl = min(self.ttl, granted)
+                    self._any_open = True
+                    self._secrets[group] = r.session_secret
+                    self.ids[group] = r.session_id
+                    self._cond.notify_all()
+            if lost is not None:
+                # Closed or lost while it opened: close this part too (else its TTL ends it).
+                try:
+                    self.client.call(
+                        group,
+                        "CloseSession",
+                        lock_pb2.CloseSessionRequest(
+                            group=group, session_id=r.session_id, session_secret=r.session_secret
+                        ),
+                    )
+                except Exception:
+                    pass
+                raise errors.LeaseLost(lost)
+            return self.ids[group]
 
     # -- the lease ---------------------------------------------------------------------------------
 
@@ -141,50 +181,40 @@ class Session:
         with self._cond:
             self._mark_lost_locked(why)
 
-    def _keepalive_step(self) -> Optional[float]:
-        """Renews the session if a round is due. Returns how long to wait before the next step, or
-        ``None`` when the keepalives are over (closed or lost)."""
+    # -- for the client's keepalive thread (holdfast.keepalive) -----------------------------------------
+
+    def _is_due(self, now: float, *, early: bool = False) -> bool:
+        """True if a renewal is due (``early``: or due within the next sixth of the TTL); marks the
+        session lost if its lease ran out."""
         with self._cond:
             if self._closed or self._lost is not None:
-                return None
-            now = time.monotonic()
+                return False
             if now >= self._valid_until:
                 self._mark_lost_locked("no keepalive succeeded within the TTL")
-                return None
-            if now < self._next_due:
-                return min(self._next_due, self._valid_until) - now
-            valid_until = self._valid_until
-        sent = time.monotonic()
-        try:
-            granted = self._renew(valid_until)
-        except errors.SessionUnknown as e:
-            self._mark_lost(f"the server expired or closed the session: {e}")
-            return None
-        except Exception as e:  # unavailable: try again soon, until the lease runs out
-            log.debug("keepalive failed; retrying: %s", e)
-            with self._cond:
-                self._next_due = time.monotonic() + 0.2
-            return 0.0
-        with self._cond:
-            self._valid_until = max(self._valid_until, sent + granted - granted / 10)
-            self._next_due = max(self._next_due, sent + granted / 3)
-            self._cond.notify_all()
-        return 0.0
+                return False
+            return now + (self.ttl / 6 if early else 0.0) >= self._next_due
 
-    def _renew(self, valid_until: float) -> float:
-        """One keepalive round over every group; the smallest TTL granted, in seconds."""
-        granted = float("inf")
-        for group, (sid, secret) in enumerate(zip(self.ids, self._secrets)):
-            r = self.client.call(
-                group,
-                "KeepAlive",
-                lock_pb2.KeepAliveRequest(group=group, session_ids=[sid], session_secrets=[secret]),
-                deadline=valid_until,
-            )
-            if not r.results or not r.results[0].alive:
-                raise errors.SessionUnknown(f"session {sid} is not alive")
-            granted = min(granted, r.results[0].ttl_ms / 1000.0)
-        return granted
+    def _parts(self) -> list[Optional[tuple[int, bytes]]]:
+        """Per group, the session's (id, secret) there, or None where it is not open."""
+        with self._cond:
+            return [(i, s) if i else None for i, s in zip(self.ids, self._secrets)]
+
+    def _lease_end(self) -> float:
+        with self._cond:
+            return self._valid_until
+
+    def _renewed(self, sent: float, granted: float) -> None:
+        """Every group it was open in when the round was built renewed it, sent at ``sent`` with
+        ``granted``. A group opened since was opened after ``sent``: its lease ends no earlier."""
+        with self._cond:
+            ttl = min(granted, self.ttl) if self.ttl > 0 else granted
+            self._valid_until = max(self._valid_until, sent + ttl - ttl / 10)
+            self._next_due = sent + ttl / 3
+            self._cond.notify_all()
+
+    def _retry_soon(self, at: float) -> None:
+        with self._cond:
+            self._next_due = at
 
     # -- locks -------------------------------------------------------------------------------------
 
@@ -195,7 +225,7 @@ class Session:
             return rid
 
     def id_for(self, name: str) -> int:
-        """The session id in the group that owns ``name``."""
+        """The session id in the group that owns ``name`` (0 if it is not open there yet)."""
         return self.ids[group_for(name, self.client.groups)]
 
     def acquire(
@@ -226,6 +256,7 @@ class Session:
         if not 0 <= timeout <= MAX_WAIT:
             raise errors.InvalidArgument(f"timeout {timeout} s is outside 0..={MAX_WAIT:.0f} s")
         group = group_for(name, self.client.groups)
+        self._open_in(group)
         request_id = self._request_id(group)
         wait_ms = _ms(timeout)
         started = time.monotonic()
@@ -292,7 +323,7 @@ class Session:
     def cancel_acquire(self, name: str, request_id: int) -> None:
         """Cancels the acquire ``request_id`` of ``name``: its wait is removed, or the lock released if it
         was granted. Idempotent."""
-        group = group_for(name, self.client.groups)
+        group = self._opened_group(name)
         self.client.call(
             group,
             "CancelAcquire",
@@ -332,7 +363,7 @@ class Session:
     def release(self, name: str, token: int) -> None:
         """Releases ``name`` held with ``token``. Raises :class:`errors.StaleToken` or
         :class:`errors.NotHolder` if that grant ended already."""
-        group = group_for(name, self.client.groups)
+        group = self._opened_group(name)
         self.client.call(
             group,
             "Release",
@@ -345,6 +376,13 @@ class Session:
                 session_secret=self._secrets[group],
             ),
         )
+
+    def _opened_group(self, name: str) -> int:
+        """The group of ``name``, where this session must be open to hold or wait for it."""
+        group = group_for(name, self.client.groups)
+        if not self.ids[group]:
+            raise errors.NotHolder(f"this session was never opened in group {group}: it holds no lock there")
+        return group
 
     def campaign(self, role: str, value: bytes = b"") -> "Leadership":
         """Waits in line (FIFO) until this session leads ``role``; see :mod:`holdfast.election`."""
@@ -359,7 +397,10 @@ class Session:
     # -- closing -----------------------------------------------------------------------------------
 
     def _close_groups(self, *, best_effort: bool) -> None:
+        # A group still opening sees the loss when its open returns and closes itself (_open_in).
         for group, (sid, secret) in enumerate(zip(self.ids, self._secrets)):
+            if not sid:
+                continue
             try:
                 self.client.call(
                     group,
@@ -373,7 +414,8 @@ class Session:
                     raise
 
     def close(self) -> None:
-        """Closes the session in every group, releasing all its locks, and stops the keepalives. The
+        """Closes the session in every group it is open in, releasing all its locks, and stops the
+        keepalives. The
         lease ends first, so no thread of this process still acts as a holder once a lock is free."""
         with self._cond:
             if self._closed:
@@ -451,20 +493,6 @@ class _LockContext:
             if kind is None:
                 raise
             log.warning("releasing %r failed", self._name, exc_info=True)
-
-
-def _keepalive_loop(ref: "weakref.ref[Session]", cond: threading.Condition) -> None:
-    while True:
-        session = ref()
-        if session is None:
-            return
-        wait = session._keepalive_step()
-        del session  # not held while waiting
-        if wait is None:
-            return
-        if wait > 0:
-            with cond:
-                cond.wait(wait)
 
 
 def _call_quietly(callback: Callable[[str], None], why: str) -> None:

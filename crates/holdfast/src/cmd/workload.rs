@@ -174,8 +174,16 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
                     }
                 };
                 let lock = format!("wl/{}", rng.next(args.locks as u64));
-                // The session's id in the lock's group (what describe reports as the holder).
-                let sid = s.id_for(&lock);
+                // The session's id in the lock's group (what describe reports as the holder); with
+                // several groups its part there opens at the first use (the fault tests run one group,
+                // where it opened with the session).
+                let sid = match s.open_for(&lock).await {
+                    Ok(sid) => sid,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
                 let invoke = now_ms();
                 // One acquire in four asks for a lock-delay, so P10 checks delays through the faults.
                 let options = holdfast_client::AcquireOptions {

@@ -1,6 +1,6 @@
 //! Every error reason is returned for a request that should get it, and changes nothing.
 
-use crate::harness::{Cluster, Options};
+use crate::harness::{name_in_group, Cluster, Options};
 use holdfast_proto::v1::holdfast_client::HoldfastClient;
 use holdfast_proto::v1::*;
 use prost::Message;
@@ -21,13 +21,6 @@ pub(crate) fn reason_of<T: std::fmt::Debug>(
         Some(reason.as_str_name().to_string())
     );
     (reason, d, status.message().to_string())
-}
-
-fn name_in_group(group: u32, groups: u32, prefix: &str) -> String {
-    (0..)
-        .map(|i| format!("{prefix}{i}"))
-        .find(|n| holdfast_lock_table::group_for(n, groups).0 == group)
-        .unwrap()
 }
 
 pub(crate) async fn snapshot(c: &Cluster, leader: u64, group: u32) -> (u64, u64) {

@@ -1,6 +1,6 @@
 //! Cluster behaviour under failover, expiry, restarts and partitions (DESIGN.md §3–5).
 
-use crate::harness::{Cluster, Options};
+use crate::harness::{open_in_groups, Cluster, Options};
 use holdfast_proto::v1::{
     AcquireRequest, DescribeRequest, ErrorDetail, KeepAliveRequest, OpenSessionRequest, Reason,
 };
@@ -426,7 +426,7 @@ async fn transfer_until(c: &Cluster, want: &[u64]) {
 }
 
 /// One keepalive per client per server per round, whatever the number of groups: a session of a client
-/// spans all four groups, and with every group led by node 1 each keepalive message node 1 answers
+/// used in all four groups, and with every group led by node 1 each keepalive message node 1 answers
 /// renews it in all four (four session ids a message, where one message per group carried one). With
 /// the groups split two and two over nodes 1 and 2, each server's messages carry two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,7 +442,8 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
     transfer_until(&c, &[1; GROUPS as usize]).await;
     let client = c.client().await;
     // Renewed every second (a third of the TTL).
-    let _session = client.open_session(Duration::from_secs(3)).await.unwrap();
+    let session = client.open_session(Duration::from_secs(3)).await.unwrap();
+    open_in_groups(&session, &[0, 1, 2, 3]).await;
     let counts = |id: u64| {
         let c = &c;
         async move {
@@ -487,6 +488,106 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
     assert!(m1.abs_diff(m2) <= 1, "{m1} vs {m2} messages");
 }
 
+/// Sessions open only in the groups a client uses: a session used for names of groups 1 and 3 of four
+/// exists in those two groups' tables and no other, its keepalives carry those two ids and no other,
+/// and a first use of group 2 later adds it there (and to the keepalives). Its lease holds across all
+/// of it, a lock in each group is its own, and closing it ends it in every group it was opened in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_opens_only_in_the_groups_its_client_uses() {
+    const GROUPS: u32 = 4;
+    let c = Cluster::start(Options {
+        nodes: 3,
+        groups: GROUPS,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    transfer_until(&c, &[1; GROUPS as usize]).await;
+    let sessions_in = |group: u32| {
+        let c = &c;
+        async move { c.group_status(1, group).await.unwrap().sessions }
+    };
+    let per_group = || async {
+        let mut v = Vec::new();
+        for g in 0..GROUPS {
+            v.push(sessions_in(g).await);
+        }
+        v
+    };
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(3)).await.unwrap();
+    assert_eq!(per_group().await, vec![0; 4], "opened in no group yet");
+    assert_eq!(session.ids(), vec![0; 4]);
+    let in_group = |g: u32| crate::harness::name_in_group(g, GROUPS, "lazy/");
+    let one = session.try_acquire(&in_group(1)).await.unwrap();
+    let three = session.try_acquire(&in_group(3)).await.unwrap();
+    assert_eq!(per_group().await, vec![0, 1, 0, 1]);
+    let ids = session.ids();
+    assert!(
+        ids[1] != 0 && ids[3] != 0 && ids[0] == 0 && ids[2] == 0,
+        "{ids:?}"
+    );
+    assert_eq!(session.id_for(&in_group(1)), ids[1]);
+
+    // Keepalives renew the two, once a message: two ids a message.
+    let counts = || async {
+        let m = c.metrics(1).await;
+        let get = |k: &str| m.get(k).copied().unwrap_or(0);
+        (
+            get("holdfast_keepalive_messages_total"),
+            get("holdfast_keepalives_total"),
+        )
+    };
+    let window = || async {
+        let before = counts().await;
+        // Three TTLs: the lease would have run out without renewals.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let after = counts().await;
+        (after.0 - before.0, after.1 - before.1)
+    };
+    let (messages, renewed) = window().await;
+    assert!(messages >= 2, "{messages} keepalive messages in 4 s");
+    assert_eq!(
+        renewed,
+        2 * messages,
+        "the two groups it is open in, each message"
+    );
+    assert!(session.is_valid() && one.is_valid() && three.is_valid());
+
+    // A first use of group 2 opens it there, and from then on it is renewed there too.
+    let two = session.try_acquire(&in_group(2)).await.unwrap();
+    assert_eq!(per_group().await, vec![0, 1, 1, 1]);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (messages, renewed) = window().await;
+    assert!(messages >= 2, "{messages} keepalive messages in 4 s");
+    assert_eq!(renewed, 3 * messages, "three groups a message");
+    assert!(session.is_valid());
+
+    // Each lock is held by the session's id in its own group.
+    for (g, guard) in [(1, &one), (2, &two), (3, &three)] {
+        let held = client.describe(&in_group(g)).await.unwrap().unwrap();
+        assert_eq!(
+            (held.holder_session_id, held.token),
+            (session.ids()[g as usize], guard.token())
+        );
+    }
+    for guard in [one, two, three] {
+        guard.release().await.unwrap();
+    }
+    session.clone().close().await.unwrap();
+    assert_eq!(
+        per_group().await,
+        vec![0; 4],
+        "closed in every group it was in"
+    );
+    // A closed session opens no more groups.
+    assert!(matches!(
+        session.try_acquire(&in_group(0)).await,
+        Err(holdfast_client::Error::LeaseLost(_))
+    ));
+    assert_eq!(sessions_in(0).await, 0);
+}
+
 /// In a cluster half way through an upgrade, a client falls back to one message per group and keeps its
 /// session. Node 2 answers as a server older than per-group keepalives did (a hidden flag makes it
 /// ignore `groups`) and leads group 1; node 1, of this version, leads group 0. The old node checks only
@@ -509,6 +610,7 @@ async fn a_client_falls_back_to_one_keepalive_per_group_against_an_older_server(
     transfer_until(&c, &[1, 2]).await;
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(3)).await.unwrap();
+    open_in_groups(&session, &[0, 1]).await;
     // The first round (a second after the open) finds out and falls back; count after it.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     // Three TTLs: a client that could not renew would have lost the session twice over.

@@ -93,6 +93,25 @@ pub fn certs(args: &[&str]) {
 /// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
 /// `bind(0)` or outgoing connection can take it between this check and the server's bind, and from a
 /// range that depends on the test process id, so parallel test processes do not pick the same ports.
+/// The first name `{prefix}{i}` that hashes to `group` of `groups`.
+pub fn name_in_group(group: u32, groups: u32, prefix: &str) -> String {
+    (0..)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|n| holdfast_lock_table::group_for(n, groups).0 == group)
+        .unwrap()
+}
+
+/// Opens `session` in each of `groups` (a session opens in a group at its first use there).
+pub async fn open_in_groups(session: &holdfast_client::Session, groups: &[u32]) {
+    let all = session.client().groups();
+    for &g in groups {
+        session
+            .open_for(&name_in_group(g, all, "open/"))
+            .await
+            .unwrap();
+    }
+}
+
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
