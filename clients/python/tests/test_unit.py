@@ -369,3 +369,26 @@ def test_close_ends_the_lease_before_the_server_frees_the_locks() -> None:
     holder[0].close()
     assert valid_during_close == [False]
     assert holder[0].lost_reason == "session closed"
+
+
+def test_a_group_opened_during_a_round_bounds_the_lease_the_round_renews() -> None:
+    """A group whose open was sent before a keepalive round, but which joined the session after the round
+    chose what to renew, was not renewed by it: the round must not stretch the lease past what that open
+    gave. Once a round covers it, the lease runs from that round."""
+    server = FakeServer({"OpenSession": opens(10_000), "CloseSession": closes})
+    c = fake_client([server])
+    c.groups = 2
+    c._leaders = [0, 0]
+    s = c.session(ttl=10)
+    s._open_in(0)
+    t0 = time.monotonic()
+    # As if group 1's open had been sent at t0 + 4 s, and a round covering group 0 only at t0 + 5 s.
+    s._opened[0] = (t0 + 9, t0 + 10 / 3)
+    s._opened[1] = (t0 + 4 + 9, t0 + 4 + 10 / 3)
+    s.ids[1] = 8
+    s._valid_until = t0 + 9
+    s._renewed(t0 + 5, 10.0, {0})
+    assert (s._valid_until, s._next_due) == (t0 + 13, t0 + 4 + 10 / 3)
+    s._renewed(t0 + 6, 10.0, {0, 1})
+    assert (s._valid_until, s._next_due) == (t0 + 15, t0 + 6 + 10 / 3)
+    s.close()

@@ -742,6 +742,34 @@ impl Client {
 }
 
 #[cfg(test)]
+impl Client {
+    /// A client of `groups` groups that has talked to no server (its one endpoint is never dialled
+    /// unless a call is made): for unit tests of client-side state.
+    pub(crate) fn unconnected(groups: u32) -> Client {
+        let options = ClientOptions {
+            batched_keepalives: false,
+            ..ClientOptions::default()
+        };
+        let endpoint = "127.0.0.1:9";
+        Client {
+            inner: Arc::new(Inner {
+                registry: Default::default(),
+                servers: RwLock::new(vec![Server {
+                    endpoint: endpoint.into(),
+                    channel: channel_to(endpoint, &options).expect("a lazy channel"),
+                }]),
+                groups,
+                leaders: Mutex::new(vec![0; groups as usize]),
+                auth: Auth::new(None).expect("no token"),
+                opens: Default::default(),
+                jitter: jitter_seed(&options).into(),
+                options,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::jittered;
     use std::time::Duration;

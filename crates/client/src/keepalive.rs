@@ -100,8 +100,8 @@ type GroupOutcome = Result<Vec<Option<Duration>>, String>;
 
 /// Which sessions of a chunk are open in each group (indexes into the chunk), taken once per chunk: a
 /// session's part in a group only ever goes from unopened to open, so the message and the reading of
-/// its answer agree. A part opened since is renewed from the next round on (it was opened after this
-/// round was sent, so its lease outlasts this round's).
+/// its answer agree. A part opened since is renewed from the next round on; until then it bounds the
+/// session's lease (`SessionInner::renewed`), since its open may have been sent before this round.
 fn members_by_group(groups: u32, chunk: &[&Arc<SessionInner>]) -> Vec<Vec<usize>> {
     (0..groups)
         .map(|g| {
@@ -157,6 +157,8 @@ async fn run(client: Weak<Inner>) {
         let sent_wall_ms = crate::session::wall_ms();
         // A session is renewed when every group renewed it; the smallest TTL granted counts.
         let mut granted: Vec<Option<Duration>> = vec![Some(Duration::MAX); due.len()];
+        // Which groups the round renewed each session in (bit g: group g).
+        let mut covered: Vec<u64> = vec![0; due.len()];
         // One message carries a chunk's sessions in every group it goes to: at most MAX_BATCH ids.
         let per_message = (MAX_BATCH / client.groups().max(1) as usize).max(1);
         for (chunk_no, chunk) in due.chunks(per_message).enumerate() {
@@ -208,6 +210,12 @@ async fn run(client: Weak<Inner>) {
                     }
                 }
             };
+            for (group, members) in members.iter().enumerate() {
+                for &i in members {
+                    covered[chunk_no * per_message + i] |=
+                        crate::session::group_bit(group).unwrap_or(0);
+                }
+            }
             for (group, outcome) in outcomes.into_iter().enumerate() {
                 let members = &members[group];
                 match outcome {
@@ -234,9 +242,9 @@ async fn run(client: Weak<Inner>) {
                 }
             }
         }
-        for (s, g) in due.iter().zip(granted) {
+        for ((s, g), covered) in due.iter().zip(granted).zip(covered) {
             match g {
-                Some(ttl) if ttl != Duration::MAX => s.renewed(sent, sent_wall_ms, ttl),
+                Some(ttl) if ttl != Duration::MAX => s.renewed(sent, sent_wall_ms, ttl, covered),
                 _ => s.retry_soon(Instant::now() + TICK),
             }
         }

@@ -39,6 +39,10 @@ struct Lease {
     lost: Option<LeaseLost>,
     /// The smallest TTL granted by the groups opened so far; None before the first opens.
     ttl: Option<Duration>,
+    /// Per group, once its open joined the lease: the lease end that open gave (from its send time),
+    /// its send time on the wall clock, and when it is due. Written together with the lease, so a
+    /// round that did not renew a group (it joined while the round was in flight) is bounded by it.
+    opened: Vec<Option<(Instant, u64, Instant)>>,
 }
 
 /// The session's part in one group.
@@ -184,6 +188,7 @@ impl Client {
             next_due: far_future(),
             lost: None,
             ttl: None,
+            opened: vec![None; self.groups() as usize],
         });
         let groups = self.groups() as usize;
         let inner = Arc::new(SessionInner {
@@ -208,6 +213,12 @@ impl Client {
     }
 }
 
+/// Group `g`'s bit in a set of groups (`None` past 64 groups, which servers refuse: such a group
+/// counts as not covered, the safe side).
+pub(crate) fn group_bit(g: usize) -> Option<u64> {
+    u32::try_from(g).ok().and_then(|g| 1u64.checked_shl(g))
+}
+
 /// An instant no lease reaches: ~30 years on (what tokio itself uses for "never").
 fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(86_400 * 365 * 30)
@@ -216,8 +227,10 @@ fn far_future() -> Instant {
 async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
     loop {
         let Some(s) = weak.upgrade() else { return };
+        // Subscribed before reading, so a first open that lands after the read still wakes the wait.
+        let mut changed = s.lease.subscribe();
         let (next_due, valid_until, lost) = {
-            let l = s.lease.borrow();
+            let l = changed.borrow_and_update();
             (l.next_due, l.valid_until, l.lost.is_some())
         };
         if lost {
@@ -225,7 +238,6 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
         }
         if Instant::now() < next_due {
             // Not due (or open in no group yet): wait until due, or until a first group opens.
-            let mut changed = s.lease.subscribe();
             drop(s);
             tokio::select! {
                 _ = tokio::time::sleep_until(next_due) => {}
@@ -240,7 +252,9 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
             return;
         }
         match s.renew(valid_until).await {
-            Ok(granted) => s.renewed(sent, sent_wall_ms, granted),
+            // Nothing open to renew (a first open still joining): look again shortly.
+            Ok((_, 0)) => s.retry_soon(Instant::now() + Duration::from_millis(100)),
+            Ok((granted, covered)) => s.renewed(sent, sent_wall_ms, granted, covered),
             Err(Error::SessionUnknown(msg)) => {
                 s.mark_lost(format!("the server expired or closed the session: {msg}"));
                 return;
@@ -289,15 +303,29 @@ impl SessionInner {
         self.in_group(group).map_or(&[], |g| &g.secret)
     }
 
-    /// A keepalive sent at `sent` was acknowledged with `ttl` by every group it went to. A group opened
-    /// since was opened after `sent`, so its own lease ends no earlier (with a TTL no smaller: the
-    /// smallest granted counts).
-    pub(crate) fn renewed(&self, sent: Instant, sent_wall_ms: u64, ttl: Duration) {
+    /// A keepalive round sent at `sent` renewed the session's parts in the groups of `covered` (bit g:
+    /// group g) with `ttl` (the smallest granted). A part open now that the round did not cover was
+    /// opened while the round was in flight: its open may have been sent before the round, so the lease
+    /// may not outlast what that open gave (and is due when that part is).
+    pub(crate) fn renewed(&self, sent: Instant, sent_wall_ms: u64, ttl: Duration, covered: u64) {
+        if covered == 0 {
+            return;
+        }
         self.lease.send_modify(|l| {
+            // Read with the lease: a part joins it (`join`) before its cell is set.
+            let cap = (l.opened.iter().enumerate())
+                .filter(|&(g, _)| group_bit(g).is_none_or(|bit| covered & bit == 0))
+                .filter_map(|(_, opened)| *opened)
+                .reduce(|a, b| (a.0.min(b.0), a.1.min(b.1), a.2.min(b.2)));
             let ttl = l.ttl.map_or(ttl, |t| t.min(ttl));
-            l.valid_until = l.valid_until.max(sent + ttl - margin(ttl));
-            l.renewed_sent_wall_ms = l.renewed_sent_wall_ms.max(sent_wall_ms);
-            l.next_due = sent + ttl / 3;
+            let (mut end, mut wall, mut due) =
+                (sent + ttl - margin(ttl), sent_wall_ms, sent + ttl / 3);
+            if let Some((e, w, d)) = cap {
+                (end, wall, due) = (end.min(e), wall.min(w), due.min(d));
+            }
+            l.valid_until = l.valid_until.max(end);
+            l.renewed_sent_wall_ms = l.renewed_sent_wall_ms.max(wall);
+            l.next_due = due;
         });
     }
 
@@ -341,30 +369,12 @@ impl SessionInner {
                 .await
             })
             .await?;
+        let granted = Duration::from_millis(r.ttl_ms);
         let part = GroupSession {
             id: r.session_id,
             secret: r.session_secret,
         };
-        let granted = Duration::from_millis(r.ttl_ms);
-        let mut refused = None;
-        self.lease.send_modify(|l| {
-            if let Some(lost) = &l.lost {
-                refused = Some(lost.clone());
-                return;
-            }
-            let end = sent + granted - margin(granted);
-            let due = sent + granted / 3;
-            if l.ttl.is_none() {
-                l.valid_until = end;
-                l.next_due = due;
-                l.renewed_sent_wall_ms = sent_wall_ms;
-            } else {
-                l.valid_until = l.valid_until.min(end);
-                l.next_due = l.next_due.min(due);
-            }
-            l.ttl = Some(l.ttl.map_or(granted, |t| t.min(granted)));
-        });
-        if let Some(lost) = refused {
+        if let Err(lost) = self.join(group, sent, sent_wall_ms, granted) {
             // Best effort: otherwise its TTL ends it, as it would any session renewed no more.
             let _ = self.client.close_in(group, part.id, &part.secret).await;
             return Err(Error::LeaseLost(lost.0));
@@ -372,11 +382,47 @@ impl SessionInner {
         Ok(part)
     }
 
-    /// One keepalive round over every group the session is open in; returns the smallest TTL granted.
-    async fn renew(&self, valid_until: Instant) -> Result<Duration, Error> {
+    /// Joins the lease of `group`'s just-opened part (its open sent at `sent`, granted `granted`) to
+    /// the session's: the first part's starts it, a later one can only shorten it (and an open sent
+    /// earlier than the renewal on record moves that record back). Refused if the session was lost or
+    /// closed meanwhile.
+    fn join(
+        &self,
+        group: u32,
+        sent: Instant,
+        sent_wall_ms: u64,
+        granted: Duration,
+    ) -> Result<(), LeaseLost> {
+        let (end, due) = (sent + granted - margin(granted), sent + granted / 3);
+        let mut refused = None;
+        self.lease.send_modify(|l| {
+            if let Some(lost) = &l.lost {
+                refused = Some(lost.clone());
+                return;
+            }
+            if l.ttl.is_none() {
+                l.valid_until = end;
+                l.next_due = due;
+                l.renewed_sent_wall_ms = sent_wall_ms;
+            } else {
+                l.valid_until = l.valid_until.min(end);
+                l.next_due = l.next_due.min(due);
+                l.renewed_sent_wall_ms = l.renewed_sent_wall_ms.min(sent_wall_ms);
+            }
+            l.ttl = Some(l.ttl.map_or(granted, |t| t.min(granted)));
+            l.opened[group as usize] = Some((end, sent_wall_ms, due));
+        });
+        refused.map_or(Ok(()), Err)
+    }
+
+    /// One keepalive round over every group the session is open in; returns the smallest TTL granted
+    /// and the groups renewed (bit g: group g).
+    async fn renew(&self, valid_until: Instant) -> Result<(Duration, u64), Error> {
         let mut granted = Duration::MAX;
+        let mut covered = 0;
         for (group, part) in self.groups.iter().enumerate() {
             let Some(part) = part.get() else { continue };
+            covered |= group_bit(group).unwrap_or(0);
             let (id, secret) = (part.id, &part.secret);
             let group = group as u32;
             let sent = Instant::now();
@@ -398,7 +444,7 @@ impl SessionInner {
                 _ => return Err(Error::SessionUnknown(format!("session {id} is not alive"))),
             }
         }
-        Ok(granted)
+        Ok((granted, covered))
     }
 }
 
@@ -757,6 +803,68 @@ pub struct AcquireOptions<'a> {
 
 #[cfg(test)]
 mod tests {
+    use super::{GroupSession, SessionInner};
+    use crate::client::Client;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    /// Sets `s`'s part in `group` as if its open had been sent at `sent` and granted `ttl`.
+    fn opened(s: &SessionInner, group: usize, sent: Instant, ttl: Duration) {
+        s.join(group as u32, sent, 0, ttl).unwrap();
+        let part = GroupSession {
+            id: group as u64 + 1,
+            secret: Vec::new(),
+        };
+        assert!(s.groups[group].set(part).is_ok());
+    }
+
+    /// A group whose open was sent before a keepalive round, but which joined the session after the
+    /// round chose what to renew, was not renewed by it: the round must not stretch the lease past
+    /// what that open gave. Once a round covers it, the lease runs from that round.
+    #[tokio::test]
+    async fn a_group_opened_during_a_round_bounds_the_lease_the_round_renews() {
+        let client = Client::unconnected(2);
+        let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+        let s = &session.inner;
+        let ttl = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let lease = |s: &SessionInner| {
+            let l = s.lease.borrow();
+            (l.valid_until, l.next_due)
+        };
+        opened(s, 0, t0, ttl);
+        assert_eq!(lease(s).0, t0 + Duration::from_secs(9));
+        // Group 1's open is sent at t0 + 4 s; a round is sent at t0 + 5 s covering group 0 only, and
+        // group 1 joins before the round's answer.
+        opened(s, 1, t0 + Duration::from_secs(4), ttl);
+        assert_eq!(
+            lease(s).0,
+            t0 + Duration::from_secs(9),
+            "a later group never lengthens it"
+        );
+        s.renewed(t0 + Duration::from_secs(5), 0, ttl, 0b01);
+        assert_eq!(
+            lease(s),
+            (
+                t0 + Duration::from_secs(13),
+                t0 + Duration::from_secs(4) + ttl / 3
+            ),
+            "bounded by group 1's open, not the round's 5 s + 9 s"
+        );
+        // A round that renewed nothing changes nothing.
+        s.renewed(t0 + Duration::from_secs(7), 0, ttl, 0);
+        assert_eq!(lease(s).0, t0 + Duration::from_secs(13));
+        // A round that covers both groups runs the lease from itself.
+        s.renewed(t0 + Duration::from_secs(6), 0, ttl, 0b11);
+        assert_eq!(
+            lease(s),
+            (
+                t0 + Duration::from_secs(15),
+                t0 + Duration::from_secs(6) + ttl / 3
+            )
+        );
+    }
+
     /// The OS generator works here, and its nonces do not repeat (a repeat would hand one client
     /// another's session).
     #[test]

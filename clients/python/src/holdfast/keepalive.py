@@ -71,26 +71,30 @@ class Registry:
 def _run(ref: "weakref.ref[Registry]") -> None:
     while True:
         time.sleep(TICK)
-        registry = ref()
-        if registry is None:
+        if not _tick(ref):
             return
-        client = registry._client()
-        if client is None:
-            return
-        now = time.monotonic()
-        live = registry._live()
-        if any(s._is_due(now) for s in live):
-            # With them, the sessions due within the next sixth of their TTL: sessions opened at
-            # different times then share their rounds from the first on.
-            due = [s for s in live if s._is_due(now, early=True)]
-            try:
-                _round(client, registry, due)
-            except Exception:  # never let the thread die: the leases would run out silently
-                log.exception("keepalive round failed")
-                for s in due:
-                    s._retry_soon(time.monotonic() + TICK)
-            del due
-        del registry, client, live  # not held between rounds
+
+
+def _tick(ref: "weakref.ref[Registry]") -> bool:
+    """One look for due sessions (and their round). In a function of its own so that nothing it
+    refers to (a session, the client) is held while the thread sleeps. False once the client is gone."""
+    registry = ref()
+    client = registry._client() if registry is not None else None
+    if registry is None or client is None:
+        return False
+    now = time.monotonic()
+    live = registry._live()
+    if any(s._is_due(now) for s in live):
+        # With them, the sessions due within the next sixth of their TTL: sessions opened at different
+        # times then share their rounds from the first on.
+        due = [s for s in live if s._is_due(now, early=True)]
+        try:
+            _round(client, registry, due)
+        except Exception:  # never let the thread die: the leases would run out silently
+            log.exception("keepalive round failed")
+            for s in due:
+                s._retry_soon(time.monotonic() + TICK)
+    return True
 
 
 def _round(client: "Client", registry: Registry, due: list["Session"]) -> None:
@@ -99,7 +103,8 @@ def _round(client: "Client", registry: Registry, due: list["Session"]) -> None:
     for start in range(0, len(due), per_message):
         chunk = due[start : start + per_message]
         # Which sessions are open in each group, and their ids and secrets there, taken once: a session's
-        # part in a group only goes from unopened to open, and one opened since was opened after `sent`.
+        # part in a group only goes from unopened to open; one opened since bounds its lease until the
+        # next round (Session._renewed).
         parts = [s._parts() for s in chunk]
         members = [[i for i, p in enumerate(parts) if p[g] is not None] for g in range(client.groups)]
         deadline = min(s._lease_end() for s in chunk)
@@ -118,11 +123,11 @@ def _round(client: "Client", registry: Registry, due: list["Session"]) -> None:
                     failed[i] = True
                 else:
                     granted[i] = min(granted[i], ttl)
-        for s, ttl, f in zip(chunk, granted, failed):
+        for i, (s, ttl, f) in enumerate(zip(chunk, granted, failed)):
             if f or ttl == float("inf"):
                 s._retry_soon(time.monotonic() + TICK)
             else:
-                s._renewed(sent, ttl)
+                s._renewed(sent, ttl, {g for g in range(client.groups) if parts[i][g] is not None})
 
 
 def _fan_in(

@@ -70,11 +70,15 @@ class Session:
         self.ids: list[int] = [0] * client.groups
         self._secrets: list[bytes] = [b""] * client.groups
         self._next_request = [1] * client.groups
+        # Per group, the lease end and due time its open gave (from the open's send time): they bound the
+        # session's lease until a round renews that group.
+        self._opened: list[Optional[tuple[float, float]]] = [None] * client.groups
         # Nothing can be lost before a group opens.
         self._valid_until = float("inf")
         self._next_due = float("inf")
-        # One open at a time: a group's first uses, concurrent, open it once.
-        self._opening = threading.Lock()
+        # One open at a time per group: a group's first uses, concurrent, open it once (and a slow group
+        # does not hold up the first use of another).
+        self._opening = [threading.Lock() for _ in range(client.groups)]
         if client.groups == 1:
             self._open_in(0)
         client._keepalives.add(self)
@@ -88,7 +92,7 @@ class Session:
     def _open_in(self, group: int) -> int:
         if self.ids[group]:
             return self.ids[group]
-        with self._opening:
+        with self._opening[group]:
             if self.ids[group]:
                 return self.ids[group]
             with self._cond:
@@ -115,6 +119,7 @@ class Session:
                         self._next_due = min(self._next_due, due)
                         self.ttl = min(self.ttl, granted)
                     self._any_open = True
+                    self._opened[group] = (end, due)
                     self._secrets[group] = r.session_secret
                     self.ids[group] = r.session_id
                     self._cond.notify_all()
@@ -203,13 +208,18 @@ class Session:
         with self._cond:
             return self._valid_until
 
-    def _renewed(self, sent: float, granted: float) -> None:
-        """Every group it was open in when the round was built renewed it, sent at ``sent`` with
-        ``granted``. A group opened since was opened after ``sent``: its lease ends no earlier."""
+    def _renewed(self, sent: float, granted: float, covered: set[int]) -> None:
+        """A round sent at ``sent`` renewed the session in the groups ``covered`` with ``granted``. A
+        group open now that it did not cover was opened while the round was in flight, maybe sent before
+        it: the lease may not outlast what that open gave (and is due when that group is)."""
         with self._cond:
             ttl = min(granted, self.ttl) if self.ttl > 0 else granted
-            self._valid_until = max(self._valid_until, sent + ttl - ttl / 10)
-            self._next_due = sent + ttl / 3
+            end, due = sent + ttl - ttl / 10, sent + ttl / 3
+            for g, opened in enumerate(self._opened):
+                if opened is not None and g not in covered:
+                    end, due = min(end, opened[0]), min(due, opened[1])
+            self._valid_until = max(self._valid_until, end)
+            self._next_due = due
             self._cond.notify_all()
 
     def _retry_soon(self, at: float) -> None:
