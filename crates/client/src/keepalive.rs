@@ -210,14 +210,12 @@ async fn run(client: Weak<Inner>) {
                     }
                 }
             };
-            for (group, members) in members.iter().enumerate() {
+            for (group, outcome) in outcomes.into_iter().enumerate() {
+                let members = &members[group];
                 for &i in members {
                     covered[chunk_no * per_message + i] |=
                         crate::session::group_bit(group).unwrap_or(0);
                 }
-            }
-            for (group, outcome) in outcomes.into_iter().enumerate() {
-                let members = &members[group];
                 match outcome {
                     Ok(results) => {
                         for (&i, r) in members.iter().zip(results) {

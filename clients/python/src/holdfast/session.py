@@ -66,7 +66,6 @@ class Session:
         #: TTL asked for (0: the servers' default, not known yet).
         self.ttl = float(ttl)
         self._requested_ms = _ms(ttl)
-        self._any_open = False
         self.ids: list[int] = [0] * client.groups
         self._secrets: list[bytes] = [b""] * client.groups
         self._next_request = [1] * client.groups
@@ -112,13 +111,12 @@ class Session:
                 lost = self._lost
                 if lost is None:
                     end, due = sent + granted - granted / 10, sent + granted / 3
-                    if not self._any_open:
+                    if all(o is None for o in self._opened):  # the first group to open
                         self._valid_until, self._next_due, self.ttl = end, due, granted
                     else:
                         self._valid_until = min(self._valid_until, end)
                         self._next_due = min(self._next_due, due)
                         self.ttl = min(self.ttl, granted)
-                    self._any_open = True
                     self._opened[group] = (end, due)
                     self._secrets[group] = r.session_secret
                     self.ids[group] = r.session_id

@@ -264,8 +264,7 @@ async fn bench_sweeps_client_counts_and_plots_them() {
     let dir = tempfile::tempdir().unwrap();
     let sweep = dir.path().join("sweep.svg");
     let out = c
-        .holdfast()
-        .args([
+        .holdfast_ok(&[
             "bench",
             "acquire-release",
             "--clients",
@@ -273,17 +272,10 @@ async fn bench_sweeps_client_counts_and_plots_them() {
             "--duration",
             "1s",
             "--json",
+            "--plot",
+            sweep.to_str().unwrap(),
         ])
-        .arg("--plot")
-        .arg(&sweep)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .await;
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -311,30 +303,21 @@ async fn bench_sweeps_client_counts_and_plots_them() {
     assert_eq!(svg.matches("<circle").count(), 6, "{svg}");
 
     let kept = dir.path().join("hold.svg");
-    let out = c
-        .holdfast()
-        .args([
-            "bench",
-            "hold",
-            "--sessions",
-            "20",
-            "--locks-per-session",
-            "2",
-            "--ttl",
-            "3s",
-            "--duration",
-            "4s",
-            "--plot",
-        ])
-        .arg(&kept)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    c.holdfast_ok(&[
+        "bench",
+        "hold",
+        "--sessions",
+        "20",
+        "--locks-per-session",
+        "2",
+        "--ttl",
+        "3s",
+        "--duration",
+        "4s",
+        "--plot",
+        kept.to_str().unwrap(),
+    ])
+    .await;
     let svg = std::fs::read_to_string(&kept).unwrap();
     assert_three_lines_with(
         &svg,

@@ -425,47 +425,79 @@ async fn transfer_until(c: &Cluster, want: &[u64]) {
     }
 }
 
+/// Three servers, four groups, every group led by node 1, the HTTP port on (for the keepalive counters).
+async fn four_groups_led_by_node_1() -> Cluster {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        groups: 4,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    transfer_until(&c, &[1; 4]).await;
+    c
+}
+
+/// The keepalive messages node `id` has answered, and the session ids they renewed, so far.
+async fn keepalive_counts(c: &Cluster, id: u64) -> (u64, u64) {
+    let m = c.metrics(id).await;
+    let get = |k: &str| m.get(k).copied().unwrap_or(0);
+    (
+        get("holdfast_keepalive_messages_total"),
+        get("holdfast_keepalives_total"),
+    )
+}
+
+/// The keepalive messages each of `nodes` answered over `secs` seconds, and the session ids they renewed.
+async fn keepalives_over<const N: usize>(
+    c: &Cluster,
+    nodes: [u64; N],
+    secs: u64,
+) -> [(u64, u64); N] {
+    let mut before = [(0, 0); N];
+    for (b, &id) in before.iter_mut().zip(&nodes) {
+        *b = keepalive_counts(c, id).await;
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let mut delta = [(0, 0); N];
+    for ((d, b), &id) in delta.iter_mut().zip(before).zip(&nodes) {
+        let after = keepalive_counts(c, id).await;
+        *d = (after.0 - b.0, after.1 - b.1);
+    }
+    delta
+}
+
+/// Waits (10 s at most) until node `id` answers a keepalive message that renews `ids` session ids: the
+/// first round after a change to what the client renews there.
+async fn wait_for_keepalive_of(c: &Cluster, id: u64, ids: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = keepalive_counts(c, id).await;
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "node {id} answered no keepalive of {ids} ids"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = keepalive_counts(c, id).await;
+        if now.0 == last.0 + 1 && now.1 == last.1 + ids {
+            return;
+        }
+        last = now;
+    }
+}
+
 /// One keepalive per client per server per round, whatever the number of groups: a session of a client
 /// used in all four groups, and with every group led by node 1 each keepalive message node 1 answers
 /// renews it in all four (four session ids a message, where one message per group carried one). With
 /// the groups split two and two over nodes 1 and 2, each server's messages carry two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() {
-    const GROUPS: u32 = 4;
-    let c = Cluster::start(Options {
-        nodes: 3,
-        groups: GROUPS,
-        http: true,
-        ..Options::default()
-    })
-    .await;
-    transfer_until(&c, &[1; GROUPS as usize]).await;
+    let c = four_groups_led_by_node_1().await;
     let client = c.client().await;
     // Renewed every second (a third of the TTL).
     let session = client.open_session(Duration::from_secs(3)).await.unwrap();
     open_in_groups(&session, &[0, 1, 2, 3]).await;
-    let counts = |id: u64| {
-        let c = &c;
-        async move {
-            let m = c.metrics(id).await;
-            let get = |k: &str| m.get(k).copied().unwrap_or(0);
-            (
-                get("holdfast_keepalive_messages_total"),
-                get("holdfast_keepalives_total"),
-            )
-        }
-    };
-    // Messages and session ids renewed at each server over `secs` seconds.
-    let window = |secs: u64| async move {
-        let before = [counts(1).await, counts(2).await];
-        tokio::time::sleep(Duration::from_secs(secs)).await;
-        let after = [counts(1).await, counts(2).await];
-        [
-            (after[0].0 - before[0].0, after[0].1 - before[0].1),
-            (after[1].0 - before[1].0, after[1].1 - before[1].1),
-        ]
-    };
-    let [(messages, ids), (other, _)] = window(4).await;
+    let [(messages, ids), (other, _)] = keepalives_over(&c, [1, 2], 4).await;
     assert!(messages >= 2, "{messages} keepalive messages in 4 s");
     assert_eq!(
         ids,
@@ -475,9 +507,10 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
     assert_eq!(other, 0, "node 2 leads nothing and got keepalives");
 
     transfer_until(&c, &[1, 1, 2, 2]).await;
-    // Let a round that went to node 1 for groups 2 and 3 (and was redirected) pass.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let [(m1, ids1), (m2, ids2)] = window(4).await;
+    // Past the round that went to node 1 for groups 2 and 3 (and was redirected).
+    wait_for_keepalive_of(&c, 1, 2).await;
+    wait_for_keepalive_of(&c, 2, 2).await;
+    let [(m1, ids1), (m2, ids2)] = keepalives_over(&c, [1, 2], 4).await;
     assert!(m1 >= 2 && m2 >= 2, "{m1} and {m2} messages in 4 s");
     assert_eq!(
         (ids1, ids2),
@@ -495,14 +528,7 @@ async fn a_client_sends_one_keepalive_per_server_per_round_for_all_its_groups() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_opens_only_in_the_groups_its_client_uses() {
     const GROUPS: u32 = 4;
-    let c = Cluster::start(Options {
-        nodes: 3,
-        groups: GROUPS,
-        http: true,
-        ..Options::default()
-    })
-    .await;
-    transfer_until(&c, &[1; GROUPS as usize]).await;
+    let c = four_groups_led_by_node_1().await;
     let sessions_in = |group: u32| {
         let c = &c;
         async move { c.group_status(1, group).await.unwrap().sessions }
@@ -529,23 +555,10 @@ async fn a_session_opens_only_in_the_groups_its_client_uses() {
     );
     assert_eq!(session.id_for(&in_group(1)), ids[1]);
 
-    // Keepalives renew the two, once a message: two ids a message.
-    let counts = || async {
-        let m = c.metrics(1).await;
-        let get = |k: &str| m.get(k).copied().unwrap_or(0);
-        (
-            get("holdfast_keepalive_messages_total"),
-            get("holdfast_keepalives_total"),
-        )
-    };
-    let window = || async {
-        let before = counts().await;
-        // Three TTLs: the lease would have run out without renewals.
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        let after = counts().await;
-        (after.0 - before.0, after.1 - before.1)
-    };
-    let (messages, renewed) = window().await;
+    // Keepalives renew the two, once a message: two ids a message. Over three TTLs: the lease would
+    // have run out without renewals.
+    let window = || keepalives_over(&c, [1], 4);
+    let [(messages, renewed)] = window().await;
     assert!(messages >= 2, "{messages} keepalive messages in 4 s");
     assert_eq!(
         renewed,
@@ -557,8 +570,8 @@ async fn a_session_opens_only_in_the_groups_its_client_uses() {
     // A first use of group 2 opens it there, and from then on it is renewed there too.
     let two = session.try_acquire(&in_group(2)).await.unwrap();
     assert_eq!(per_group().await, vec![0, 1, 1, 1]);
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let (messages, renewed) = window().await;
+    wait_for_keepalive_of(&c, 1, 3).await;
+    let [(messages, renewed)] = window().await;
     assert!(messages >= 2, "{messages} keepalive messages in 4 s");
     assert_eq!(renewed, 3 * messages, "three groups a message");
     assert!(session.is_valid());
@@ -611,20 +624,13 @@ async fn a_client_falls_back_to_one_keepalive_per_group_against_an_older_server(
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(3)).await.unwrap();
     open_in_groups(&session, &[0, 1]).await;
-    // The first round (a second after the open) finds out and falls back; count after it.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // The first round finds out and falls back: count from its first one-group message at node 2.
+    wait_for_keepalive_of(&c, 2, 1).await;
     // Three TTLs: a client that could not renew would have lost the session twice over.
-    let before = c.metrics(2).await;
-    tokio::time::sleep(Duration::from_secs(9)).await;
+    let [(messages, ids)] = keepalives_over(&c, [2], 9).await;
     assert!(
         session.is_valid(),
         "the session was lost against older servers"
-    );
-    let after = c.metrics(2).await;
-    let delta = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
-    let (messages, ids) = (
-        delta("holdfast_keepalive_messages_total"),
-        delta("holdfast_keepalives_total"),
     );
     assert!(
         messages >= 4,
