@@ -68,6 +68,10 @@ pub struct ServerConfig {
     /// (ignore that field), so a test can check that clients fall back. Set by a hidden flag only.
     #[serde(skip)]
     pub compat_ignore_keepalive_groups: bool,
+    /// Compatibility test hook: answer `AppendStream` UNIMPLEMENTED, as a server older than it does, so
+    /// a test can check that leaders fall back to one AppendEntries call at a time. Hidden flag only.
+    #[serde(skip)]
+    pub compat_no_append_stream: bool,
     /// WAL segment size (default 64 MiB). A test hook (small segments rotate in a short test), set by a
     /// hidden flag only.
     #[serde(skip)]
@@ -146,6 +150,7 @@ impl Default for ServerConfig {
             snapshot_every_bytes: 64 << 20,
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
+            compat_no_append_stream: false,
             wal_segment_bytes: None,
             audit_log: false,
             rng_seed: None,

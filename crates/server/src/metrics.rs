@@ -53,6 +53,8 @@ pub struct ServerMetrics {
     pub http_connections_refused: Counter,
     /// The client listener's connection slots (set when it starts listening).
     pub client_connection_slots: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
+    /// `AppendStream` calls accepted from leaders.
+    pub append_streams: Counter,
     /// Events sent on watch streams.
     pub watch_events: Counter,
     /// Watch streams ended because they fell behind the history (`WATCH_TOO_SLOW`).
@@ -71,6 +73,7 @@ impl Default for ServerMetrics {
             peer_connections_refused: Default::default(),
             http_connections_refused: Counter::default(),
             client_connection_slots: Default::default(),
+            append_streams: Counter::default(),
             watch_events: Counter::default(),
             watches_cut_off: Counter::default(),
         }
@@ -133,6 +136,11 @@ pub fn registry(node: Arc<NodeShared>) -> Registry {
         "holdfast_keepalive_messages",
         "Keepalive messages answered as leader (each may renew many sessions)",
         m.keepalive_messages.clone(),
+    );
+    r.register(
+        "holdfast_peer_append_streams",
+        "AppendStream calls accepted from a leader (each carries that leader's appends to this server for one group until it ends)",
+        m.append_streams.clone(),
     );
     r.register_collector(Box::new(NodeCollector(node)));
     r

@@ -56,6 +56,14 @@ impl RaftLookup for NodeShared {
     fn raft(&self, group: u32) -> Option<&Raft> {
         self.groups.get(group as usize).map(|g| &g.raft)
     }
+
+    fn serves_append_streams(&self) -> bool {
+        !self.config.compat_no_append_stream
+    }
+
+    fn append_stream_accepted(&self) {
+        self.metrics.append_streams.inc();
+    }
 }
 
 pub struct Node {

@@ -50,6 +50,10 @@ pub struct Peers {
     /// Keyed by address too: a member re-added at a new address gets a new channel.
     channels: Arc<Mutex<BTreeMap<(NodeId, String), Channel>>>,
     health: Arc<Mutex<BTreeMap<NodeId, Health>>>,
+    /// Peers that answered AppendStream with UNIMPLEMENTED (they predate it): appends to them go one
+    /// unary call at a time until then, when streaming is tried again (they may have been upgraded).
+    /// Here rather than in a `PeerClient`, which openraft may make anew after an error.
+    unary_until: Arc<Mutex<BTreeMap<NodeId, tokio::time::Instant>>>,
     /// Connect over TLS, presenting this server's certificate (see `crate::tls`).
     tls: Option<holdfast_proto::tls::TlsConnector>,
 }
@@ -77,6 +81,7 @@ impl Peers {
             addresses: Arc::new(addresses),
             channels: Arc::default(),
             health: Arc::default(),
+            unary_until: Arc::default(),
             tls,
         }
     }
@@ -185,6 +190,13 @@ pub struct PeerClient {
     peers: Peers,
 }
 
+/// Replies of an append stream waiting to be sent (a leader has at most [`APPEND_STREAM_DEPTH`]
+/// requests unanswered; an older leader's pipeline may have more).
+const PIPELINE_REPLIES: usize = 64;
+
+/// How long a peer that does not know AppendStream gets unary appends before streaming is tried again.
+const UNARY_FALLBACK: Duration = Duration::from_secs(60);
+
 impl PeerClient {
     fn client(&self) -> Result<GrpcPeerClient<Channel>, RPCError<TypeConfig>> {
         match &self.channel {
@@ -272,8 +284,209 @@ fn vote_reply_from_pb(r: &pb::VoteReply) -> Result<VoteResponse<TypeConfig>, Str
     })
 }
 
+fn append_request_to_pb(
+    header: pb::PeerHeader,
+    rpc: &AppendEntriesRequest<TypeConfig>,
+) -> pb::AppendEntriesRequest {
+    pb::AppendEntriesRequest {
+        header: Some(header),
+        vote: Some(formats::vote_to_pb(&rpc.vote)),
+        prev_log_id: formats::opt_log_id_to_pb(&rpc.prev_log_id),
+        entries: rpc.entries.iter().map(formats::entry_to_pb).collect(),
+        leader_commit: formats::opt_log_id_to_pb(&rpc.leader_commit),
+    }
+}
+
+fn append_request_from_pb(
+    m: &pb::AppendEntriesRequest,
+) -> Result<AppendEntriesRequest<TypeConfig>, String> {
+    Ok(AppendEntriesRequest {
+        vote: formats::vote_from_pb(required(&m.vote, "vote")?),
+        prev_log_id: formats::opt_log_id_from_pb(&m.prev_log_id),
+        entries: m
+            .entries
+            .iter()
+            .map(formats::entry_from_pb)
+            .collect::<Result<Vec<_>, _>>()?,
+        leader_commit: formats::opt_log_id_from_pb(&m.leader_commit),
+    })
+}
+
+type AppendResults<'s> = futures::stream::BoxStream<
+    's,
+    Result<openraft::raft::StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>,
+>;
+
+impl PeerClient {
+    /// AppendEntries over one long-lived AppendStream call: each request goes out when openraft
+    /// produces it and the one before it is answered ([`APPEND_STREAM_DEPTH`]), replies come back in
+    /// order. A reply owed for longer than the append deadline fails the
+    /// stream (openraft then starts a new one), so a follower that stops answering costs a bounded wait.
+    async fn append_stream<S>(
+        &mut self,
+        mut input: S,
+        option: RPCOption,
+    ) -> Result<AppendResults<'static>, RPCError<TypeConfig>>
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        use futures::StreamExt;
+        // Take the first request before opening the call. openraft sleeps its retry backoff (after
+        // an unreachable follower, or a session that made no progress) inside the request stream,
+        // when the next request is taken: a setup that fails before taking one skips the backoff, and
+        // openraft starts the next session at once. Against a follower that refuses connections at
+        // once that is a retry loop with no timer in it (in the simulation it ran a server out of
+        // ports, each refused connect keeping one). `stream_append_sequential` takes it first too.
+        let Some(first) = input.next().await else {
+            return Ok(futures::stream::empty().boxed());
+        };
+        let input = futures::stream::once(futures::future::ready(first)).chain(input);
+        let mut client = self.client()?;
+        let deadline = option.soft_ttl().max(APPEND_ENTRIES_MIN_TIMEOUT);
+        // When each request without a reply yet was sent, oldest first.
+        let owed: Arc<Mutex<std::collections::VecDeque<tokio::time::Instant>>> = Arc::default();
+        let header = self.header();
+        // Once the replies are no longer read (openraft dropped them, or they failed), the requests
+        // end too: openraft's next session shares this one's request state, and a request stream
+        // left to the connection (which may be dead, and then holds it open until its keepalive
+        // gives up) would keep taking its requests.
+        let (replies_alive, replies_gone) = tokio::sync::oneshot::channel::<()>();
+        let replied = Arc::new(tokio::sync::Notify::new());
+        let outgoing = {
+            let (owed, replied) = (owed.clone(), replied.clone());
+            // A request is taken from openraft only while fewer than APPEND_STREAM_DEPTH are
+            // unanswered: openraft builds a request when it is taken, from every entry not yet sent,
+            // so under load the requests a follower gets are batches, not one entry each.
+            let input = input.take_until(replies_gone);
+            futures::stream::unfold(input, move |mut input| {
+                let (owed, replied) = (owed.clone(), replied.clone());
+                async move {
+                    loop {
+                        let notified = replied.notified();
+                        if owed.lock().expect("append stream lock").len() < APPEND_STREAM_DEPTH {
+                            break;
+                        }
+                        notified.await;
+                    }
+                    let rpc = input.next().await?;
+                    owed.lock()
+                        .expect("append stream lock")
+                        .push_back(tokio::time::Instant::now());
+                    Some((append_request_to_pb(header, &rpc), input))
+                }
+            })
+        };
+        let target = self.target;
+        let started = tokio::time::timeout(deadline, client.append_stream(outgoing)).await;
+        let replies = match started {
+            // Unreachable, not a network error: openraft backs off at once instead of after ten.
+            Err(_) => Err(RPCError::Unreachable(Unreachable::from_string(format!(
+                "node {target} did not take an append stream within {deadline:?}"
+            )))),
+            Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(
+                    "node {target} does not take append streams (an older version); appending one call at a time"
+                );
+                self.peers
+                    .unary_until
+                    .lock()
+                    .expect("peer fallback lock")
+                    .insert(target, tokio::time::Instant::now() + UNARY_FALLBACK);
+                Err(status_error(target, status))
+            }
+            Ok(Err(status)) => Err(status_error(target, status)),
+            Ok(Ok(r)) => Ok(r.into_inner()),
+        };
+        let replies = match replies {
+            Ok(r) => r,
+            Err(e) => {
+                self.peers.report(target, Err(&e.to_string()));
+                return Err(e);
+            }
+        };
+        let peers = self.peers.clone();
+        let results = futures::stream::unfold(Some((replies, owed, replies_alive)), move |state| {
+            let (peers, replied) = (peers.clone(), replied.clone());
+            async move {
+                let (mut replies, owed, alive) = state?;
+                let result = loop {
+                    let oldest = owed.lock().expect("append stream lock").front().copied();
+                    let now = tokio::time::Instant::now();
+                    if oldest.is_some_and(|t| now >= t + deadline) {
+                        break Err(RPCError::Network(NetworkError::from_string(format!(
+                            "no append reply from node {target} within {deadline:?}"
+                        ))));
+                    }
+                    // With nothing owed, look again after a deadline (a request may go out meanwhile).
+                    let wait = oldest.map_or(deadline, |t| (t + deadline) - now);
+                    match tokio::time::timeout(wait, replies.message()).await {
+                        Err(_) => continue,
+                        Ok(Err(status)) => break Err(status_error(target, status)),
+                        Ok(Ok(None)) => return None,
+                        Ok(Ok(Some(reply))) => {
+                            owed.lock().expect("append stream lock").pop_front();
+                            replied.notify_one();
+                            break append_reply_from_pb(reply).map_err(|e| {
+                                RPCError::Network(NetworkError::from_string(format!(
+                                    "malformed append reply from node {target}: {e}"
+                                )))
+                            });
+                        }
+                    }
+                };
+                match &result {
+                    Ok(_) => peers.report(target, Ok(())),
+                    Err(e) => peers.report(target, Err(&e.to_string())),
+                }
+                let next = result.is_ok().then_some((replies, owed, alive));
+                Some((result, next))
+            }
+        });
+        Ok(Box::pin(results))
+    }
+}
+
+fn append_reply_from_pb(
+    reply: pb::AppendStreamReply,
+) -> Result<openraft::raft::StreamAppendResult<TypeConfig>, String> {
+    use openraft::raft::StreamAppendError;
+    use pb::append_stream_reply::Result as R;
+    match reply.result {
+        Some(R::Matching(m)) => Ok(Ok(formats::opt_log_id_from_pb(&m.matching))),
+        Some(R::Conflict(l)) => Ok(Err(StreamAppendError::Conflict(formats::log_id_from_pb(
+            &l,
+        )))),
+        Some(R::HigherVote(v)) => Ok(Err(StreamAppendError::HigherVote(formats::vote_from_pb(
+            &v,
+        )))),
+        None => Err("an append reply without a result".into()),
+    }
+}
+
+fn append_reply_to_pb(
+    result: openraft::raft::StreamAppendResult<TypeConfig>,
+) -> pb::AppendStreamReply {
+    use openraft::raft::StreamAppendError;
+    use pb::append_stream_reply::Result as R;
+    pb::AppendStreamReply {
+        result: Some(match result {
+            Ok(matching) => R::Matching(pb::PartialSuccess {
+                matching: formats::opt_log_id_to_pb(&matching),
+            }),
+            Err(StreamAppendError::Conflict(l)) => R::Conflict(formats::log_id_to_pb(&l)),
+            Err(StreamAppendError::HigherVote(v)) => R::HigherVote(formats::vote_to_pb(&v)),
+        }),
+    }
+}
+
 /// The least time an AppendEntries that carries entries is given before it counts as failed (it includes
 /// the follower's WAL fsync). A vote's deadline is openraft's (3/4 of `election_timeout_min`).
+/// How many append requests may be unanswered on one stream. Measured (docs/performance.md, "Append
+/// streams"): with no limit each request carried the few entries that arrived since the last one and
+/// 256 clients did 29% fewer pairs/s than unary calls; with 2 or 4, fewer than with 1. With 1 the stream
+/// still saves a call's setup per batch.
+const APPEND_STREAM_DEPTH: usize = 1;
+
 pub const APPEND_ENTRIES_MIN_TIMEOUT: Duration = Duration::from_millis(200);
 
 impl RaftNetworkV2<TypeConfig> for PeerClient {
@@ -284,13 +497,7 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
-        let req = pb::AppendEntriesRequest {
-            header: Some(self.header()),
-            vote: Some(formats::vote_to_pb(&rpc.vote)),
-            prev_log_id: formats::opt_log_id_to_pb(&rpc.prev_log_id),
-            entries: rpc.entries.iter().map(formats::entry_to_pb).collect(),
-            leader_commit: formats::opt_log_id_to_pb(&rpc.leader_commit),
-        };
+        let req = append_request_to_pb(self.header(), &rpc);
         // openraft gives replication the heartbeat interval as its deadline (37.5 ms of it with the
         // 50 ms default): less than a loaded follower's fsync, after which a give-up only resends the
         // same entries. Entries get at least APPEND_ENTRIES_MIN_TIMEOUT; heartbeats keep the short one.
@@ -314,6 +521,33 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
             }
             None => Err(self.malformed("append entries reply without a result".into())),
         }
+    }
+
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> futures::future::BoxFuture<'s, Result<AppendResults<'s>, RPCError<TypeConfig>>>
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>>
+            + openraft::OptionalSend
+            + Unpin
+            + 'static,
+    {
+        let unary = self
+            .peers
+            .unary_until
+            .lock()
+            .expect("peer fallback lock")
+            .get(&self.target)
+            .is_some_and(|&t| tokio::time::Instant::now() < t);
+        // openraft sends each heartbeat as a stream of one request: a unary call costs less than
+        // opening a stream for it.
+        let single = input.size_hint().1.is_some_and(|n| n <= 1);
+        if unary || single {
+            return openraft::network::stream_append_sequential(self, input, option);
+        }
+        Box::pin(async move { self.append_stream(input, option).await })
     }
 
     async fn vote(
@@ -458,6 +692,12 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
 /// Resolves a group id to its Raft handle on this server.
 pub trait RaftLookup: Send + Sync + 'static {
     fn raft(&self, group: u32) -> Option<&Raft>;
+    /// Whether `AppendStream` is served (a compatibility test turns it off).
+    fn serves_append_streams(&self) -> bool {
+        true
+    }
+    /// Counts an accepted `AppendStream`.
+    fn append_stream_accepted(&self) {}
 }
 
 /// The server side of peer traffic.
@@ -467,6 +707,76 @@ pub struct PeerService<L> {
 }
 
 impl<L: RaftLookup> PeerService<L> {
+    /// Serves one `AppendStream`: the first request's header and vote are checked like a unary
+    /// append's, and every later one must carry the same header and a vote of the same node.
+    async fn serve_append_stream(
+        &self,
+        mut stream: tonic::Streaming<pb::AppendEntriesRequest>,
+        sender: Option<Option<u64>>,
+        tx: &tokio::sync::mpsc::Sender<Result<pb::AppendStreamReply, tonic::Status>>,
+    ) -> Result<(), tonic::Status> {
+        use futures::StreamExt;
+        let Some(first) = stream.message().await? else {
+            return Ok(());
+        };
+        let raft = self
+            .raft(&first.header, sender, first.vote.as_ref())?
+            .clone();
+        self.lookup.append_stream_accepted();
+        let header = first.header;
+        let node = first.vote.as_ref().map(|v| v.node);
+        // openraft spawns the stream's task with its runtime's deterministic seed, which lives in a
+        // task-local: give it one drawn from the stream's identity (the same in every simulation run).
+        let seed = header.as_ref().map_or(0, |h| {
+            (h.from_node.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(h.group))
+                .wrapping_add(first.vote.as_ref().map_or(0, |v| v.term))
+        });
+        let input = futures::stream::unfold(
+            (Some(first), stream),
+            move |(first, mut stream)| async move {
+                let m = match first {
+                    Some(m) => m,
+                    None => match stream.message().await {
+                        Ok(Some(m)) => m,
+                        Ok(None) => return None,
+                        Err(e) => {
+                            tracing::debug!(%e, "append stream from the leader ended");
+                            return None;
+                        }
+                    },
+                };
+                if m.header != header || m.vote.as_ref().map(|v| v.node) != node {
+                    tracing::warn!("append stream: a request with another header or vote node than the stream's first; ending it");
+                    return None;
+                }
+                match append_request_from_pb(&m) {
+                    Ok(req) => Some((req, (None, stream))),
+                    Err(e) => {
+                        tracing::warn!(%e, "append stream: malformed request; ending it");
+                        None
+                    }
+                }
+            },
+        );
+        crate::raft_types::Runtime::scope(seed, async move {
+            let replies = raft.stream_append(input);
+            futures::pin_mut!(replies);
+            while let Some(r) = replies.next().await {
+                let reply = match r {
+                    Ok(result) => Ok(append_reply_to_pb(result)),
+                    Err(fatal) => Err(tonic::Status::unavailable(format!(
+                        "this server's Raft stopped: {fatal}"
+                    ))),
+                };
+                if tx.send(reply).await.is_err() {
+                    break;
+                }
+            }
+        })
+        .await;
+        Ok(())
+    }
+
     /// Checks a request's header and finds its group. Refusals name what did not match.
     /// `sender`: over TLS, the node id the sender's certificate names (`sender_id`); the header must
     /// claim the same one, so that one server's key cannot speak for another.
@@ -565,18 +875,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         let sender = sender_id(&r);
         let m = r.into_inner();
         let raft = self.raft(&m.header, sender, m.vote.as_ref())?;
-        let entries = m
-            .entries
-            .iter()
-            .map(formats::entry_from_pb)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(bad)?;
-        let req = AppendEntriesRequest {
-            vote: formats::vote_from_pb(required(&m.vote, "vote").map_err(bad)?),
-            prev_log_id: formats::opt_log_id_from_pb(&m.prev_log_id),
-            entries,
-            leader_commit: formats::opt_log_id_from_pb(&m.leader_commit),
-        };
+        let req = append_request_from_pb(&m).map_err(bad)?;
         use pb::append_entries_reply::Result as R;
         let result = match raft.append_entries(req).await.map_err(raft_error)? {
             AppendEntriesResponse::Success => R::Success(pb::Blank {}),
@@ -589,6 +888,39 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         Ok(tonic::Response::new(pb::AppendEntriesReply {
             result: Some(result),
         }))
+    }
+
+    type AppendStreamStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<pb::AppendStreamReply, tonic::Status>> + Send>,
+    >;
+
+    async fn append_stream(
+        &self,
+        r: tonic::Request<tonic::Streaming<pb::AppendEntriesRequest>>,
+    ) -> Result<tonic::Response<Self::AppendStreamStream>, tonic::Status> {
+        if !self.lookup.serves_append_streams() {
+            return Err(tonic::Status::unimplemented(
+                "AppendStream is not served (--compat-no-append-stream)",
+            ));
+        }
+        let sender = sender_id(&r);
+        let stream = r.into_inner();
+        // Answered at once (the leader waits for the response headers, while its first request may
+        // wait for an entry to send); a task reads the requests, checks them and drives openraft's
+        // stream, whose replies it hands over through a channel (that stream borrows its `Raft`
+        // handle by type, so it cannot be returned from here). It ends when either side does.
+        let (tx, rx) = tokio::sync::mpsc::channel(PIPELINE_REPLIES);
+        let service = PeerService {
+            lookup: self.lookup.clone(),
+            me: self.me,
+        };
+        tokio::spawn(async move {
+            if let Err(status) = service.serve_append_stream(stream, sender, &tx).await {
+                let _ = tx.send(Err(status)).await;
+            }
+        });
+        let replies = tokio_stream::wrappers::ReceiverStream::new(rx);
+        Ok(tonic::Response::new(Box::pin(replies)))
     }
 
     async fn vote(

@@ -69,6 +69,9 @@ pub struct ServerArgs {
     /// Test hook: answer keepalives as a server older than per-group keepalives (ignore their groups).
     #[arg(long, hide = true)]
     compat_ignore_keepalive_groups: bool,
+    /// Test hook: answer AppendStream as a server older than it (UNIMPLEMENTED).
+    #[arg(long, hide = true)]
+    compat_no_append_stream: bool,
     /// Test hook: WAL segment size in bytes (default 64 MiB).
     #[arg(long, hide = true)]
     wal_segment_bytes: Option<u64>,
@@ -169,6 +172,9 @@ impl ServerArgs {
         }
         if self.compat_ignore_keepalive_groups {
             c.compat_ignore_keepalive_groups = true;
+        }
+        if self.compat_no_append_stream {
+            c.compat_no_append_stream = true;
         }
         if self.join {
             c.join = true;

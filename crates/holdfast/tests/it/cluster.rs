@@ -641,6 +641,69 @@ async fn a_client_falls_back_to_one_keepalive_per_group_against_an_older_server(
     guard.release().await.unwrap();
 }
 
+/// Leaders append over one long-lived AppendStream per follower; a follower that predates it (answers
+/// UNIMPLEMENTED) still gets every entry, one AppendEntries call at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follower() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let old = (1..=3u64).find(|&n| n != leader).unwrap();
+    let current = (1..=3u64).find(|&n| n != leader && n != old).unwrap();
+    c.kill(old).await;
+    c.servers[old as usize - 1].extra_args = vec!["--compat-no-append-stream".into()];
+    c.start_server(old);
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    for i in 0..50 {
+        let g = session.acquire(&format!("stream/{i}")).await.unwrap();
+        g.release().await.unwrap();
+    }
+    // Every entry reaches the older follower too: its applied index catches up with the current one's.
+    let applied = |n: u64| {
+        let c = &c;
+        async move {
+            c.metrics(n)
+                .await
+                .get("holdfast_applied_index{group=\"0\"}")
+                .copied()
+                .unwrap_or(0)
+        }
+    };
+    let target = applied(leader).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while applied(old).await < target {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the older follower did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let streams = |n: u64| {
+        let c = &c;
+        async move {
+            c.metrics(n)
+                .await
+                .get("holdfast_peer_append_streams_total")
+                .copied()
+                .unwrap_or(0)
+        }
+    };
+    assert_eq!(
+        streams(old).await,
+        0,
+        "the older follower accepted an append stream"
+    );
+    assert!(
+        streams(current).await >= 1,
+        "the leader does not stream appends"
+    );
+}
+
 /// Eight groups on five servers with `--balance-leaders`: the leaderships end within one of even (one or
 /// two per server), stay there, and are back within one of even after the server that leads the most
 /// is restarted (its groups go to the others by election; then it leads none, which every other
