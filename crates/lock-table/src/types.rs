@@ -20,21 +20,111 @@ pub struct GroupId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
-/// A validated lock name (see [`crate::validate_name`] for the rules). Shared (`Arc<str>`): the table keeps
-/// a held lock's name in the lock map and in its session's set, and both point at one allocation.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-pub struct LockName(std::sync::Arc<str>);
+/// A validated lock name (see [`crate::validate_name`] for the rules).
+///
+/// 24 bytes. A name of up to [`INLINE_NAME_BYTES`] bytes (most: `orders/4711`, `hold/12345/6`) is
+/// stored in place, so a held lock's name costs no allocation of its own; a longer one is shared
+/// (`Arc<str>`) by the lock map and its session's set. At a million locks, a 12-byte name in its own
+/// `Arc<str>` was a 48-byte malloc chunk: ~48 MB (docs/performance.md, "Where the memory goes").
+/// Ordered, compared and hashed as the string, whichever way it is stored.
+#[derive(Clone)]
+pub struct LockName(Repr);
+
+/// The longest name [`LockName`] stores in place.
+pub const INLINE_NAME_BYTES: usize = 22;
+
+#[derive(Clone)]
+enum Repr {
+    Inline {
+        len: u8,
+        bytes: [u8; INLINE_NAME_BYTES],
+    },
+    Shared(std::sync::Arc<str>),
+}
+
+const _: () = assert!(std::mem::size_of::<LockName>() == 24);
 
 impl LockName {
     /// Validates `name` and wraps it.
     pub fn new(name: impl Into<String>) -> Result<Self, crate::NameError> {
         let name = name.into();
         crate::validate_name(&name)?;
-        Ok(LockName(name.into()))
+        Ok(LockName::from_valid(&name))
+    }
+
+    fn from_valid(name: &str) -> LockName {
+        if name.len() <= INLINE_NAME_BYTES {
+            let mut bytes = [0; INLINE_NAME_BYTES];
+            bytes[..name.len()].copy_from_slice(name.as_bytes());
+            LockName(Repr::Inline {
+                len: name.len() as u8,
+                bytes,
+            })
+        } else {
+            LockName(Repr::Shared(name.into()))
+        }
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        match &self.0 {
+            // Copied from a `str` whole and never changed, so this cannot fail; checked anyway
+            // (the crate has no unsafe code), at the cost of a scan of at most 22 bytes.
+            Repr::Inline { len, bytes } => {
+                std::str::from_utf8(&bytes[..usize::from(*len)]).expect("a name is UTF-8")
+            }
+            Repr::Shared(s) => s,
+        }
+    }
+
+    /// The name's bytes, without the UTF-8 check `as_str` makes: what comparisons use.
+    fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            Repr::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Repr::Shared(s) => s.as_bytes(),
+        }
+    }
+}
+
+/// As the string: `str`'s order is its bytes' order.
+impl PartialEq for LockName {
+    fn eq(&self, other: &LockName) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for LockName {}
+
+impl PartialOrd for LockName {
+    fn partial_cmp(&self, other: &LockName) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for LockName {
+    fn cmp(&self, other: &LockName) -> std::cmp::Ordering {
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+/// As the string, so that maps keyed by names can be searched with a `&str` ([`Borrow`]).
+///
+/// [`Borrow`]: std::borrow::Borrow
+impl std::hash::Hash for LockName {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state)
+    }
+}
+
+impl fmt::Debug for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+/// Encoded as the string, as it always was.
+impl Serialize for LockName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
     }
 }
 
@@ -52,13 +142,13 @@ impl fmt::Display for FencingToken {
 
 impl fmt::Display for LockName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
 impl std::borrow::Borrow<str> for LockName {
     fn borrow(&self) -> &str {
-        &self.0
+        self.as_str()
     }
 }
 
@@ -66,7 +156,75 @@ impl std::borrow::Borrow<str> for LockName {
 /// name the API would refuse.
 impl<'de> Deserialize<'de> for LockName {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        LockName::new(s).map_err(serde::de::Error::custom)
+        // A visitor, not `String::deserialize`: a decoder that lends the bytes (postcard from a slice)
+        // then makes no allocation for a short name.
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = LockName;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a lock name")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LockName, E> {
+                crate::validate_name(v).map_err(E::custom)?;
+                Ok(LockName::from_valid(v))
+            }
+        }
+        d.deserialize_str(Visit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LockName, INLINE_NAME_BYTES};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    /// Names on both sides of the inline limit, and ones that share long prefixes, so comparisons cross
+    /// the two representations.
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-c/]{1,30}",
+            "[a-zé0-9/._-]{1,40}",
+            (0usize..3).prop_map(|d| "x".repeat(INLINE_NAME_BYTES - 1 + d)),
+        ]
+    }
+
+    proptest! {
+        /// A name orders, compares, hashes, prints and encodes as its string, whichever way it is stored.
+        #[test]
+        fn a_name_behaves_as_its_string(a in name(), b in name()) {
+            let (na, nb) = (LockName::new(a.clone()).unwrap(), LockName::new(b.clone()).unwrap());
+            prop_assert_eq!(na.as_str(), a.as_str());
+            prop_assert_eq!(na.cmp(&nb), a.cmp(&b));
+            prop_assert_eq!(na == nb, a == b);
+            prop_assert_eq!(na.to_string(), a.clone());
+            prop_assert_eq!(format!("{na:?}"), format!("{a:?}"));
+            let hash = |v: &dyn Fn(&mut std::hash::DefaultHasher)| {
+                let mut h = std::hash::DefaultHasher::new();
+                v(&mut h);
+                std::hash::Hasher::finish(&h)
+            };
+            prop_assert_eq!(
+                hash(&|h| std::hash::Hash::hash(&na, h)),
+                hash(&|h| std::hash::Hash::hash(a.as_str(), h))
+            );
+            let bytes = postcard::to_allocvec(&na).unwrap();
+            prop_assert_eq!(&bytes, &postcard::to_allocvec(a.as_str()).unwrap());
+            prop_assert_eq!(postcard::from_bytes::<LockName>(&bytes).unwrap(), na.clone());
+            // Found by its string in a map keyed by names.
+            let map: BTreeMap<LockName, ()> = [(na, ()), (nb, ())].into_iter().collect();
+            prop_assert!(map.contains_key(a.as_str()) && map.contains_key(b.as_str()));
+        }
+    }
+
+    #[test]
+    fn a_decoded_name_is_validated_again() {
+        for bad in ["", " leading", "tab\there", &"x".repeat(300)] {
+            let bytes = postcard::to_allocvec(bad).unwrap();
+            assert!(
+                postcard::from_bytes::<LockName>(&bytes).is_err(),
+                "{bad:?} decoded"
+            );
+        }
     }
 }
