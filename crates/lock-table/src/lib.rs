@@ -27,6 +27,7 @@
 
 pub mod command;
 mod cow;
+mod dedup;
 pub mod limits;
 pub mod name;
 pub mod snapshot;

@@ -516,7 +516,7 @@ mod v3 {
             table::Session {
                 ttl_ms: s.ttl_ms,
                 opened_at_ms: s.opened_at_ms,
-                dedup: s.dedup,
+                dedup: s.dedup.into_iter().collect(),
                 dedup_evicted_max: s.dedup_evicted_max,
                 secret: 0,
                 ..table::Session::default()

@@ -8,6 +8,7 @@ use crate::command::{
     Refusal, Share,
 };
 use crate::cow::SnapMap;
+use crate::dedup::Window;
 use crate::limits::{
     DEDUP_WINDOW, GRANT_BYTES, LOCK_BYTES, MAX_HOLDERS_PER_LOCK, MAX_LOCKS, MAX_LOCKS_PER_SESSION,
     MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS,
@@ -30,7 +31,7 @@ pub(crate) struct Session {
     #[serde(skip)]
     pub(crate) waiting: BTreeMap<LockName, RequestId>,
     /// The last [`DEDUP_WINDOW`] outcomes by request id, oldest first.
-    pub(crate) dedup: VecDeque<(RequestId, Outcome)>,
+    pub(crate) dedup: Window,
     /// The largest request id that fell out of `dedup`; ids at or below it not in `dedup` are refused.
     pub(crate) dedup_evicted_max: u64,
     /// What a request must show to act on this session ([`Command::Authorized`]); 0 for a session opened
@@ -653,9 +654,8 @@ impl LockTable {
             }
             let highest = s
                 .dedup
-                .iter()
-                .map(|(r, _)| r.0)
-                .fold(s.dedup_evicted_max, u64::max);
+                .highest()
+                .map_or(s.dedup_evicted_max, |h| h.max(s.dedup_evicted_max));
             if request.is_some_and(|r| r.0 > highest.saturating_add(MAX_REQUEST_ID_AHEAD)) {
                 return Err(Outcome::Refused(Refusal::RequestIdTooNew { highest }));
             }
@@ -911,8 +911,8 @@ impl LockTable {
 
     /// The outcome a retried request gets, if `request` was seen before; `None` for a new request.
     fn replay(&self, session: &Session, request: RequestId) -> Option<Outcome> {
-        if let Some((_, outcome)) = session.dedup.iter().find(|(r, _)| *r == request) {
-            return Some(outcome.clone());
+        if let Some(outcome) = session.dedup.get(request) {
+            return Some(outcome);
         }
         if request.0 <= session.dedup_evicted_max {
             return Some(Outcome::Refused(Refusal::RequestIdTooOld));
@@ -1209,13 +1209,8 @@ impl LockTable {
     }
 
     /// The outcome remembered for a request of a session, if it is in the dedup window.
-    pub fn remembered(&self, session: SessionId, request: RequestId) -> Option<&Outcome> {
-        self.sessions
-            .get(&session)?
-            .dedup
-            .iter()
-            .find(|(r, _)| *r == request)
-            .map(|(_, o)| o)
+    pub fn remembered(&self, session: SessionId, request: RequestId) -> Option<Outcome> {
+        self.sessions.get(&session)?.dedup.get(request)
     }
 
     /// Removes the wait that `request` of `session_id` has in `name`'s queue (the caller checked it
@@ -1365,21 +1360,16 @@ impl LockTable {
         // Evict before pushing: pushing a 17th outcome first would double the window's allocation to
         // 32 entries (1 KiB per session instead of 512 B) for the rest of the session's life.
         if session.dedup.len() >= DEDUP_WINDOW {
-            if let Some((old, _)) = session.dedup.pop_front() {
+            if let Some(old) = session.dedup.pop_front() {
                 session.dedup_evicted_max = session.dedup_evicted_max.max(old.0);
             }
         }
-        // Grow one entry at a time (at most DEDUP_WINDOW small copies in a session's life): a session
-        // that made 10 requests keeps room for 10, not the 16 that doubling gives.
-        session.dedup.reserve_exact(1);
-        session.dedup.push_back((request, outcome.clone()));
+        session.dedup.push_back(request, outcome);
     }
 
     fn update_remembered(&mut self, session_id: SessionId, request: RequestId, outcome: Outcome) {
         let session = self.session_mut(session_id);
-        if let Some(entry) = session.dedup.iter_mut().find(|(r, _)| *r == request) {
-            entry.1 = outcome;
-        }
+        session.dedup.update(request, &outcome);
     }
 
     fn session_mut(&mut self, session: SessionId) -> &mut Session {
@@ -1555,6 +1545,7 @@ impl LockTable {
                     .is_some_and(|l| l.waiters().iter().any(|w| w.session == *id)));
             }
             assert!(s.dedup.len() <= DEDUP_WINDOW);
+            s.dedup.check();
         }
         assert_eq!(self.usage, self.recount_usage(), "per-principal usage");
         assert_eq!(

@@ -342,7 +342,7 @@ impl ClientService {
             Outcome::Cancelled | Outcome::Refused(Refusal::NotWaiting) => {
                 let state = group.state.read().expect("state lock");
                 // The wait was abandoned meanwhile (the client cancelled the request): say so.
-                if state.table.remembered(session, request) == Some(&Outcome::Abandoned) {
+                if state.table.remembered(session, request) == Some(Outcome::Abandoned) {
                     return Err(abandoned(request, name.as_str()));
                 }
                 let holder = state.table.describe(name);
