@@ -9,8 +9,8 @@
 //!
 //! Encoded (in snapshots) as it always was: the sequence of `(RequestId, Outcome)` pairs, oldest first.
 //!
-//! Invariant: every slot tagged [`SPILLED`] has exactly one entry in `spilled` with its request id, and
-//! `spilled` has no other entry.
+//! Invariant: no request id is in two slots; every slot tagged [`SPILLED`] has exactly one entry in
+//! `spilled` with its request id, and `spilled` has no other entry.
 
 use crate::command::Outcome;
 use crate::types::{FencingToken, RequestId};
@@ -159,7 +159,9 @@ impl Window {
             .spilled
             .as_mut()
             .expect("a spilled slot has its outcome");
-        spilled.retain(|(r, _)| *r != request);
+        if let Some(at) = spilled.iter().position(|(r, _)| *r == request) {
+            spilled.swap_remove(at);
+        }
         if spilled.is_empty() {
             self.spilled = None;
         }
@@ -182,6 +184,12 @@ impl Window {
         kept.sort_unstable();
         assert_eq!(spilled, kept, "spilled slots and outcomes kept whole");
         assert!(self.spilled.as_ref().is_none_or(|s| !s.is_empty()));
+        let mut ids: Vec<u64> = self.slots.iter().map(|(r, _)| *r).collect();
+        ids.sort_unstable();
+        assert!(
+            ids.windows(2).all(|w| w[0] != w[1]),
+            "a request remembered twice"
+        );
     }
 }
 
@@ -214,9 +222,17 @@ impl Serialize for Window {
 
 impl<'de> Deserialize<'de> for Window {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(Vec::<(RequestId, Outcome)>::deserialize(d)?
-            .into_iter()
-            .collect())
+        let pairs = Vec::<(RequestId, Outcome)>::deserialize(d)?;
+        // The table never remembers a request twice (a retry is answered from the window), and
+        // spilled outcomes are found by request id.
+        let mut ids: Vec<u64> = pairs.iter().map(|(r, _)| r.0).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err(serde::de::Error::custom(
+                "a request id twice in a dedup window",
+            ));
+        }
+        Ok(pairs.into_iter().collect())
     }
 }
 
@@ -290,6 +306,16 @@ mod tests {
         // Spilled outcomes do not outlive their slots.
         while w.pop_front().is_some() {}
         assert!(w.slots.is_empty() && w.spilled.is_none());
+    }
+
+    #[test]
+    fn a_window_naming_a_request_twice_is_refused() {
+        let pairs = vec![
+            (RequestId(1), Outcome::Released),
+            (RequestId(1), Outcome::Cancelled),
+        ];
+        let bytes = postcard::to_allocvec(&pairs).unwrap();
+        assert!(postcard::from_bytes::<Window>(&bytes).is_err());
     }
 
     #[test]

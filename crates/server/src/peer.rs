@@ -356,8 +356,9 @@ impl PeerClient {
             let (owed, replied) = (owed.clone(), replied.clone());
             // A request is taken from openraft only while fewer than APPEND_STREAM_DEPTH are
             // unanswered: openraft builds a request when it is taken, from every entry not yet sent,
-            // so under load the requests a follower gets are batches, not one entry each.
-            let input = input.take_until(replies_gone);
+            // so under load the requests a follower gets are batches, not one entry each. The
+            // `take_until` is outside the wait, so requests also end while it waits for a reply that
+            // will not be read.
             futures::stream::unfold(input, move |mut input| {
                 let (owed, replied) = (owed.clone(), replied.clone());
                 async move {
@@ -375,6 +376,7 @@ impl PeerClient {
                     Some((append_request_to_pb(header, &rpc), input))
                 }
             })
+            .take_until(replies_gone)
         };
         let target = self.target;
         let started = tokio::time::timeout(deadline, client.append_stream(outgoing)).await;
