@@ -352,15 +352,25 @@ impl PeerClient {
         // gives up) would keep taking its requests.
         let (replies_alive, replies_gone) = tokio::sync::oneshot::channel::<()>();
         let replied = Arc::new(tokio::sync::Notify::new());
+        // Set when openraft's requests end (a probe done, or a new batch id): with nothing owed the
+        // replies are then complete, and the results end without waiting for the follower's trailers.
+        let input_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let input_ended = Arc::new(tokio::sync::Notify::new());
         let outgoing = {
-            let (owed, replied) = (owed.clone(), replied.clone());
+            let input_ended = input_ended.clone();
+            let (owed, replied, input_done) = (owed.clone(), replied.clone(), input_done.clone());
             // A request is taken from openraft only while fewer than APPEND_STREAM_DEPTH are
             // unanswered: openraft builds a request when it is taken, from every entry not yet sent,
             // so under load the requests a follower gets are batches, not one entry each. The
             // `take_until` is outside the wait, so requests also end while it waits for a reply that
             // will not be read.
             futures::stream::unfold(input, move |mut input| {
-                let (owed, replied) = (owed.clone(), replied.clone());
+                let (owed, replied, input_done, input_ended) = (
+                    owed.clone(),
+                    replied.clone(),
+                    input_done.clone(),
+                    input_ended.clone(),
+                );
                 async move {
                     loop {
                         let notified = replied.notified();
@@ -369,7 +379,11 @@ impl PeerClient {
                         }
                         notified.await;
                     }
-                    let rpc = input.next().await?;
+                    let Some(rpc) = input.next().await else {
+                        input_done.store(true, std::sync::atomic::Ordering::Release);
+                        input_ended.notify_one();
+                        return None;
+                    };
                     owed.lock()
                         .expect("append stream lock")
                         .push_back(tokio::time::Instant::now());
@@ -407,43 +421,72 @@ impl PeerClient {
             }
         };
         let peers = self.peers.clone();
-        let results = futures::stream::unfold(Some((replies, owed, replies_alive)), move |state| {
-            let (peers, replied) = (peers.clone(), replied.clone());
-            async move {
-                let (mut replies, owed, alive) = state?;
-                let result = loop {
-                    let oldest = owed.lock().expect("append stream lock").front().copied();
-                    let now = tokio::time::Instant::now();
-                    if oldest.is_some_and(|t| now >= t + deadline) {
-                        break Err(RPCError::Network(NetworkError::from_string(format!(
-                            "no append reply from node {target} within {deadline:?}"
-                        ))));
+        // The state carries whether the last reply was handed to openraft: its request is counted
+        // as answered (and the next one may be taken) only when openraft asks for the next result,
+        // having handled that one, as with unary calls.
+        let results =
+            futures::stream::unfold(Some((replies, owed, replies_alive, false)), move |state| {
+                let (peers, replied) = (peers.clone(), replied.clone());
+                let (input_done, input_ended) = (input_done.clone(), input_ended.clone());
+                async move {
+                    let (mut replies, owed, alive, answered) = state?;
+                    if answered {
+                        owed.lock().expect("append stream lock").pop_front();
+                        replied.notify_one();
                     }
-                    // With nothing owed, look again after a deadline (a request may go out meanwhile).
-                    let wait = oldest.map_or(deadline, |t| (t + deadline) - now);
-                    match tokio::time::timeout(wait, replies.message()).await {
-                        Err(_) => continue,
-                        Ok(Err(status)) => break Err(status_error(target, status)),
-                        Ok(Ok(None)) => return None,
-                        Ok(Ok(Some(reply))) => {
-                            owed.lock().expect("append stream lock").pop_front();
-                            replied.notify_one();
-                            break append_reply_from_pb(reply).map_err(|e| {
-                                RPCError::Network(NetworkError::from_string(format!(
-                                    "malformed append reply from node {target}: {e}"
-                                )))
-                            });
+                    let result = loop {
+                        let oldest = owed.lock().expect("append stream lock").front().copied();
+                        let now = tokio::time::Instant::now();
+                        if oldest.is_some_and(|t| now >= t + deadline) {
+                            break Err(RPCError::Network(NetworkError::from_string(format!(
+                                "no append reply from node {target} within {deadline:?}"
+                            ))));
                         }
+                        if oldest.is_none() && input_done.load(std::sync::atomic::Ordering::Acquire)
+                        {
+                            return None;
+                        }
+                        // With nothing owed, look again after a deadline (a request may go out meanwhile)
+                        // or when the requests end.
+                        let wait = oldest.map_or(deadline, |t| (t + deadline) - now);
+                        let ended = input_ended.notified();
+                        let message = tokio::time::timeout(wait, replies.message());
+                        let next = tokio::select! {
+                            m = message => m,
+                            _ = ended, if oldest.is_none() => continue,
+                        };
+                        match next {
+                            Err(_) => continue,
+                            Ok(Err(status)) => break Err(status_error(target, status)),
+                            // The follower ended the stream with a request unanswered: an error, so that
+                            // openraft does not take it for a clean end.
+                            Ok(Ok(None))
+                                if !owed.lock().expect("append stream lock").is_empty() =>
+                            {
+                                break Err(RPCError::Network(NetworkError::from_string(format!(
+                                "node {target} ended an append stream with a request unanswered"
+                            ))))
+                            }
+                            Ok(Ok(None)) => return None,
+                            Ok(Ok(Some(reply))) => {
+                                break append_reply_from_pb(reply).map_err(|e| {
+                                    RPCError::Network(NetworkError::from_string(format!(
+                                        "malformed append reply from node {target}: {e}"
+                                    )))
+                                });
+                            }
+                        }
+                    };
+                    match &result {
+                        Ok(_) => peers.report(target, Ok(())),
+                        Err(e) => peers.report(target, Err(&e.to_string())),
                     }
-                };
-                match &result {
-                    Ok(_) => peers.report(target, Ok(())),
-                    Err(e) => peers.report(target, Err(&e.to_string())),
+                    // Any error ends the stream (and with it the requests): after a conflict or a higher
+                    // vote openraft starts over, and this stream must not take its next request.
+                    let next = matches!(result, Ok(Ok(_))).then_some((replies, owed, alive, true));
+                    Some((result, next))
                 }
-                let next = result.is_ok().then_some((replies, owed, alive));
-                Some((result, next))
-            }
-        });
+            });
         Ok(Box::pin(results))
     }
 }
@@ -481,14 +524,15 @@ fn append_reply_to_pb(
     }
 }
 
-/// The least time an AppendEntries that carries entries is given before it counts as failed (it includes
-/// the follower's WAL fsync). A vote's deadline is openraft's (3/4 of `election_timeout_min`).
 /// How many append requests may be unanswered on one stream. Measured (docs/performance.md, "Append
 /// streams"): with no limit each request carried the few entries that arrived since the last one and
 /// 256 clients did 29% fewer pairs/s than unary calls; with 2 or 4, fewer than with 1. With 1 the stream
-/// still saves a call's setup per batch.
+/// still saves a call's setup per batch. A request counts as answered once openraft has taken its
+/// reply and asks for the next, as with unary calls.
 const APPEND_STREAM_DEPTH: usize = 1;
 
+/// The least time an AppendEntries that carries entries is given before it counts as failed (it includes
+/// the follower's WAL fsync). A vote's deadline is openraft's (3/4 of `election_timeout_min`).
 pub const APPEND_ENTRIES_MIN_TIMEOUT: Duration = Duration::from_millis(200);
 
 impl RaftNetworkV2<TypeConfig> for PeerClient {
