@@ -664,42 +664,28 @@ async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follow
         g.release().await.unwrap();
     }
     // Every entry reaches the older follower too: its applied index catches up with the current one's.
-    let applied = |n: u64| {
+    let metric = |n: u64, name: &'static str| {
         let c = &c;
-        async move {
-            c.metrics(n)
-                .await
-                .get("holdfast_applied_index{group=\"0\"}")
-                .copied()
-                .unwrap_or(0)
-        }
+        async move { c.metrics(n).await.get(name).copied().unwrap_or(0) }
     };
-    let target = applied(leader).await;
+    let applied = "holdfast_applied_index{group=\"0\"}";
+    let target = metric(leader, applied).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while applied(old).await < target {
+    while metric(old, applied).await < target {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the older follower did not catch up"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let streams = |n: u64| {
-        let c = &c;
-        async move {
-            c.metrics(n)
-                .await
-                .get("holdfast_peer_append_streams_total")
-                .copied()
-                .unwrap_or(0)
-        }
-    };
+    let streams = "holdfast_peer_append_streams_total";
     assert_eq!(
-        streams(old).await,
+        metric(old, streams).await,
         0,
         "the older follower accepted an append stream"
     );
     assert!(
-        streams(current).await >= 1,
+        metric(current, streams).await >= 1,
         "the leader does not stream appends"
     );
 }
