@@ -408,7 +408,9 @@ impl PeerClient {
                     .lock()
                     .expect("peer fallback lock")
                     .insert(target, tokio::time::Instant::now() + UNARY_FALLBACK);
-                Err(status_error(target, status))
+                // Not a failure of the peer, so not reported as one (no "unreachable" warning every
+                // UNARY_FALLBACK): openraft retries the batch, now one call at a time.
+                return Err(status_error(target, status));
             }
             Ok(Err(status)) => Err(status_error(target, status)),
             Ok(Ok(r)) => Ok(r.into_inner()),
@@ -777,9 +779,13 @@ impl<L: RaftLookup> PeerService<L> {
             (h.from_node.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(h.group))
                 .wrapping_add(first.vote.as_ref().map_or(0, |v| v.term))
         });
-        let input = futures::stream::unfold(
-            (Some(first), stream),
-            move |(first, mut stream)| async move {
+        // A later request refused here ends openraft's input; the stream then ends with this status
+        // (after the replies to the requests before it) instead of OK, so the leader sees why.
+        let refused: Arc<std::sync::Mutex<Option<tonic::Status>>> = Arc::default();
+        let refuse = refused.clone();
+        let input = futures::stream::unfold((Some(first), stream), move |(first, mut stream)| {
+            let refuse = refuse.clone();
+            async move {
                 let m = match first {
                     Some(m) => m,
                     None => match stream.message().await {
@@ -792,18 +798,25 @@ impl<L: RaftLookup> PeerService<L> {
                     },
                 };
                 if m.header != header || m.vote.as_ref().map(|v| v.node) != node {
-                    tracing::warn!("append stream: a request with another header or vote node than the stream's first; ending it");
+                    let why = "an append stream's request carries another header or vote node than its first";
+                    tracing::warn!("{why}; ending it");
+                    *refuse.lock().expect("append stream refusal") =
+                        Some(tonic::Status::invalid_argument(why));
                     return None;
                 }
                 match append_request_from_pb(&m) {
                     Ok(req) => Some((req, (None, stream))),
                     Err(e) => {
                         tracing::warn!(%e, "append stream: malformed request; ending it");
+                        *refuse.lock().expect("append stream refusal") =
+                            Some(tonic::Status::invalid_argument(format!(
+                                "malformed append request: {e}"
+                            )));
                         None
                     }
                 }
-            },
-        );
+            }
+        });
         crate::raft_types::Runtime::scope(seed, async move {
             let replies = raft.stream_append(input);
             futures::pin_mut!(replies);
@@ -820,7 +833,8 @@ impl<L: RaftLookup> PeerService<L> {
             }
         })
         .await;
-        Ok(())
+        let refusal = refused.lock().expect("append stream refusal").take();
+        refusal.map_or(Ok(()), Err)
     }
 
     /// Checks a request's header and finds its group. Refusals name what did not match.

@@ -690,6 +690,70 @@ async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follow
     );
 }
 
+/// A follower checks every request of an append stream, not just the first: a later one that names
+/// another sender ends the stream with INVALID_ARGUMENT, after the reply to the one before it (an OK end
+/// would look to the leader like a follower that stopped answering).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_refuses_an_append_stream_request_from_another_sender_with_invalid_argument() {
+    use holdfast_proto::v1::{
+        append_stream_reply, peer_client::PeerClient, AppendEntriesRequest, PeerHeader, Vote,
+    };
+    let c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let follower = (1..=3u64).find(|&n| n != leader).unwrap();
+    let other = (1..=3u64).find(|&n| n != leader && n != follower).unwrap();
+    let status = c.group_status(follower, 0).await.unwrap();
+    assert_eq!(status.leader_id, leader);
+    let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
+    // What the leader itself would send with nothing to append: its vote, no entries, and a previous
+    // log id of none (which every log matches), so the first request is answered with success.
+    let request = |from_node: u64| AppendEntriesRequest {
+        header: Some(PeerHeader {
+            format: 1,
+            cluster_id,
+            from_node,
+            to_node: follower,
+            group: 0,
+        }),
+        vote: Some(Vote {
+            term: status.term,
+            node: leader,
+            committed: true,
+        }),
+        ..Default::default()
+    };
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", c.peer_endpoint(follower)))
+            .unwrap()
+            .timeout(Duration::from_secs(10));
+    let channel = c.connect(endpoint).await.unwrap();
+    let requests = futures::stream::iter(vec![request(leader), request(other)]);
+    let mut replies = PeerClient::new(channel)
+        .append_stream(requests)
+        .await
+        .unwrap()
+        .into_inner();
+    let first = replies
+        .message()
+        .await
+        .unwrap()
+        .expect("a reply to the first request");
+    assert!(
+        matches!(first.result, Some(append_stream_reply::Result::Matching(_))),
+        "{first:?}"
+    );
+    let end = replies
+        .message()
+        .await
+        .expect_err("the stream ended without saying why");
+    assert_eq!(end.code(), tonic::Code::InvalidArgument, "{end:?}");
+    assert!(end.message().contains("another header"), "{end:?}");
+}
+
 /// Eight groups on five servers with `--balance-leaders`: the leaderships end within one of even (one or
 /// two per server), stay there, and are back within one of even after the server that leads the most
 /// is restarted (its groups go to the others by election; then it leads none, which every other
