@@ -279,6 +279,86 @@ fn describe_shows_every_holder_and_mode() {
     t.check_invariants();
 }
 
+/// A lock keeps its first holder's value apart from the grant (so that a lock is 56 bytes): each value
+/// stays with its holder when the first holder leaves and the next one moves up, when a waiter takes
+/// the lock over, and when an expiry puts a lock-delay placeholder (which has no value) in a holder's
+/// place. The charged bytes follow (`check_invariants` recounts them).
+#[test]
+fn values_stay_with_their_holders_as_holders_come_and_go() {
+    let mut t = LockTable::new();
+    for i in 1..=4 {
+        t.apply(i, &open(i as u128));
+    }
+    let with_value = |c: Command, v: &[u8]| match c {
+        Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            attempt,
+            now_ms,
+            ..
+        } => Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            value: v.into(),
+            attempt,
+            now_ms,
+        },
+        _ => unreachable!(),
+    };
+    let values = |t: &LockTable| -> Vec<(u64, Vec<u8>)> {
+        t.describe(&name("r"))
+            .map(|v| {
+                v.holders()
+                    .map(|h| (h.session.0, h.value.to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    t.apply(5, &shared(with_value(acq(1, 1, "r", Wait), b"one")));
+    t.apply(6, &shared(with_value(acq(2, 1, "r", Wait), b"")));
+    t.apply(
+        7,
+        &delayed(100, shared(with_value(acq(3, 1, "r", Wait), b"three"))),
+    );
+    t.apply(8, &with_value(acq(4, 1, "r", Wait), b"four"));
+    let empty = t.table_bytes();
+    t.check_invariants();
+    assert_eq!(
+        values(&t),
+        vec![(1, b"one".to_vec()), (2, vec![]), (3, b"three".to_vec())]
+    );
+    // The first holder leaves: the second (no value) moves up, and "one" is no longer charged.
+    assert_eq!(t.apply(9, &rel(1, 2, "r", 5)), Released);
+    t.check_invariants();
+    assert_eq!(values(&t), vec![(2, vec![]), (3, b"three".to_vec())]);
+    assert!(t.table_bytes() < empty);
+    // The first holder leaves again: "three" moves up into the first place.
+    assert_eq!(t.apply(10, &rel(2, 2, "r", 6)), Released);
+    t.check_invariants();
+    assert_eq!(values(&t), vec![(3, b"three".to_vec())]);
+    t.take_events();
+    t.take_changes();
+    let encoded = t.encode_snapshot();
+    assert_eq!(LockTable::decode_snapshot(&encoded).unwrap(), t);
+    // Its session expires with a lock-delay: the placeholder has no value.
+    t.apply(11, &expire(3));
+    t.check_invariants();
+    assert_eq!(values(&t), vec![(0, vec![])]);
+    // The delay ends: the waiter takes the lock, with its own value.
+    let delay = t.delayed_locks().remove(0);
+    assert_eq!(t.apply(12, &delay.end(0)), Released);
+    t.check_invariants();
+    assert_eq!(values(&t), vec![(4, b"four".to_vec())]);
+    t.take_events();
+    t.take_changes();
+    let encoded = t.encode_snapshot();
+    assert_eq!(LockTable::decode_snapshot(&encoded).unwrap(), t);
+}
+
 /// A version 6 snapshot (`testdata/snapshot-v6.bin`, made by the build before shared locks: session 1
 /// holds `a` with a 2 s lock-delay, session 2 waits for it with 1 s and holds `b`, and `c` is in the
 /// lock-delay of expired session 3) decodes with every lock exclusive and keeps its delays.

@@ -324,14 +324,16 @@ mod v6 {
             }
             table::Lock::from_parts(
                 table::Holder {
-                    session: h.session,
-                    token: h.token,
-                    request: h.request,
-                    granted_at_ms: h.granted_at_ms,
+                    grant: table::Grant {
+                        session: h.session,
+                        token: h.token,
+                        request: h.request,
+                        granted_at_ms: h.granted_at_ms,
+                        attempt: h.attempt,
+                        lock_delay_ms: h.lock_delay_ms,
+                        shared: false,
+                    },
                     value: h.value.into(),
-                    attempt: h.attempt,
-                    lock_delay_ms: h.lock_delay_ms,
-                    shared: false,
                 },
                 waiters,
                 Vec::new(),
@@ -419,14 +421,16 @@ mod v5 {
             }
             table::Lock::from_parts(
                 table::Holder {
-                    session: h.session,
-                    token: h.token,
-                    request: h.request,
-                    granted_at_ms: h.granted_at_ms,
+                    grant: table::Grant {
+                        session: h.session,
+                        token: h.token,
+                        request: h.request,
+                        granted_at_ms: h.granted_at_ms,
+                        attempt: h.attempt,
+                        lock_delay_ms: 0,
+                        shared: false,
+                    },
                     value: h.value.into(),
-                    attempt: h.attempt,
-                    lock_delay_ms: 0,
-                    shared: false,
                 },
                 waiters,
                 Vec::new(),
@@ -607,14 +611,16 @@ mod v2 {
                 .map(|(name, l)| {
                     let h = l.holder;
                     let holder = table::Holder {
-                        session: h.session,
-                        token: h.token,
-                        request: h.request,
-                        granted_at_ms: h.granted_at_ms,
+                        grant: table::Grant {
+                            session: h.session,
+                            token: h.token,
+                            request: h.request,
+                            granted_at_ms: h.granted_at_ms,
+                            attempt: 0,
+                            lock_delay_ms: 0,
+                            shared: false,
+                        },
                         value: h.value.into(),
-                        attempt: 0,
-                        lock_delay_ms: 0,
-                        shared: false,
                     };
                     let mut waiters = VecDeque::new();
                     for w in l.waiters.into_iter().flat_map(|q| q.into_iter()) {

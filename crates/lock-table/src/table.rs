@@ -39,13 +39,13 @@ pub(crate) struct Session {
     pub(crate) secret: u128,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Holder {
+/// One grant of a lock, without the value it carries (see [`Holder`]): 48 bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
     pub(crate) session: SessionId,
     pub(crate) token: FencingToken,
     pub(crate) request: RequestId,
     pub(crate) granted_at_ms: u64,
-    pub(crate) value: Value,
     /// The acquire call that last reported on this grant (see [`Command::AbandonAcquire`]).
     pub(crate) attempt: u64,
     /// The lock-delay the grant asked for ([`Command::WithLockDelay`]); 0: none. On a delayed lock's
@@ -53,6 +53,94 @@ pub(crate) struct Holder {
     pub(crate) lock_delay_ms: u32,
     /// Held shared ([`Share::Shared`]); a placeholder keeps its expired grant's mode.
     pub(crate) shared: bool,
+}
+
+/// A grant and the value its acquire carried. A [`Lock`] keeps its first holder's value apart from
+/// the grant (in the box the rare parts live in), so a lock is 56 bytes, a 64-byte malloc chunk
+/// instead of an 80-byte one. Encoded as one record, its fields in the order snapshots always had.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Holder {
+    pub(crate) grant: Grant,
+    pub(crate) value: Value,
+}
+
+impl std::ops::Deref for Holder {
+    type Target = Grant;
+    fn deref(&self) -> &Grant {
+        &self.grant
+    }
+}
+
+impl std::ops::DerefMut for Holder {
+    fn deref_mut(&mut self) -> &mut Grant {
+        &mut self.grant
+    }
+}
+
+/// [`Holder`] as encoded (format versions 6 to 8).
+#[derive(Serialize)]
+#[serde(rename = "Holder")]
+struct HolderOut<'a> {
+    session: SessionId,
+    token: FencingToken,
+    request: RequestId,
+    granted_at_ms: u64,
+    value: &'a Value,
+    attempt: u64,
+    lock_delay_ms: u32,
+    shared: bool,
+}
+
+impl<'a> HolderOut<'a> {
+    fn new(g: &Grant, value: &'a Value) -> HolderOut<'a> {
+        HolderOut {
+            session: g.session,
+            token: g.token,
+            request: g.request,
+            granted_at_ms: g.granted_at_ms,
+            value,
+            attempt: g.attempt,
+            lock_delay_ms: g.lock_delay_ms,
+            shared: g.shared,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename = "Holder")]
+struct HolderIn {
+    session: SessionId,
+    token: FencingToken,
+    request: RequestId,
+    granted_at_ms: u64,
+    value: Value,
+    attempt: u64,
+    lock_delay_ms: u32,
+    shared: bool,
+}
+
+impl Serialize for Holder {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        HolderOut::new(&self.grant, &self.value).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Holder {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let h = HolderIn::deserialize(d)?;
+        Ok(Holder {
+            grant: Grant {
+                session: h.session,
+                token: h.token,
+                request: h.request,
+                granted_at_ms: h.granted_at_ms,
+                attempt: h.attempt,
+                lock_delay_ms: h.lock_delay_ms,
+                shared: h.shared,
+            },
+            value: h.value,
+        })
+    }
 }
 
 /// The holder of a lock in its lock-delay: no session (ids are log indexes, never 0). Its token is the
@@ -76,20 +164,24 @@ pub(crate) struct Waiter {
 /// A lock exists in the table exactly while it has a holder (a session's, or [`NO_SESSION`] during a
 /// lock-delay); waiters exist only behind a holder.
 ///
-/// In memory a lock is its first holder and one pointer: most locks have one holder, no waiters and no
-/// permits, and then `rest` is `None`. Encoded as it always was: the holder, the queue (`None` when
-/// empty), the further holders (`None` when none) and the permits.
+/// In memory a lock is its first grant and one pointer (56 bytes): most locks have one holder with an
+/// empty value, no waiters and no permits, and then `rest` is `None`. Encoded as it always was: the
+/// holder (with its value), the queue (`None` when empty), the further holders (`None` when none) and
+/// the permits.
 #[derive(Clone, Debug)]
 pub(crate) struct Lock {
-    /// The oldest holder (inline: most locks have exactly one).
-    pub(crate) holder: Holder,
-    /// The queue, the further holders and the permits; `None` exactly when all three are empty (0).
+    /// The oldest grant (inline: most locks have exactly one); its value is in `rest`.
+    first: Grant,
+    /// The first holder's value, the queue, the further holders and the permits; `None` exactly when
+    /// all four are empty (0).
     rest: Option<Box<Rest>>,
 }
 
-/// What few locks have: waiters, several holders, permits.
+/// What few locks have: a value, waiters, several holders, permits.
 #[derive(Clone, Debug, Default)]
 struct Rest {
+    /// The first holder's value.
+    value: Value,
     /// The FIFO queue.
     waiters: VecDeque<Waiter>,
     /// Further holders in grant order: shared holders, or a semaphore's other permits.
@@ -98,11 +190,16 @@ struct Rest {
     permits: u32,
 }
 
+// A lock fills a 64-byte malloc chunk (8 bytes of it malloc's), not an 80-byte one.
+const _: () = assert!(std::mem::size_of::<Lock>() == 56);
+
 static NO_WAITERS: VecDeque<Waiter> = VecDeque::new();
+static NO_VALUE: Value = Value(None);
 
 impl PartialEq for Lock {
     fn eq(&self, other: &Lock) -> bool {
-        self.holder == other.holder
+        self.first == other.first
+            && self.first_value() == other.first_value()
             && self.waiters() == other.waiters()
             && self.more() == other.more()
             && self.permits() == other.permits()
@@ -123,8 +220,9 @@ impl Lock {
         permits: u32,
     ) -> Lock {
         let mut lock = Lock {
-            holder,
+            first: holder.grant,
             rest: Some(Box::new(Rest {
+                value: holder.value,
                 waiters,
                 more,
                 permits,
@@ -136,17 +234,52 @@ impl Lock {
 
     /// Drops `rest` when it holds nothing.
     fn tidy(&mut self) {
-        if self
-            .rest
-            .as_ref()
-            .is_some_and(|r| r.waiters.is_empty() && r.more.is_empty() && r.permits == 0)
-        {
+        if self.rest.as_ref().is_some_and(|r| {
+            r.value.is_empty() && r.waiters.is_empty() && r.more.is_empty() && r.permits == 0
+        }) {
             self.rest = None;
         }
     }
 
     fn rest_mut(&mut self) -> &mut Rest {
         self.rest.get_or_insert_with(Default::default)
+    }
+
+    /// The oldest grant.
+    pub(crate) fn first(&self) -> &Grant {
+        &self.first
+    }
+
+    /// The oldest grant's value.
+    pub(crate) fn first_value(&self) -> &Value {
+        self.rest.as_ref().map_or(&NO_VALUE, |r| &r.value)
+    }
+
+    /// Puts `h` in the place of the oldest grant, and returns that grant with its value.
+    pub(crate) fn replace_first(&mut self, h: Holder) -> Holder {
+        let grant = std::mem::replace(&mut self.first, h.grant);
+        let value = if h.value.is_empty() && self.rest.is_none() {
+            Value::default()
+        } else {
+            std::mem::replace(&mut self.rest_mut().value, h.value)
+        };
+        self.tidy();
+        Holder { grant, value }
+    }
+
+    /// Puts `h` in the place of the grant `session` holds (which exists), and returns that grant's
+    /// value.
+    pub(crate) fn replace_held(&mut self, session: SessionId, h: Holder) -> Value {
+        if self.first.session == session {
+            return self.replace_first(h).value;
+        }
+        let held = self
+            .rest
+            .iter_mut()
+            .flat_map(|r| r.more.iter_mut())
+            .find(|m| m.session == session)
+            .expect("the session holds it");
+        std::mem::replace(held, h).value
     }
 
     /// The FIFO queue.
@@ -206,9 +339,15 @@ impl Lock {
         self.rest.as_ref().map_or(0, |r| r.permits)
     }
 
-    /// Every holder, oldest grant first.
-    pub(crate) fn holders(&self) -> impl Iterator<Item = &Holder> {
-        std::iter::once(&self.holder).chain(self.more().iter())
+    /// Every holder's grant, oldest first.
+    pub(crate) fn holders(&self) -> impl Iterator<Item = &Grant> {
+        std::iter::once(&self.first).chain(self.more().iter().map(|h| &h.grant))
+    }
+
+    /// Every holder's grant and value, oldest first.
+    pub(crate) fn holders_with_values(&self) -> impl Iterator<Item = (&Grant, &Value)> {
+        std::iter::once((&self.first, self.first_value()))
+            .chain(self.more().iter().map(|h| (&h.grant, &h.value)))
     }
 
     pub(crate) fn holder_count(&self) -> usize {
@@ -216,22 +355,23 @@ impl Lock {
     }
 
     /// The grant `session` holds (never a placeholder's: [`NO_SESSION`] holds nothing).
-    pub(crate) fn held_by(&self, session: SessionId) -> Option<&Holder> {
+    pub(crate) fn held_by(&self, session: SessionId) -> Option<&Grant> {
         (session != NO_SESSION)
             .then(|| self.holders().find(|h| h.session == session))
             .flatten()
     }
 
-    fn held_by_mut(&mut self, session: SessionId) -> Option<&mut Holder> {
+    fn held_by_mut(&mut self, session: SessionId) -> Option<&mut Grant> {
         if session == NO_SESSION {
             return None;
         }
-        if self.holder.session == session {
-            return Some(&mut self.holder);
+        if self.first.session == session {
+            return Some(&mut self.first);
         }
         self.rest
             .iter_mut()
             .flat_map(|r| r.more.iter_mut())
+            .map(|h| &mut h.grant)
             .find(|h| h.session == session)
     }
 
@@ -242,7 +382,7 @@ impl Lock {
             self.holder_count() < permits as usize
         } else {
             // With several holders all are shared, so the first one says how the lock is held.
-            shared && self.holder.shared && self.holder_count() < MAX_HOLDERS_PER_LOCK
+            shared && self.first.shared && self.holder_count() < MAX_HOLDERS_PER_LOCK
         }
     }
 }
@@ -251,7 +391,7 @@ impl Lock {
 #[derive(Serialize)]
 #[serde(rename = "Lock")]
 struct LockOut<'a> {
-    holder: &'a Holder,
+    holder: HolderOut<'a>,
     waiters: Option<&'a VecDeque<Waiter>>,
     more: Option<&'a Vec<Holder>>,
     permits: u32,
@@ -270,7 +410,7 @@ impl Serialize for Lock {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let rest = self.rest.as_deref();
         LockOut {
-            holder: &self.holder,
+            holder: HolderOut::new(&self.first, self.first_value()),
             waiters: rest.map(|r| &r.waiters).filter(|w| !w.is_empty()),
             more: rest.map(|r| &r.more).filter(|m| !m.is_empty()),
             permits: self.permits(),
@@ -537,7 +677,7 @@ impl LockTable {
         began: Option<u64>,
         now_ms: u64,
     ) -> Outcome {
-        let placeholder = |h: &Holder| {
+        let placeholder = |h: &Grant| {
             h.session == NO_SESSION
                 && h.token == token
                 && began.is_none_or(|b| h.request == RequestId(b))
@@ -571,19 +711,20 @@ impl LockTable {
         now_ms: u64,
     ) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
-        let holder = lock.held_by_mut(session).expect("the session holds it");
-        let shared = holder.shared;
-        let freed = holder.value.len() as u64;
-        *holder = Holder {
-            session: NO_SESSION,
-            token,
-            request: RequestId(index),
-            granted_at_ms: now_ms,
+        let shared = lock.held_by(session).expect("the session holds it").shared;
+        let placeholder = Holder {
+            grant: Grant {
+                session: NO_SESSION,
+                token,
+                request: RequestId(index),
+                granted_at_ms: now_ms,
+                attempt: 0,
+                lock_delay_ms: delay_ms,
+                shared,
+            },
             value: Value::default(),
-            attempt: 0,
-            lock_delay_ms: delay_ms,
-            shared,
         };
+        let freed = lock.replace_held(session, placeholder).len() as u64;
         // The placeholder keeps the grant's charge but not its value.
         self.discharge(freed);
         self.changed(name, ChangeKind::Delayed, NO_SESSION, Some(token));
@@ -1003,14 +1144,16 @@ impl LockTable {
                     "tokens strictly increase per lock"
                 );
                 let holder = Holder {
-                    session: session_id,
-                    token,
-                    request,
-                    granted_at_ms: now_ms,
+                    grant: Grant {
+                        session: session_id,
+                        token,
+                        request,
+                        granted_at_ms: now_ms,
+                        attempt,
+                        lock_delay_ms: self.acquire_lock_delay,
+                        shared,
+                    },
                     value: value.into(),
-                    attempt,
-                    lock_delay_ms: self.acquire_lock_delay,
-                    shared,
                 };
                 let lock = self.locks.get_mut(name).expect("matched above");
                 lock.push_holder(holder);
@@ -1029,14 +1172,16 @@ impl LockTable {
             None => {
                 let token = FencingToken(index);
                 let holder = Holder {
-                    session: session_id,
-                    token,
-                    request,
-                    granted_at_ms: now_ms,
+                    grant: Grant {
+                        session: session_id,
+                        token,
+                        request,
+                        granted_at_ms: now_ms,
+                        attempt,
+                        lock_delay_ms: self.acquire_lock_delay,
+                        shared,
+                    },
                     value: value.into(),
-                    attempt,
-                    lock_delay_ms: self.acquire_lock_delay,
-                    shared,
                 };
                 self.locks
                     .insert(name.clone(), Box::new(Lock::new(holder, permits)));
@@ -1053,8 +1198,8 @@ impl LockTable {
                 Outcome::Granted { token }
             }
             Some(lock) if mode == AcquireMode::Try => Outcome::Refused(Refusal::Held {
-                holder: lock.holder.session,
-                token: lock.holder.token,
+                holder: lock.first().session,
+                token: lock.first().token,
             }),
             Some(lock) if lock.waiters().len() >= MAX_WAITERS_PER_LOCK => {
                 Outcome::Refused(Refusal::LimitExceeded(Limit::WaitersPerLock))
@@ -1245,19 +1390,19 @@ impl LockTable {
         &mut self,
         index: u64,
         name: &LockName,
-        which: impl Fn(&Holder) -> bool,
+        which: impl Fn(&Grant) -> bool,
         now_ms: u64,
     ) {
         let lock = self.locks.get_mut(name).expect("a held lock exists");
         if lock.holder_count() > 1 {
-            let removed = if which(&lock.holder) {
-                let first = lock.remove_more(0);
-                std::mem::replace(&mut lock.holder, first)
+            let removed = if which(lock.first()) {
+                let next = lock.remove_more(0);
+                lock.replace_first(next)
             } else {
                 let at = lock
                     .more()
                     .iter()
-                    .position(&which)
+                    .position(|h| which(h))
                     .expect("the holder to remove");
                 lock.remove_more(at)
             };
@@ -1265,16 +1410,17 @@ impl LockTable {
             self.promote(index, name, now_ms);
             return;
         }
-        assert!(which(&lock.holder), "the holder to remove");
+        assert!(which(lock.first()), "the holder to remove");
         // The last holder left: the lock goes, unless a waiter takes it (and those behind that fit).
         let mut lock = self.locks.remove(name).expect("a held lock exists");
-        self.discharge(grant_bytes(&lock.holder.value));
+        self.discharge(grant_bytes(lock.first_value()));
         let Some(next) = lock.pop_waiter() else {
             self.discharge(lock_bytes(name));
             return;
         };
-        let previous = lock.holder.token;
-        lock.holder = self.grant_waiter(index, name, next, previous, now_ms);
+        let previous = lock.first().token;
+        let holder = self.grant_waiter(index, name, next, previous, now_ms);
+        lock.replace_first(holder);
         self.locks.insert(name.clone(), lock);
         self.promote(index, name, now_ms);
     }
@@ -1344,14 +1490,16 @@ impl LockTable {
             token,
         });
         Holder {
-            session: next.session,
-            token,
-            request: next.request,
-            granted_at_ms: now_ms,
+            grant: Grant {
+                session: next.session,
+                token,
+                request: next.request,
+                granted_at_ms: now_ms,
+                attempt: next.attempt,
+                lock_delay_ms: next.lock_delay_ms,
+                shared: next.shared,
+            },
             value: next.value,
-            attempt: next.attempt,
-            lock_delay_ms: next.lock_delay_ms,
-            shared: next.shared,
         }
     }
 
@@ -1566,7 +1714,10 @@ impl LockTable {
             .iter()
             .map(|(name, lock)| {
                 lock_bytes(name)
-                    + lock.holders().map(|h| grant_bytes(&h.value)).sum::<u64>()
+                    + lock
+                        .holders_with_values()
+                        .map(|(_, v)| grant_bytes(v))
+                        .sum::<u64>()
                     + lock
                         .waiters()
                         .iter()
@@ -1604,12 +1755,12 @@ impl LockTable {
     }
 }
 
-fn holder_view(h: &Holder) -> HolderView {
+fn holder_view(h: &Grant, value: &Value) -> HolderView {
     HolderView {
         session: h.session,
         token: h.token,
         granted_at_ms: h.granted_at_ms,
-        value: h.value.to_boxed(),
+        value: value.to_boxed(),
         lock_delay_ms: h.lock_delay_ms,
         shared: h.shared,
     }
@@ -1618,8 +1769,12 @@ fn holder_view(h: &Holder) -> HolderView {
 fn lock_view(name: &LockName, lock: &Lock) -> LockView {
     LockView {
         name: name.clone(),
-        holder: holder_view(&lock.holder),
-        more: lock.more().iter().map(holder_view).collect(),
+        holder: holder_view(lock.first(), lock.first_value()),
+        more: lock
+            .more()
+            .iter()
+            .map(|h| holder_view(&h.grant, &h.value))
+            .collect(),
         waiters: lock
             .waiters()
             .iter()
