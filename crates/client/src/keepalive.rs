@@ -117,9 +117,10 @@ fn ids_and_secrets(
     chunk: &[&Arc<SessionInner>],
     members: &[usize],
     group: u32,
-) -> (Vec<u64>, Vec<Vec<u8>>) {
+) -> (Vec<u64>, Vec<prost::bytes::Bytes>) {
     let parts = members.iter().filter_map(|&i| chunk[i].in_group(group));
-    let (ids, secrets): (Vec<u64>, Vec<Vec<u8>>) = parts.map(|p| (p.id, p.secret.clone())).unzip();
+    let (ids, secrets): (Vec<u64>, Vec<prost::bytes::Bytes>) =
+        parts.map(|p| (p.id, p.secret.clone())).unzip();
     // Sessions opened by a server that gave no secrets send none.
     if secrets.iter().all(|s| s.is_empty()) {
         (ids, Vec::new())
@@ -426,7 +427,7 @@ async fn round(
     streams: &mut BTreeMap<u32, Stream>,
     group: u32,
     ids: Vec<u64>,
-    secrets: Vec<Vec<u8>>,
+    secrets: Vec<prost::bytes::Bytes>,
 ) -> Result<Vec<Option<Duration>>, String> {
     let n = ids.len();
     let request = pb::KeepAliveRequest {

@@ -50,7 +50,8 @@ pub(crate) struct GroupSession {
     pub(crate) id: u64,
     /// Empty for a server that gave none: sent with every request that acts on the session, and
     /// never shown.
-    pub(crate) secret: Vec<u8>,
+    /// Shared, not copied, into every keepalive that renews this part.
+    pub(crate) secret: prost::bytes::Bytes,
 }
 
 /// A session: one per group it is used in under the hood (opened at the first use), renewed together.
@@ -300,7 +301,7 @@ impl SessionInner {
 
     /// The secret to send with a request on `group` (empty if not open there: the server refuses).
     pub(crate) fn secret_in(&self, group: u32) -> &[u8] {
-        self.in_group(group).map_or(&[], |g| &g.secret)
+        self.in_group(group).map_or(&[], |g| &g.secret[..])
     }
 
     /// A keepalive round sent at `sent` renewed the session's parts in the groups of `covered` (bit g:
@@ -372,7 +373,7 @@ impl SessionInner {
         let granted = Duration::from_millis(r.ttl_ms);
         let part = GroupSession {
             id: r.session_id,
-            secret: r.session_secret,
+            secret: r.session_secret.into(),
         };
         if let Err(lost) = self.join(group, sent, sent_wall_ms, granted) {
             // Best effort: otherwise its TTL ends it, as it would any session renewed no more.
@@ -813,7 +814,7 @@ mod tests {
         s.join(group as u32, sent, 0, ttl).unwrap();
         let part = GroupSession {
             id: group as u64 + 1,
-            secret: Vec::new(),
+            secret: prost::bytes::Bytes::new(),
         };
         assert!(s.groups[group].set(part).is_ok());
     }

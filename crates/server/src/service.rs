@@ -250,7 +250,7 @@ impl ClientService {
         &self,
         group: u32,
         session_ids: &[u64],
-        session_secrets: &[Vec<u8>],
+        session_secrets: &[prost::bytes::Bytes],
     ) -> Result<Vec<pb::KeepAliveResult>, Status> {
         let group = self.group(group)?;
         if !group.can_renew() {

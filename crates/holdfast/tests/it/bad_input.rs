@@ -63,7 +63,7 @@ async fn every_error_reason_is_returned_and_changes_nothing() {
     };
     let keep = {
         let mut raw = raw.clone();
-        let secrets = vec![a_secret.clone(), b_secret.clone()];
+        let secrets = vec![a_secret.clone().into(), b_secret.clone().into()];
         tokio::spawn(async move {
             loop {
                 let _ = raw

@@ -338,7 +338,7 @@ async fn an_isolated_old_leader_neither_grants_nor_answers_reads() {
         .keep_alive(KeepAliveRequest {
             group: 0,
             session_ids: vec![session.ids()[0]],
-            session_secrets: session.secrets()[..1].to_vec(),
+            session_secrets: vec![session.secrets()[0].clone().into()],
             ..Default::default()
         })
         .await;

@@ -65,7 +65,10 @@ async fn a_wrong_secret_is_refused_by_every_session_rpc_and_changes_nothing() {
                 raw.keep_alive(KeepAliveRequest {
                     group: 0,
                     session_ids: vec![other.session_id, a],
-                    session_secrets: vec![other.session_secret.clone(), wrong.clone()],
+                    session_secrets: vec![
+                        other.session_secret.clone().into(),
+                        wrong.clone().into(),
+                    ],
                     ..Default::default()
                 })
                 .await,
@@ -128,7 +131,7 @@ async fn a_wrong_secret_is_refused_by_every_session_rpc_and_changes_nothing() {
         .keep_alive(KeepAliveRequest {
             group: 0,
             session_ids: vec![a],
-            session_secrets: vec![secret.clone()],
+            session_secrets: vec![secret.clone().into()],
             ..Default::default()
         })
         .await
