@@ -1602,6 +1602,19 @@ impl LockTable {
         let mut waiters = 0u64;
         assert!(!self.sessions.contains_key(&NO_SESSION), "no session 0");
         for (name, lock) in &self.locks {
+            assert_eq!(
+                lock.rest.is_none(),
+                lock.first_value().is_empty()
+                    && lock.waiters().is_empty()
+                    && lock.more().is_empty()
+                    && lock.permits() == 0,
+                "{name}: the box of rare parts exists exactly when one of them is there"
+            );
+            assert!(
+                lock.holders_with_values()
+                    .all(|(h, v)| h.session != NO_SESSION || v.is_empty()),
+                "{name}: a lock-delay placeholder has no value"
+            );
             let mut holding = BTreeSet::new();
             let mut delays = BTreeSet::new();
             for holder in lock.holders() {

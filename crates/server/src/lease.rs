@@ -16,7 +16,8 @@
 use holdfast_lock_table::{Delay, Event, FencingToken, LockName, SessionId};
 use std::cmp::Reverse;
 // Hash maps, not B-trees, on the keepalive path (a lookup per renewal, 100,000 sessions). Only looked
-// up: the heap rebuilt from `timers` pops in (deadline, id) order whatever order it was built in.
+// up, never iterated where order matters: the heap pops in (deadline, id) order whatever order its
+// entries were pushed in.
 #[allow(clippy::disallowed_types)]
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Mutex;
@@ -42,7 +43,8 @@ struct State {
     /// The term this server leads in, once it is ready to time sessions.
     leading: Option<u64>,
     timers: HashMap<SessionId, Timer>,
-    /// One entry per live timer, at or before its deadline: a keepalive only moves the timer's
+    /// One entry at or before its deadline per timer that may still come due (none for one whose
+    /// expiry is proposed, until [`Leases::retry_expiry`]): a keepalive only moves the timer's
     /// deadline, and [`Leases::take_due`] puts an entry that comes due for a renewed session back at
     /// the new deadline. So a renewal costs a hash lookup and no heap work, and each session's entry is
     /// popped and pushed once per TTL instead of once per renewal (with 100,000 sessions the stale
@@ -84,7 +86,7 @@ pub enum KeepAliveRefused {
 /// The answer to one session's keepalive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeepAlive {
-    /// Alive; the TTL restarted now.
+    /// Alive; the TTL restarted now (or runs out later still).
     Alive { ttl_ms: u64 },
     /// Unknown, closed, or its expiry is already proposed.
     Gone,
@@ -330,10 +332,12 @@ impl Leases {
     }
 
     /// An expiry proposal failed for a reason other than losing leadership: propose again at `at`. The
-    /// session stays expiring (it may have committed), so it is still never renewed.
+    /// session stays expiring (it may have committed), so it is still never renewed. A timer that is
+    /// not expiring was started again since (this server lost and regained leadership: the new term's
+    /// barrier settled the old proposal, and the session has a full fresh TTL): left alone.
     pub fn retry_expiry(&self, id: SessionId, at: Instant) {
         let mut s = self.lock();
-        if let Some(t) = s.timers.get_mut(&id) {
+        if let Some(t) = s.timers.get_mut(&id).filter(|t| t.expiring) {
             t.retry = true;
             t.deadline = at;
             s.heap.push(Reverse((at, id)));
@@ -497,6 +501,49 @@ mod tests {
             .is_empty());
         assert_eq!(
             leases.take_due(t1 + Duration::from_millis(5_000)),
+            vec![SessionId(1)]
+        );
+    }
+
+    /// A failed expiry proposal whose retry arrives after this server lost and regained leadership
+    /// changes nothing: the new term gave the session a full fresh TTL, and it keeps it.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_from_an_earlier_term_does_not_cut_a_fresh_ttl_short() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(1, [(SessionId(1), 5_000, 0)].into_iter(), Vec::new(), t0);
+        assert_eq!(
+            leases.take_due(t0 + Duration::from_secs(5)),
+            vec![SessionId(1)]
+        );
+        leases.stop_leading();
+        let t1 = t0 + Duration::from_secs(6);
+        leases.start_leading(2, [(SessionId(1), 5_000, 0)].into_iter(), Vec::new(), t1);
+        leases.retry_expiry(SessionId(1), t1 + Duration::from_millis(500));
+        assert!(leases
+            .take_due(t1 + Duration::from_millis(4_999))
+            .is_empty());
+        assert_eq!(
+            leases.take_due(t1 + Duration::from_secs(5)),
+            vec![SessionId(1)]
+        );
+    }
+
+    /// Two keepalives that take the lock in the other order than they read the clock: the deadline
+    /// stays at the later one's.
+    #[tokio::test(start_paused = true)]
+    async fn an_older_clock_reading_never_moves_a_deadline_earlier() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(1, [(SessionId(1), 5_000, 0)].into_iter(), Vec::new(), t0);
+        let later = t0 + Duration::from_secs(2);
+        assert!(alive(&leases, 1, later).is_some());
+        assert!(alive(&leases, 1, t0 + Duration::from_secs(1)).is_some());
+        assert!(leases
+            .take_due(later + Duration::from_millis(4_999))
+            .is_empty());
+        assert_eq!(
+            leases.take_due(later + Duration::from_secs(5)),
             vec![SessionId(1)]
         );
     }
