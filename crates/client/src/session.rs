@@ -289,6 +289,13 @@ impl SessionInner {
         self.lease.borrow().valid_until
     }
 
+    /// The earliest time the keepalive task must look at this session again: when it is due, or when
+    /// its lease runs out (whichever is first).
+    pub(crate) fn next_look(&self) -> Instant {
+        let l = self.lease.borrow();
+        l.next_due.min(l.valid_until)
+    }
+
     pub(crate) fn is_due(&self, now: Instant) -> bool {
         let l = self.lease.borrow();
         l.lost.is_none() && now >= l.next_due
@@ -328,10 +335,12 @@ impl SessionInner {
             l.renewed_sent_wall_ms = l.renewed_sent_wall_ms.max(wall);
             l.next_due = due;
         });
+        self.client.inner().registry.poke();
     }
 
     pub(crate) fn retry_soon(&self, at: Instant) {
         self.lease.send_modify(|l| l.next_due = at);
+        self.client.inner().registry.poke();
     }
 
     pub(crate) fn mark_lost(&self, why: String) {
@@ -413,6 +422,8 @@ impl SessionInner {
             l.ttl = Some(l.ttl.map_or(granted, |t| t.min(granted)));
             l.opened[group as usize] = Some((end, sent_wall_ms, due));
         });
+        // Every change to a lease pokes the keepalive task, which then looks at once.
+        self.client.inner().registry.poke();
         refused.map_or(Ok(()), Err)
     }
 

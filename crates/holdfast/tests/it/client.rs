@@ -104,9 +104,17 @@ async fn many_sessions_of_one_client_share_keepalive_messages() {
     }
     let leader = c.wait_for_leader(0, Duration::from_secs(30)).await;
     let before = c.metrics(leader).await;
+    let looks_before = client.keepalive_looks();
     // Three TTLs: every session must be renewed about nine times to stay alive.
     tokio::time::sleep(ttl * 3).await;
     let after = c.metrics(leader).await;
+    // The task ticks every 100 ms (90 ticks), but looks at the sessions only after a round and when
+    // one is due: about twice a round, a round a second.
+    let looks = client.keepalive_looks() - looks_before;
+    assert!(
+        looks <= 45,
+        "the keepalive task looked {looks} times in 90 ticks"
+    );
     for s in &sessions {
         assert!(s.is_valid(), "a session lost its lease");
     }
