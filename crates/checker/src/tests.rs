@@ -305,6 +305,51 @@ fn an_expiry_before_the_last_renewal_plus_ttl_violates_p6() {
     assert!(v.iter().any(|v| v.starts_with("P6")), "{v:?}");
 }
 
+/// A batched expiry (`ExpireSessions`) counts for P6 like one `ExpireSession` per session, and for P1 it
+/// frees every lock of its sessions, so the waiter it grants is the one holder.
+#[test]
+fn a_batched_expiry_is_checked_per_session_and_frees_every_lock_it_ends() {
+    let log = table_log(&[
+        open(1).command,
+        open(2).command,
+        open(3).command,
+        acquire(4, 1, "a", granted(4)).command,
+        acquire(5, 2, "b", granted(5)).command,
+        acquire(6, 3, "a", granted(6)).command,
+        Command::ExpireSessions {
+            sessions: vec![SessionId(1), SessionId(2)],
+            now_ms: 10_000,
+        },
+    ]);
+    assert!(log[6].events.iter().any(|e| matches!(
+        e,
+        Event::Granted {
+            session: SessionId(3),
+            ..
+        }
+    )));
+    let lost = |session: u64, renewed: u64| Op {
+        op: "lost".into(),
+        session: Some(session),
+        renewed_sent_ms: Some(renewed),
+        ttl_ms: Some(3_000),
+        result: "ok".into(),
+        ..Op::default()
+    };
+    let report = check(&[lost(1, 7_000), lost(2, 7_000)], &[(1, log.clone())], &[]);
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert_eq!(report.expiries_checked, 2);
+    let report = check(&[lost(1, 7_000), lost(2, 7_500)], &[(1, log)], &[]);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.starts_with("P6: session 2")),
+        "{:?}",
+        report.violations
+    );
+}
+
 #[test]
 fn a_describe_that_misses_a_completed_grant_is_not_linearizable() {
     let (mut h, log, store) = good();

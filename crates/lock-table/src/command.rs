@@ -187,6 +187,20 @@ pub enum Command {
     /// so that a log written before budgets existed replays to the same outcomes. The leader proposes
     /// it when its configured budget differs from the table's (`--table-budget-mib`).
     SetTableBudget { bytes: u64, now_ms: u64 },
+    /// Several sessions' leases ran out: each is expired as by [`Command::ExpireSession`], except that
+    /// every one of their waits is removed before any of their locks is released, so that no session of
+    /// the batch is granted a lock by this entry (every grant of one entry has the same token). Refused
+    /// whole ([`Limit::ExpiryBatch`]) with more than [`crate::limits::MAX_EXPIRY_BATCH`] sessions, more
+    /// than [`crate::limits::MAX_LOCKS_PER_SESSION`] locks and waits among them (with more than one
+    /// session), or two of them holding one lock (their lock-delays would share a name); the leader then
+    /// expires them one entry each. Outcome: [`Outcome::SessionClosed`] with the locks released by all.
+    /// Unknown sessions (ended meanwhile) are skipped. Written only when every member of the group reads
+    /// it (the leader learns that from their replies), so a cluster half way through an upgrade keeps
+    /// expiring one session an entry.
+    ExpireSessions {
+        sessions: Vec<SessionId>,
+        now_ms: u64,
+    },
 }
 
 /// A lock-delay under way, as a leader times it ([`crate::LockTable::delayed_locks`],
@@ -318,6 +332,7 @@ impl Command {
             | Command::EndLockDelay { now_ms, .. }
             | Command::EndLockDelayAt { now_ms, .. }
             | Command::SetTableBudget { now_ms, .. }
+            | Command::ExpireSessions { now_ms, .. }
             | Command::OpenSessionWithSecret { now_ms, .. } => *now_ms,
             Command::Authorized { command, .. }
             | Command::Quota { command, .. }
@@ -426,6 +441,8 @@ pub enum Limit {
     WaitersPerLock,
     Sessions,
     Locks,
+    /// A [`Command::ExpireSessions`] too large, or with two sessions holding one lock.
+    ExpiryBatch,
 }
 
 impl Limit {
@@ -436,6 +453,7 @@ impl Limit {
             Limit::WaitersPerLock => "max_waiters_per_lock",
             Limit::Sessions => "max_sessions",
             Limit::Locks => "max_locks",
+            Limit::ExpiryBatch => "max_expiry_batch",
         }
     }
 
@@ -446,6 +464,7 @@ impl Limit {
             Limit::WaitersPerLock => MAX_WAITERS_PER_LOCK,
             Limit::Sessions => MAX_SESSIONS,
             Limit::Locks => MAX_LOCKS,
+            Limit::ExpiryBatch => MAX_EXPIRY_BATCH,
         }
     }
 }

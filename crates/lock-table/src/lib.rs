@@ -51,3 +51,6 @@ mod shared_tests;
 
 #[cfg(test)]
 mod budget_tests;
+
+#[cfg(test)]
+mod expiry_tests;

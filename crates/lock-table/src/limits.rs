@@ -21,6 +21,12 @@ pub const DEFAULT_TTL_MS: u64 = 10_000;
 /// entry releases them all) and stops one client from filling the table.
 pub const MAX_LOCKS_PER_SESSION: usize = 10_000;
 
+/// Sessions one [`crate::Command::ExpireSessions`] entry may expire. Together with its bound on work (at
+/// most [`MAX_LOCKS_PER_SESSION`] locks and waits in all, what one session's expiry may release) it keeps
+/// one entry's apply as short as one session's expiry; a mass expiry (a client fleet gone at once) then
+/// takes one entry per thousand sessions instead of one per session.
+pub const MAX_EXPIRY_BATCH: usize = 1_000;
+
 /// Waiters in one lock's FIFO queue. Beyond this a lock is badly contended and queuing longer only
 /// grows latency; the client gets a clear error and can back off.
 pub const MAX_WAITERS_PER_LOCK: usize = 1_000;

@@ -10,9 +10,9 @@ use crate::command::{
 use crate::cow::SnapMap;
 use crate::dedup::Window;
 use crate::limits::{
-    DEDUP_WINDOW, GRANT_BYTES, LOCK_BYTES, MAX_HOLDERS_PER_LOCK, MAX_LOCKS, MAX_LOCKS_PER_SESSION,
-    MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK, MIN_TTL_MS,
-    OPEN_NONCE_WINDOW, SESSION_BYTES,
+    DEDUP_WINDOW, GRANT_BYTES, LOCK_BYTES, MAX_EXPIRY_BATCH, MAX_HOLDERS_PER_LOCK, MAX_LOCKS,
+    MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK,
+    MIN_TTL_MS, OPEN_NONCE_WINDOW, SESSION_BYTES,
 };
 use crate::types::{FencingToken, LockName, RequestId, SessionId};
 use serde::{Deserialize, Serialize};
@@ -572,6 +572,9 @@ impl LockTable {
             Command::ExpireSession { session, now_ms } => {
                 self.end_session(index, *session, ChangeKind::Expired, *now_ms)
             }
+            Command::ExpireSessions { sessions, now_ms } => {
+                self.expire_sessions(index, sessions, *now_ms)
+            }
             Command::AcquireBeforeAttempts {
                 session,
                 request,
@@ -999,9 +1002,91 @@ impl LockTable {
         how: ChangeKind,
         now_ms: u64,
     ) -> Outcome {
-        let Some(ended) = self.sessions.remove(&session) else {
+        let Some(ended) = self.end_waits(session) else {
             return Outcome::Refused(Refusal::UnknownSession);
         };
+        // A wait that left the front may let the next ones in (a writer leaving from before readers).
+        // The session's own holds are still in place, so its lock-delays are not yet decided.
+        for name in ended.waiting.keys() {
+            self.promote(index, name, now_ms);
+        }
+        let released = self.end_holds(index, session, &ended, how, now_ms);
+        Outcome::SessionClosed { released }
+    }
+
+    /// [`Command::ExpireSessions`]: every session's waits go before any of their holds, so that no
+    /// session of the batch is granted a lock by this entry (its grants all have one token).
+    fn expire_sessions(&mut self, index: u64, ids: &[SessionId], now_ms: u64) -> Outcome {
+        if !self.fits_expiry_batch(ids) {
+            return Outcome::Refused(Refusal::LimitExceeded(Limit::ExpiryBatch));
+        }
+        let ended: Vec<(SessionId, Box<Session>)> = ids
+            .iter()
+            .filter_map(|&id| Some((id, self.end_waits(id)?)))
+            .collect();
+        for (_, s) in &ended {
+            for name in s.waiting.keys() {
+                self.promote(index, name, now_ms);
+            }
+        }
+        let mut released = 0;
+        for (id, s) in &ended {
+            released += self.end_holds(index, *id, s, ChangeKind::Expired, now_ms);
+        }
+        Outcome::SessionClosed { released }
+    }
+
+    /// `ids` (sessions whose leases ran out) split into the fewest [`Command::ExpireSessions`] batches
+    /// that this table would apply, in order: each session once, unknown ones left out. A leader sizes
+    /// its batches with it; if the table changes before a batch is applied, the batch may be refused.
+    pub fn expiry_batches(&self, ids: &[SessionId]) -> Vec<Vec<SessionId>> {
+        let mut batches: Vec<Vec<SessionId>> = Vec::new();
+        let (mut work, mut held) = (0, BTreeSet::new());
+        for id in ids {
+            let Some(s) = self.sessions.get(id) else {
+                continue;
+            };
+            let load = s.held.len() + s.waiting.len();
+            let fits = batches.last().is_some_and(|b| {
+                b.len() < MAX_EXPIRY_BATCH
+                    && work + load <= MAX_LOCKS_PER_SESSION
+                    && !b.contains(id)
+                    && s.held.iter().all(|n| !held.contains(n))
+            });
+            if !fits {
+                batches.push(Vec::new());
+                (work, held) = (0, BTreeSet::new());
+            }
+            batches.last_mut().expect("pushed above").push(*id);
+            work += load;
+            held.extend(s.held.iter());
+        }
+        batches
+    }
+
+    /// Whether `ids` may be expired by one entry (see [`Command::ExpireSessions`]).
+    fn fits_expiry_batch(&self, ids: &[SessionId]) -> bool {
+        if ids.len() > MAX_EXPIRY_BATCH {
+            return false;
+        }
+        let mut work = 0;
+        let mut held = BTreeSet::new();
+        for id in ids {
+            let Some(s) = self.sessions.get(id) else {
+                continue;
+            };
+            work += s.held.len() + s.waiting.len();
+            if s.held.iter().any(|name| !held.insert(name)) {
+                return false;
+            }
+        }
+        ids.len() <= 1 || work <= MAX_LOCKS_PER_SESSION
+    }
+
+    /// Ends `session` (if it exists) and removes its waits, each with its event and change; returns it,
+    /// with its holds still in place.
+    fn end_waits(&mut self, session: SessionId) -> Option<Box<Session>> {
+        let ended = self.sessions.remove(&session)?;
         self.discharge(SESSION_BYTES);
         if let Some(owner) = self.owners.remove(&session) {
             // Derived counters: `check_invariants` recounts them; never stop a replica over them.
@@ -1028,11 +1113,18 @@ impl LockTable {
             });
             self.changed(name, ChangeKind::Cancelled, session, None);
         }
-        // A wait that left the front may let the next ones in (a writer leaving from before readers).
-        // The session's own holds are still in place, so its lock-delays are not yet decided.
-        for name in ended.waiting.keys() {
-            self.promote(index, name, now_ms);
-        }
+        Some(ended)
+    }
+
+    /// Releases (or, for an expiry with a lock-delay, delays) every lock `ended` held; returns how many.
+    fn end_holds(
+        &mut self,
+        index: u64,
+        session: SessionId,
+        ended: &Session,
+        how: ChangeKind,
+        now_ms: u64,
+    ) -> u32 {
         let released = ended.held.len() as u32;
         for name in &ended.held {
             let holder = self.locks[name]
@@ -1047,7 +1139,7 @@ impl LockTable {
             }
         }
         self.events.push(Event::SessionEnded { session });
-        Outcome::SessionClosed { released }
+        released
     }
 
     /// The outcome a retried request gets, if `request` was seen before; `None` for a new request.

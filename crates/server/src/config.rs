@@ -72,6 +72,9 @@ pub struct ServerConfig {
     /// a test can check that leaders fall back to one AppendEntries call at a time. Hidden flag only.
     #[serde(skip)]
     pub compat_no_append_stream: bool,
+    /// Test hook: answer as a server older than `Command::ExpireSessions` (report no features, and
+    /// expire one session an entry).
+    pub compat_no_expire_sessions: bool,
     /// WAL segment size (default 64 MiB). A test hook (small segments rotate in a short test), set by a
     /// hidden flag only.
     #[serde(skip)]
@@ -151,6 +154,7 @@ impl Default for ServerConfig {
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
             compat_no_append_stream: false,
+            compat_no_expire_sessions: false,
             wal_segment_bytes: None,
             audit_log: false,
             rng_seed: None,

@@ -34,6 +34,12 @@ use std::collections::{BTreeMap, BTreeSet};
 /// The peer message format this server speaks (`PeerHeader.format`).
 pub const PEER_FORMAT: u32 = 1;
 
+/// `AppendEntriesReply.features`: this server's lock table applies `Command::ExpireSessions`.
+pub const FEATURE_EXPIRE_SESSIONS: u64 = 1;
+
+/// Every feature bit this release reports.
+pub const FEATURES: u64 = FEATURE_EXPIRE_SESSIONS;
+
 /// WAL record kinds (see the module table).
 pub mod kind {
     pub const LEGACY_ENTRY: u8 = 1;

@@ -158,7 +158,18 @@ pub struct Group {
     /// The memory budget this server's configuration gives the group's table (0: none); a leader puts
     /// it into the log when the table's differs.
     table_budget: u64,
+    /// What the other servers said they read; `None` with `--compat-no-expire-sessions` (this server
+    /// acts as one older than batched expiries).
+    peer_features: Option<crate::peer::PeerFeatures>,
+    /// Held while expiry batches are proposed, so that they go into the log one at a time.
+    expiring: tokio::sync::Mutex<()>,
 }
+
+/// How long the expiry task waits, once something came due, before it looks: every session that comes
+/// due meanwhile goes into the same batch, and the heap entries of sessions renewed since they were
+/// pushed go back in bulk instead of one wake-up each. Expiries and lock-delay ends happen up to this
+/// much later than their deadlines, never earlier.
+const EXPIRY_GATHER: Duration = Duration::from_millis(50);
 
 /// A just-elected leader refuses requests until a quorum has acknowledged it (LeaseExpired, no leader
 /// id): a reason to wait briefly here, not to send the client elsewhere.
@@ -190,6 +201,10 @@ impl Drop for HandOverEnds<'_> {
 }
 
 impl Group {
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the parts node.rs builds for each group, and the configuration"
+    )]
     pub fn new(
         id: u32,
         raft: Raft,
@@ -198,6 +213,7 @@ impl Group {
         waiters: Arc<Waiters>,
         log_bytes: Arc<std::sync::atomic::AtomicU64>,
         config: &ServerConfig,
+        peer_features: crate::peer::PeerFeatures,
     ) -> Self {
         let metrics_rx = raft.metrics();
         // Followers refuse to vote for a new leader until election_timeout_max after they last heard the
@@ -218,6 +234,8 @@ impl Group {
             hand_over_ended: Default::default(),
             log_bytes,
             table_budget: config.group_table_budget(),
+            peer_features: (!config.compat_no_expire_sessions).then_some(peer_features),
+            expiring: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -676,6 +694,7 @@ impl Group {
                 _ = self.leases.wake.notified() => continue,
                 _ = shutdown.changed() => return,
             }
+            tokio::time::sleep(EXPIRY_GATHER).await;
             // A stalled process runs nothing: in the simulation this loop waits out a clock stall
             // (`crate::skew`), then finds every deadline that passed meanwhile due at once.
             #[cfg(holdfast_sim)]
@@ -712,39 +731,128 @@ impl Group {
                     }
                 });
             }
-            for session in self.leases.take_due(Instant::now()) {
-                let group = self.clone();
-                tokio::spawn(async move {
-                    let command = Command::ExpireSession {
-                        session,
-                        now_ms: crate::now_ms(),
-                    };
-                    match group.propose(command).await {
-                        Ok(outcome) => {
-                            group.metrics.expiries.inc();
-                            tracing::info!(
-                                group = group.id,
-                                session = session.0,
-                                ?outcome,
-                                "session expired"
-                            );
-                        }
-                        Err(ProposeError::NotLeader(Some(_))) => {}
-                        // As for lock-delays above: a lease that lapsed within the term gets no new
-                        // start_leading, so retry (a no-op once this server stops leading).
-                        Err(e) => {
-                            tracing::warn!(
-                                group = group.id,
-                                session = session.0,
-                                ?e,
-                                "expiry not committed; will retry"
-                            );
-                            group
-                                .leases
-                                .retry_expiry(session, Instant::now() + Duration::from_millis(500));
-                        }
+            let due = self.leases.take_due(Instant::now());
+            if due.is_empty() {
+                continue;
+            }
+            if self.expires_in_batches() {
+                tokio::spawn(self.clone().expire_in_batches(due));
+            } else {
+                for session in due {
+                    tokio::spawn(self.clone().expire_one(session));
+                }
+            }
+        }
+    }
+
+    /// Whether every other member of the group reads `Command::ExpireSessions` (its latest
+    /// AppendEntries reply said so), and this server is not acting as one older than it.
+    fn expires_in_batches(&self) -> bool {
+        let Some(features) = &self.peer_features else {
+            return false;
+        };
+        let m = self.metrics_rx.borrow_watched();
+        let me = m.id;
+        let others = m
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, _)| *id)
+            .filter(|&id| id != me)
+            .collect::<Vec<_>>();
+        features.all_have(others, crate::formats::FEATURE_EXPIRE_SESSIONS)
+    }
+
+    /// Expires `due` in `Command::ExpireSessions` entries sized by the table
+    /// ([`holdfast_lock_table::LockTable::expiry_batches`]: at most 1,000 sessions and 10,000 locks and
+    /// waits an entry), one entry at a time: each is committed before the next is proposed, so a mass
+    /// expiry (a fleet of clients gone at once) leaves room in the log for everything else, as etcd
+    /// limits its lease revocations. A batch the table refuses (it changed since the batch was sized)
+    /// is expired one session an entry.
+    async fn expire_in_batches(self: Arc<Self>, due: Vec<SessionId>) {
+        let _one_at_a_time = self.expiring.lock().await;
+        let batches = (self
+            .state
+            .read()
+            .expect("state machine lock poisoned")
+            .table)
+            .expiry_batches(&due);
+        for batch in batches {
+            let command = Command::ExpireSessions {
+                sessions: batch.clone(),
+                now_ms: crate::now_ms(),
+            };
+            match self.propose(command).await {
+                Ok(Outcome::Refused(refusal)) => {
+                    tracing::info!(
+                        group = self.id,
+                        sessions = batch.len(),
+                        ?refusal,
+                        "expiry batch refused; expiring one session an entry"
+                    );
+                    for session in batch {
+                        tokio::spawn(self.clone().expire_one(session));
                     }
-                });
+                }
+                Ok(outcome) => {
+                    self.metrics.expiries.inc_by(batch.len() as u64);
+                    tracing::info!(
+                        group = self.id,
+                        sessions = batch.len(),
+                        first = batch[0].0,
+                        ?outcome,
+                        "sessions expired"
+                    );
+                    tracing::debug!(group = self.id, ids = ?batch.iter().map(|s| s.0).collect::<Vec<_>>(), "sessions expired");
+                }
+                Err(ProposeError::NotLeader(Some(_))) => return,
+                // As for one session: retry each (a no-op once this server no longer leads).
+                Err(e) => {
+                    tracing::warn!(
+                        group = self.id,
+                        sessions = batch.len(),
+                        ?e,
+                        "expiry batch not committed; will retry"
+                    );
+                    let at = Instant::now() + Duration::from_millis(500);
+                    for session in batch {
+                        self.leases.retry_expiry(session, at);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Expires one session with `Command::ExpireSession` (a member of the group predates batches).
+    async fn expire_one(self: Arc<Self>, session: SessionId) {
+        let group = self;
+        let command = Command::ExpireSession {
+            session,
+            now_ms: crate::now_ms(),
+        };
+        match group.propose(command).await {
+            Ok(outcome) => {
+                group.metrics.expiries.inc();
+                tracing::info!(
+                    group = group.id,
+                    session = session.0,
+                    ?outcome,
+                    "session expired"
+                );
+            }
+            Err(ProposeError::NotLeader(Some(_))) => {}
+            // As for lock-delays (`run_expiry`): a lease that lapsed within the term gets no new
+            // start_leading, so retry (a no-op once this server stops leading).
+            Err(e) => {
+                tracing::warn!(
+                    group = group.id,
+                    session = session.0,
+                    ?e,
+                    "expiry not committed; will retry"
+                );
+                group
+                    .leases
+                    .retry_expiry(session, Instant::now() + Duration::from_millis(500));
             }
         }
     }

@@ -64,6 +64,14 @@ impl RaftLookup for NodeShared {
     fn append_stream_accepted(&self) {
         self.metrics.append_streams.inc();
     }
+
+    fn features(&self) -> u64 {
+        if self.config.compat_no_expire_sessions {
+            0
+        } else {
+            crate::formats::FEATURES
+        }
+    }
 }
 
 pub struct Node {
@@ -256,7 +264,14 @@ impl Node {
                 }
             }
             groups.push(Arc::new(Group::new(
-                g, raft, state, leases, waiters, log_bytes, &config,
+                g,
+                raft,
+                state,
+                leases,
+                waiters,
+                log_bytes,
+                &config,
+                peers.features(),
             )));
         }
         drop(recovered);

@@ -54,8 +54,34 @@ pub struct Peers {
     /// unary call at a time until then, when streaming is tried again (they may have been upgraded).
     /// Here rather than in a `PeerClient`, which openraft may make anew after an error.
     unary_until: Arc<Mutex<BTreeMap<NodeId, tokio::time::Instant>>>,
+    /// What each peer's latest AppendEntries reply said it reads (`AppendEntriesReply.features`).
+    features: PeerFeatures,
     /// Connect over TLS, presenting this server's certificate (see `crate::tls`).
     tls: Option<holdfast_proto::tls::TlsConnector>,
+}
+
+/// What each peer's latest AppendEntries reply said its lock table reads (`AppendEntriesReply.features`;
+/// a peer that predates the field says 0). Heartbeats are AppendEntries calls, so every live follower
+/// of a group this server leads answers several times a second.
+#[derive(Clone, Default)]
+pub struct PeerFeatures(Arc<Mutex<BTreeMap<NodeId, u64>>>);
+
+impl PeerFeatures {
+    fn record(&self, peer: NodeId, features: u64) {
+        self.0
+            .lock()
+            .expect("peer features lock")
+            .insert(peer, features);
+    }
+
+    /// Whether every one of `peers` has said, in its latest reply, that it reads `feature`. A peer
+    /// not heard from yet has not.
+    pub fn all_have(&self, peers: impl IntoIterator<Item = NodeId>, feature: u64) -> bool {
+        let known = self.0.lock().expect("peer features lock");
+        peers
+            .into_iter()
+            .all(|p| known.get(&p).is_some_and(|f| f & feature == feature))
+    }
 }
 
 /// A peer that stopped answering: logged once when it happens, summarised every [`HEALTH_SUMMARY`], and
@@ -82,8 +108,14 @@ impl Peers {
             channels: Arc::default(),
             health: Arc::default(),
             unary_until: Arc::default(),
+            features: PeerFeatures::default(),
             tls,
         }
+    }
+
+    /// What the peers said they read, shared with the groups (see [`PeerFeatures::all_have`]).
+    pub fn features(&self) -> PeerFeatures {
+        self.features.clone()
     }
 
     /// Records the outcome of one message to `target`, logging only the changes and a summary.
@@ -557,6 +589,7 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         let reply = self
             .call(timeout, |mut c| async move { c.append_entries(req).await })
             .await?;
+        self.peers.features.record(self.target, reply.features);
         use pb::append_entries_reply::Result as R;
         match reply.result {
             Some(R::Success(_)) => Ok(AppendEntriesResponse::Success),
@@ -746,6 +779,11 @@ pub trait RaftLookup: Send + Sync + 'static {
     }
     /// Counts an accepted `AppendStream`.
     fn append_stream_accepted(&self) {}
+    /// What this server's lock table reads, as `AppendEntriesReply.features` says (a compatibility
+    /// test turns it off).
+    fn features(&self) -> u64 {
+        formats::FEATURES
+    }
 }
 
 /// The server side of peer traffic.
@@ -947,6 +985,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         };
         Ok(tonic::Response::new(pb::AppendEntriesReply {
             result: Some(result),
+            features: self.lookup.features(),
         }))
     }
 

@@ -100,6 +100,14 @@ pub fn check(
                         .map(|(n, _)| n.clone()),
                 );
             }
+            Command::ExpireSessions { sessions, .. } => {
+                touched.extend(
+                    holders
+                        .iter()
+                        .filter(|(_, (s, _))| sessions.contains(s))
+                        .map(|(n, _)| n.clone()),
+                );
+            }
             _ => {}
         }
         match (&line.command, &line.outcome) {
@@ -115,6 +123,9 @@ pub fn check(
             },
             (Command::CloseSession { session, .. } | Command::ExpireSession { session, .. }, Outcome::SessionClosed { .. }) => {
                 holders.retain(|_, (s, _)| s != session);
+            }
+            (Command::ExpireSessions { sessions, .. }, Outcome::SessionClosed { .. }) => {
+                holders.retain(|_, (s, _)| !sessions.contains(s));
             }
             _ => {}
         }

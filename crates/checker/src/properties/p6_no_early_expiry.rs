@@ -30,7 +30,12 @@ pub fn check(history: &[Op], merged: &MergedLog<'_>, v: &mut Vec<String>) -> usi
         .collect();
     let mut checked = 0;
     for (index, line) in merged {
-        if let Command::ExpireSession { session, now_ms } = &line.command {
+        let (sessions, now_ms) = match &line.command {
+            Command::ExpireSession { session, now_ms } => (std::slice::from_ref(session), now_ms),
+            Command::ExpireSessions { sessions, now_ms } => (&sessions[..], now_ms),
+            _ => continue,
+        };
+        for session in sessions {
             if let Some(&(sent, ttl)) = renewals.get(&session.0) {
                 checked += 1;
                 if now_ms + EXPIRY_MARGIN_MS < sent + ttl {

@@ -72,6 +72,10 @@ pub struct ServerArgs {
     /// Test hook: answer AppendStream as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_append_stream: bool,
+    /// Test hook: answer as a server older than batched expiries (report no features, expire one
+    /// session an entry).
+    #[arg(long, hide = true)]
+    compat_no_expire_sessions: bool,
     /// Test hook: WAL segment size in bytes (default 64 MiB).
     #[arg(long, hide = true)]
     wal_segment_bytes: Option<u64>,
@@ -175,6 +179,9 @@ impl ServerArgs {
         }
         if self.compat_no_append_stream {
             c.compat_no_append_stream = true;
+        }
+        if self.compat_no_expire_sessions {
+            c.compat_no_expire_sessions = true;
         }
         if self.join {
             c.join = true;
