@@ -15,7 +15,7 @@
 //! - **P4** the fenced store's tokens never go down per key, its counter increments never repeat (no lost
 //!   update), and every acknowledged write is in it;
 //! - **P5** every acknowledged session open, grant and release is in the servers' applied log;
-//! - **P6** no early expiry: an `ExpireSession` is proposed no earlier than the send time of the session's
+//! - **P6** no early expiry: an `ExpireSession` (or each session of an `ExpireSessions`) is proposed no earlier than the send time of the session's
 //!   last acknowledged renewal plus its TTL (client and servers share the machine's wall clock; a 100 ms
 //!   margin absorbs slewing).
 //!

@@ -192,8 +192,8 @@ pub enum Command {
     /// the batch is granted a lock by this entry (every grant of one entry has the same token). Refused
     /// whole ([`Limit::ExpiryBatch`]) with more than [`crate::limits::MAX_EXPIRY_BATCH`] sessions, more
     /// than [`crate::limits::MAX_LOCKS_PER_SESSION`] locks and waits among them (with more than one
-    /// session), or two of them holding one lock (their lock-delays would share a name); the leader then
-    /// expires them one entry each. Outcome: [`Outcome::SessionClosed`] with the locks released by all.
+    /// session), or two of them holding one lock both with a lock-delay (their placeholders could share a
+    /// name); the leader then expires them one entry each. Outcome: [`Outcome::SessionClosed`] with the locks released by all.
     /// Unknown sessions (ended meanwhile) are skipped. Written only when every member of the group reads
     /// it (the leader learns that from their replies), so a cluster half way through an upgrade keeps
     /// expiring one session an entry.
@@ -441,7 +441,7 @@ pub enum Limit {
     WaitersPerLock,
     Sessions,
     Locks,
-    /// A [`Command::ExpireSessions`] too large, or with two sessions holding one lock.
+    /// A [`Command::ExpireSessions`] too large, or with two sessions holding one lock with lock-delays.
     ExpiryBatch,
 }
 

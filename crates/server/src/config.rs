@@ -73,7 +73,8 @@ pub struct ServerConfig {
     #[serde(skip)]
     pub compat_no_append_stream: bool,
     /// Test hook: answer as a server older than `Command::ExpireSessions` (report no features, and
-    /// expire one session an entry).
+    /// expire one session an entry). Hidden flag only.
+    #[serde(skip)]
     pub compat_no_expire_sessions: bool,
     /// WAL segment size (default 64 MiB). A test hook (small segments rotate in a short test), set by a
     /// hidden flag only.

@@ -681,7 +681,7 @@ impl Group {
         }
     }
 
-    /// Runs until Raft shuts down: proposes `ExpireSession` for every session whose deadline passed, and
+    /// Runs until Raft shuts down: proposes `ExpireSession(s)` for every session whose deadline passed, and
     /// `EndLockDelay` for every lock-delay that ran its time.
     pub async fn run_expiry(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
         loop {
@@ -731,12 +731,13 @@ impl Group {
                     }
                 });
             }
+            let term = self.leases.leading_term();
             let due = self.leases.take_due(Instant::now());
             if due.is_empty() {
                 continue;
             }
-            if self.expires_in_batches() {
-                tokio::spawn(self.clone().expire_in_batches(due));
+            if let Some(term) = term.filter(|_| self.expires_in_batches()) {
+                tokio::spawn(self.clone().expire_in_batches(term, due));
             } else {
                 for session in due {
                     tokio::spawn(self.clone().expire_one(session));
@@ -768,8 +769,11 @@ impl Group {
     /// waits an entry), one entry at a time: each is committed before the next is proposed, so a mass
     /// expiry (a fleet of clients gone at once) leaves room in the log for everything else, as etcd
     /// limits its lease revocations. A batch the table refuses (it changed since the batch was sized)
-    /// is expired one session an entry.
-    async fn expire_in_batches(self: Arc<Self>, due: Vec<SessionId>) {
+    /// is expired one session an entry. Before each entry the batch keeps only the sessions this server
+    /// may still expire in `term` (none once it no longer times sessions in that term: a session given
+    /// a fresh TTL since may have been renewed), and if a member now predates batches the rest go one
+    /// session an entry.
+    async fn expire_in_batches(self: Arc<Self>, term: u64, due: Vec<SessionId>) {
         let _one_at_a_time = self.expiring.lock().await;
         let batches = (self
             .state
@@ -778,6 +782,16 @@ impl Group {
             .table)
             .expiry_batches(&due);
         for batch in batches {
+            let batch = self.leases.still_expiring(term, &batch);
+            if batch.is_empty() {
+                continue;
+            }
+            if !self.expires_in_batches() {
+                for session in batch {
+                    tokio::spawn(self.clone().expire_one(session));
+                }
+                continue;
+            }
             let command = Command::ExpireSessions {
                 sessions: batch.clone(),
                 now_ms: crate::now_ms(),

@@ -1,7 +1,7 @@
 //! Session leases on the leader's monotonic clock.
 //!
 //! This is the one place in Holdfast that reads a clock to decide anything, and it decides only *when to
-//! propose* an `ExpireSession` entry; the expiry itself happens when that entry is applied, identically on
+//! propose* an `ExpireSession` (or `ExpireSessions`) entry; the expiry itself happens when that entry is applied, identically on
 //! every replica. Keepalives are not log entries: they only move a deadline in this in-memory map.
 //!
 //! Rules (DESIGN.md §4):
@@ -30,7 +30,7 @@ struct Timer {
     /// What a keepalive must show for this session (0: the session has none).
     secret: u128,
     deadline: Instant,
-    /// An ExpireSession was proposed: never renewed again, even if that proposal's outcome is unknown
+    /// Its expiry was taken to be proposed: never renewed again, even if that proposal's outcome is unknown
     /// (it may still commit), so no keepalive is ever acknowledged for a session that may be expiring.
     expiring: bool,
     /// The proposal failed without a known outcome; propose again at `deadline`.
@@ -331,6 +331,21 @@ impl Leases {
         due
     }
 
+    /// Those of `ids` whose expiry this server may still propose: it still times sessions in `term`,
+    /// and each is marked expiring (taken by [`Leases::take_due`]) and not waiting for a retry. A
+    /// session given a fresh TTL since (leadership lost and regained, or a hand-over that failed)
+    /// is not: it may have been renewed since.
+    pub fn still_expiring(&self, term: u64, ids: &[SessionId]) -> Vec<SessionId> {
+        let s = self.lock();
+        if s.leading != Some(term) {
+            return Vec::new();
+        }
+        ids.iter()
+            .copied()
+            .filter(|id| s.timers.get(id).is_some_and(|t| t.expiring && !t.retry))
+            .collect()
+    }
+
     /// An expiry proposal failed for a reason other than losing leadership: propose again at `at`. The
     /// session stays expiring (it may have committed), so it is still never renewed. A timer that is
     /// not expiring was started again since (this server lost and regained leadership: the new term's
@@ -546,6 +561,25 @@ mod tests {
             leases.take_due(later + Duration::from_secs(5)),
             vec![SessionId(1)]
         );
+    }
+
+    /// An expiry taken in one term may be proposed only while this server still times sessions in that
+    /// term and the session is still expiring.
+    #[tokio::test(start_paused = true)]
+    async fn a_taken_expiry_is_proposed_only_in_its_term() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        let ids = [SessionId(1), SessionId(2)];
+        leases.start_leading(1, ids.iter().map(|&id| (id, 5_000, 0)), Vec::new(), t0);
+        let due = leases.take_due(t0 + Duration::from_secs(5));
+        assert_eq!(leases.still_expiring(1, &due), ids.to_vec());
+        leases.retry_expiry(SessionId(2), t0 + Duration::from_secs(6));
+        assert_eq!(leases.still_expiring(1, &due), vec![SessionId(1)]);
+        leases.stop_leading();
+        assert!(leases.still_expiring(1, &due).is_empty());
+        leases.start_leading(2, ids.iter().map(|&id| (id, 5_000, 0)), Vec::new(), t0);
+        assert!(leases.still_expiring(1, &due).is_empty());
+        assert!(leases.still_expiring(2, &due).is_empty(), "a fresh TTL");
     }
 
     /// A keepalive with a wrong secret for any of its sessions renews none of them.

@@ -74,6 +74,10 @@ impl PeerFeatures {
             .insert(peer, features);
     }
 
+    fn forget(&self, peer: NodeId) {
+        self.0.lock().expect("peer features lock").remove(&peer);
+    }
+
     /// Whether every one of `peers` has said, in its latest reply, that it reads `feature`. A peer
     /// not heard from yet has not.
     pub fn all_have(&self, peers: impl IntoIterator<Item = NodeId>, feature: u64) -> bool {
@@ -586,9 +590,17 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         } else {
             option.soft_ttl().max(APPEND_ENTRIES_MIN_TIMEOUT)
         };
-        let reply = self
+        let reply = match self
             .call(timeout, |mut c| async move { c.append_entries(req).await })
-            .await?;
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) => {
+                // It may come back as another release: it has said nothing until it answers again.
+                self.peers.features.forget(self.target);
+                return Err(e);
+            }
+        };
         self.peers.features.record(self.target, reply.features);
         use pb::append_entries_reply::Result as R;
         match reply.result {
@@ -1135,5 +1147,28 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         Ok(tonic::Response::new(pb::SnapshotReply {
             vote: Some(formats::vote_to_pb(&reply.vote)),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PeerFeatures;
+    use crate::formats::FEATURE_EXPIRE_SESSIONS as F;
+
+    /// A feature counts only for peers whose latest reply said so: not for one never heard from, one
+    /// that said 0 (an older release), or one whose last call failed (it may come back as another).
+    #[test]
+    fn a_feature_counts_only_while_every_peer_last_said_so() {
+        let f = PeerFeatures::default();
+        assert!(f.all_have([], F), "no other member");
+        assert!(!f.all_have([2, 3], F), "never heard from");
+        f.record(2, F);
+        f.record(3, 0);
+        assert!(!f.all_have([2, 3], F));
+        f.record(3, F | 2);
+        assert!(f.all_have([2, 3], F));
+        f.forget(3);
+        assert!(!f.all_have([2, 3], F));
+        assert!(f.all_have([2], F));
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! Input: the merged log. The replay follows `Acquire` outcomes (`Granted`), `Release` outcomes
 //! (`Released`, which must come from the current holder with its token), `CloseSession` /
-//! `ExpireSession` (`SessionClosed`, which frees the session's locks) and `Granted` events (a waiter
+//! `ExpireSession` / `ExpireSessions` (`SessionClosed`, which frees the sessions' locks) and `Granted` events (a waiter
 //! promoted). Retried requests (same session and request id) replay their first outcome and change
 //! nothing, so they are skipped.
 //!

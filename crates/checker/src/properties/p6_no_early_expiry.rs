@@ -1,4 +1,4 @@
-//! **P6: no early expiry.** An `ExpireSession` is proposed (at the leader's wall time `now_ms`, recorded
+//! **P6: no early expiry.** An `ExpireSession` (or each session of an `ExpireSessions`) is proposed (at the leader's wall time `now_ms`, recorded
 //! in the command) no earlier than the send time of the session's last acknowledged renewal plus its TTL,
 //! less [`EXPIRY_MARGIN_MS`].
 //!

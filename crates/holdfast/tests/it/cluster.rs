@@ -842,6 +842,13 @@ async fn sessions_that_expire_together_take_a_few_entries_unless_a_member_predat
         entries >= N,
         "{N} expiries took {entries} entries with an older member"
     );
+    // And the older member read every one of them.
+    let target = c.group_status(leader, 0).await.unwrap().applied_index;
+    let deadline = Instant::now() + SECS_30;
+    while c.group_status(old, 0).await.unwrap().applied_index < target {
+        assert!(Instant::now() < deadline, "the older member fell behind");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Eight groups on five servers with `--balance-leaders`: the leaderships end within one of even (one or
