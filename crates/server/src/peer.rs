@@ -596,8 +596,12 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         {
             Ok(reply) => reply,
             Err(e) => {
-                // It may come back as another release: it has said nothing until it answers again.
-                self.peers.features.forget(self.target);
+                // A peer that cannot be reached (not one slow to answer: heartbeats time out under
+                // load, and forgetting then sent a mass expiry one session an entry, measured) may
+                // come back as another release: it has said nothing until it answers again.
+                if matches!(e, RPCError::Unreachable(_)) {
+                    self.peers.features.forget(self.target);
+                }
                 return Err(e);
             }
         };
