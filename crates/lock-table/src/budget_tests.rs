@@ -12,26 +12,7 @@ fn budget(bytes: u64) -> Command {
 }
 
 fn with_value(command: Command, len: usize) -> Command {
-    match command {
-        Command::Acquire {
-            session,
-            request,
-            name,
-            mode,
-            attempt,
-            now_ms,
-            ..
-        } => Command::Acquire {
-            session,
-            request,
-            name,
-            mode,
-            value: vec![7; len].into(),
-            attempt,
-            now_ms,
-        },
-        other => other,
-    }
+    crate::tests::with_value(command, &vec![7; len])
 }
 
 fn full(budget: u64, used: u64) -> Outcome {

@@ -4,6 +4,7 @@
 use crate::command::{AcquireMode::*, Command, Outcome, Outcome::*, Refusal, Share};
 use crate::tests::{
     acq, cancel, close, delayed, end_delay, expire, granted, name, open, opened, refused, rel,
+    with_value,
 };
 use crate::{FencingToken, LockTable, SessionId};
 use proptest::prelude::*;
@@ -289,26 +290,6 @@ fn values_stay_with_their_holders_as_holders_come_and_go() {
     for i in 1..=4 {
         t.apply(i, &open(i as u128));
     }
-    let with_value = |c: Command, v: &[u8]| match c {
-        Command::Acquire {
-            session,
-            request,
-            name,
-            mode,
-            attempt,
-            now_ms,
-            ..
-        } => Command::Acquire {
-            session,
-            request,
-            name,
-            mode,
-            value: v.into(),
-            attempt,
-            now_ms,
-        },
-        _ => unreachable!(),
-    };
     let values = |t: &LockTable| -> Vec<(u64, Vec<u8>)> {
         t.describe(&name("r"))
             .map(|v| {
@@ -704,28 +685,8 @@ fn the_version_8_snapshot_bytes_are_pinned() {
         apply(&mut t, open(nonce));
     }
     // Sessions are 2..=6 (opened at indexes 2..=6).
-    let with_value = |s: u64, r: u64, n: &str, value: &[u8]| match acq(s, r, n, Wait) {
-        Command::Acquire {
-            session,
-            request,
-            name,
-            mode,
-            attempt,
-            now_ms,
-            ..
-        } => Command::Acquire {
-            session,
-            request,
-            name,
-            mode,
-            value: value.into(),
-            attempt,
-            now_ms,
-        },
-        _ => unreachable!(),
-    };
-    apply(&mut t, with_value(2, 1, "x", b"node-a:7001"));
-    apply(&mut t, with_value(3, 1, "x", b"node-b"));
+    apply(&mut t, with_value(acq(2, 1, "x", Wait), b"node-a:7001"));
+    apply(&mut t, with_value(acq(3, 1, "x", Wait), b"node-b"));
     apply(&mut t, acq(4, 1, "x", Wait));
     apply(&mut t, shared(acq(2, 2, "r", Wait)));
     apply(&mut t, shared(acq(3, 2, "r", Wait)));

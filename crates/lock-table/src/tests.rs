@@ -18,6 +18,30 @@ pub(crate) fn open(nonce: u128) -> Command {
     }
 }
 /// An acquire by the call with attempt `1000 * r + 1`: one call per request unless a case says otherwise.
+/// `command` (an [`Command::Acquire`]) carrying `value`.
+pub(crate) fn with_value(command: Command, value: &[u8]) -> Command {
+    match command {
+        Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            attempt,
+            now_ms,
+            ..
+        } => Command::Acquire {
+            session,
+            request,
+            name,
+            mode,
+            value: value.into(),
+            attempt,
+            now_ms,
+        },
+        other => panic!("not an acquire: {other:?}"),
+    }
+}
+
 pub(crate) fn acq(s: u64, r: u64, n: &str, mode: crate::AcquireMode) -> Command {
     acq_attempt(s, r, n, mode, 1000 * r + 1)
 }
