@@ -386,11 +386,14 @@ impl Group {
         loop {
             let started = Instant::now();
             self.metrics.proposals.inc();
+            tracing::trace!(target: "holdfast::hop", group = self.id, "propose");
             let write = tokio::time::timeout(
                 PROPOSE_TIMEOUT,
                 self.raft.client_write(Request(command.clone())),
             );
-            let Ok(written) = write.await else {
+            let written = write.await;
+            tracing::trace!(target: "holdfast::hop", group = self.id, "proposed");
+            let Ok(written) = written else {
                 return Err(ProposeError::Unknown(format!(
                     "not committed within {PROPOSE_TIMEOUT:?}"
                 )));

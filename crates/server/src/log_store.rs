@@ -297,12 +297,17 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 log.entries.insert(index, entry);
             }
         }
+        let (group, last) = (self.group, records.last().map_or(0, |r| r.index));
+        tracing::trace!(target: "holdfast::hop", group, index = last, "log append");
         let bytes: usize = records.iter().map(|r| r.payload.len()).sum();
         self.appended_bytes
             .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         self.wal.append(
             records,
-            Box::new(move |r| callback.io_completed(r.map_err(wal_io))),
+            Box::new(move |r| {
+                tracing::trace!(target: "holdfast::hop", group, index = last, "log synced");
+                callback.io_completed(r.map_err(wal_io))
+            }),
         );
         Ok(())
     }

@@ -423,6 +423,12 @@ impl PeerClient {
                     owed.lock()
                         .expect("append stream lock")
                         .push_back(tokio::time::Instant::now());
+                    tracing::trace!(
+                        target: "holdfast::hop",
+                        to = header.to_node,
+                        index = rpc.entries.last().map_or(0, |e| e.log_id.index),
+                        "append sent"
+                    );
                     Some((append_request_to_pb(header, &rpc), input))
                 }
             })
@@ -462,8 +468,9 @@ impl PeerClient {
         // The state carries whether the last reply was handed to openraft: its request is counted
         // as answered (and the next one may be taken) only when openraft asks for the next result,
         // having handled that one, as with unary calls.
-        let results =
-            futures::stream::unfold(Some((replies, owed, replies_alive, false)), move |state| {
+        let results = futures::stream::unfold(
+            Some((replies, owed, replies_alive, false)),
+            move |state| {
                 let (peers, replied) = (peers.clone(), replied.clone());
                 let (input_done, input_ended) = (input_done.clone(), input_ended.clone());
                 async move {
@@ -507,6 +514,7 @@ impl PeerClient {
                             }
                             Ok(Ok(None)) => return None,
                             Ok(Ok(Some(reply))) => {
+                                tracing::trace!(target: "holdfast::hop", from = target, "append reply");
                                 break append_reply_from_pb(reply).map_err(|e| {
                                     RPCError::Network(NetworkError::from_string(format!(
                                         "malformed append reply from node {target}: {e}"
@@ -524,7 +532,8 @@ impl PeerClient {
                     let next = matches!(result, Ok(Ok(_))).then_some((replies, owed, alive, true));
                     Some((result, next))
                 }
-            });
+            },
+        );
         Ok(Box::pin(results))
     }
 }
@@ -858,6 +867,12 @@ impl<L: RaftLookup> PeerService<L> {
                         Some(tonic::Status::invalid_argument(why));
                     return None;
                 }
+                tracing::trace!(
+                    target: "holdfast::hop",
+                    from = m.vote.as_ref().map_or(0, |v| v.node),
+                    index = m.entries.last().and_then(|e| e.log_id.as_ref()).map_or(0, |l| l.index),
+                    "append received"
+                );
                 match append_request_from_pb(&m) {
                     Ok(req) => Some((req, (None, stream))),
                     Err(e) => {
@@ -881,6 +896,7 @@ impl<L: RaftLookup> PeerService<L> {
                         "this server's Raft stopped: {fatal}"
                     ))),
                 };
+                tracing::trace!(target: "holdfast::hop", "append answered");
                 if tx.send(reply).await.is_err() {
                     break;
                 }

@@ -143,6 +143,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
     {
         while let Some((entry, responder)) = entries.try_next().await? {
+            tracing::trace!(target: "holdfast::hop", index = entry.log_id.index, "apply");
             let audited = match (&self.audit, &entry.payload) {
                 (Some(_), EntryPayload::Normal(Request(command))) => {
                     Some((entry.log_id.index, command.clone()))
