@@ -102,6 +102,17 @@ impl Waiters {
         rx
     }
 
+    /// Acquire calls registered here (each waits for a grant, or has not yet dropped its
+    /// registration).
+    pub fn registered(&self) -> usize {
+        self.map
+            .lock()
+            .expect("waiters lock")
+            .values()
+            .map(Vec::len)
+            .sum()
+    }
+
     /// Drops registrations whose caller went away.
     pub fn forget(&self, session: SessionId, request: RequestId) {
         let mut map = self.map.lock().expect("waiters lock");

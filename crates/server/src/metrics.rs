@@ -367,7 +367,7 @@ impl Collector for NodeCollector {
                 node.groups.iter().map(|g| (group(g), value(&g.metrics))),
             )?;
         }
-        let tables: Vec<(Labels, [u64; 8])> = node
+        let tables: Vec<(Labels, [u64; 9])> = node
             .groups
             .iter()
             .map(|g| {
@@ -382,6 +382,7 @@ impl Collector for NodeCollector {
                     u64::from(m.state == openraft::ServerState::Leader),
                     s.table.table_bytes(),
                     s.table.table_budget(),
+                    g.waiters.registered() as u64,
                 ];
                 (group(g), values)
             })
@@ -400,6 +401,10 @@ impl Collector for NodeCollector {
             (
                 "holdfast_table_budget_bytes",
                 "The lock table's memory budget (0: none); past it opens, grants and waits are refused.",
+            ),
+            (
+                "holdfast_acquire_calls_waiting",
+                "Acquire calls on this server waiting for a grant (registered for the applied log to wake).",
             ),
         ];
         for (i, (name, help)) in names.iter().enumerate() {

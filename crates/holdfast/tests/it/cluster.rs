@@ -206,6 +206,55 @@ async fn a_silent_session_expires_after_its_ttl_and_its_locks_go_to_waiters_in_o
     assert_eq!(reason(&err), Reason::SessionUnknown, "{err:?}");
 }
 
+/// An acquire that may wait registers on the server to be woken by the applied log. Every registration
+/// is gone once its call has answered: granted at once, granted after a wait, or a wait that ran out.
+/// (Those granted at once used to stay: ~250 bytes per call on the leader, for as long as it ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_acquires_leave_no_registration_behind() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let registered = || async {
+        c.metrics(leader)
+            .await
+            .get("holdfast_acquire_calls_waiting{group=\"0\"}")
+            .copied()
+    };
+    let client = c.client().await;
+    let a = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let b = client.open_session(Duration::from_secs(10)).await.unwrap();
+    for i in 0..20 {
+        let g = a
+            .acquire_timeout(&format!("at-once/{i}"), Duration::from_secs(5))
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+    assert_eq!(registered().await, Some(0), "granted at once");
+
+    let held = a.acquire("later").await.unwrap();
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        async move { b.acquire_timeout("later", Duration::from_secs(20)).await }
+    });
+    wait_for_waiters(&client, "later", 1).await;
+    assert_eq!(registered().await, Some(1), "the call waiting now");
+    held.release().await.unwrap();
+    waiting.await.unwrap().unwrap().release().await.unwrap();
+    assert_eq!(registered().await, Some(0), "granted after a wait");
+
+    let _held = a.acquire("never").await.unwrap();
+    assert!(b
+        .acquire_timeout("never", Duration::from_millis(300))
+        .await
+        .is_err());
+    assert_eq!(registered().await, Some(0), "a wait that ran out");
+}
+
 /// Polls `describe` until the lock has `n` waiters; returns their session ids in queue order.
 async fn wait_for_waiters(client: &holdfast_client::Client, name: &str, n: usize) -> Vec<u64> {
     let deadline = Instant::now() + SECS_30;
