@@ -648,8 +648,8 @@ impl Holdfast for ClientService {
             AcquireMode::Try
         };
         // Register before proposing, so a grant applied right after the Queued outcome is not missed.
-        let mut wait =
-            (mode == AcquireMode::Wait).then(|| group.waiters.register(session, request));
+        let mut registration =
+            (mode == AcquireMode::Wait).then(|| group.waiters.register_call(session, request));
         let mut command = within(
             quota,
             authorized(
@@ -687,7 +687,7 @@ impl Holdfast for ClientService {
             // A try that finds its request queued is a retry of a wait whose time ran out: it ends the
             // wait now (through the log, which also tells whether the grant won the race).
             Ok(Outcome::Queued { .. }) => {
-                let wait = wait.take();
+                let wait = registration.as_mut().and_then(|r| r.take());
                 self.wait_for_grant(group, (session, request), &name, secret, wait, deadline)
                     .await
             }
@@ -704,11 +704,7 @@ impl Holdfast for ClientService {
             Ok(Outcome::Refused(r)) => Err(refusal(r, session.0, name.as_str())),
             Ok(other) => Err(unexpected(other)),
         };
-        // `forget` drops the registrations whose receiver is gone: this call's must be gone first. (It
-        // was not, when the acquire was granted at once or failed: every such acquire with a wait left
-        // its registration behind, ~250 bytes a call on the leader for as long as it ran.)
-        drop(wait);
-        group.waiters.forget(session, request);
+        drop(registration);
         // An unknown outcome is no answer: the entry may still commit, or the wait be granted, and a
         // client that gives up now would leave it behind. The call's attempt is abandoned (when the
         // server is in charge of that); a retry either takes the wait over first or learns it was
