@@ -147,8 +147,9 @@ impl Waiters {
             .sum()
     }
 
-    /// Drops registrations whose caller went away.
-    pub fn forget(&self, session: SessionId, request: RequestId) {
+    /// Drops registrations whose caller went away (only through [`Registration`]'s drop, so that a
+    /// call's own receiver is always gone first).
+    fn forget(&self, session: SessionId, request: RequestId) {
         let mut map = self.map.lock().expect("waiters lock");
         if let Some(list) = map.get_mut(&(session, request)) {
             list.retain(|tx| !tx.is_closed());
