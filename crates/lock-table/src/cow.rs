@@ -4,20 +4,27 @@
 //! encoding) are `SnapMap`s, so a snapshot is written a chunk at a time between applies instead of under
 //! one long lock ([`crate::LockTable::snapshot_begin`]). While a map is *frozen*, the first change to an
 //! entry the encoder has not reached yet saves that entry's encoding as it was (or that it was absent):
-//! copy-on-write by entry, paid only for the entries changed during a snapshot, once each.
+//! copy-on-write by entry, paid only for the entries changed during a snapshot, once each. The entries
+//! themselves live in a [`ChunkMap`] (values in place, chunks kept nearly full: see `chunk_map`).
 //!
-//! Invariant: reads go straight to the map (it derefs to a `BTreeMap`), and every change goes through
+//! Invariant: reads go straight to the map (it derefs to the `ChunkMap`), and every change goes through
 //! [`SnapMap::get_mut`], [`SnapMap::insert`] or [`SnapMap::remove`], which record the before-image. There
 //! is no `DerefMut`, so the compiler finds any change that would bypass them.
 
+use crate::chunk_map::{ChunkMap, Iter};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::ops::Bound;
 
-#[derive(Debug)]
 pub(crate) struct SnapMap<K, V> {
-    map: BTreeMap<K, Box<V>>,
+    map: ChunkMap<K, V>,
     frozen: Option<Box<Frozen<K>>>,
+}
+
+impl<K: std::fmt::Debug, V: std::fmt::Debug> std::fmt::Debug for SnapMap<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.map.fmt(f)
+    }
 }
 
 /// The part of a frozen map the encoder has not written yet.
@@ -33,15 +40,15 @@ struct Frozen<K> {
 }
 
 impl<K, V> std::ops::Deref for SnapMap<K, V> {
-    type Target = BTreeMap<K, Box<V>>;
+    type Target = ChunkMap<K, V>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
 }
 
 impl<'a, K, V> IntoIterator for &'a SnapMap<K, V> {
-    type Item = (&'a K, &'a Box<V>);
-    type IntoIter = std::collections::btree_map::Iter<'a, K, Box<V>>;
+    type Item = (&'a K, &'a V);
+    type IntoIter = Iter<'a, K, V>;
     fn into_iter(self) -> Self::IntoIter {
         self.map.iter()
     }
@@ -65,36 +72,74 @@ impl<K: PartialEq, V: PartialEq> PartialEq for SnapMap<K, V> {
 }
 impl<K: Eq, V: Eq> Eq for SnapMap<K, V> {}
 
+/// As a `BTreeMap` of the same entries serializes (a map, in key order): the snapshot bytes do not
+/// depend on the map's structure.
 impl<K: Serialize, V: Serialize> Serialize for SnapMap<K, V> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.map.serialize(s)
+        s.collect_map(self.map.iter())
     }
 }
 
-impl<'de, K: Ord + Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de> for SnapMap<K, V> {
+/// Entries are inserted as they are decoded (no copy of the whole map in between); in key order, as a
+/// snapshot has them, they fill each chunk.
+impl<'de, K: Ord + Clone + Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de>
+    for SnapMap<K, V>
+{
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(SnapMap::from(crate::table::bulk(d)?))
+        struct Visit<K, V>(std::marker::PhantomData<(K, V)>);
+        impl<'de, K: Ord + Clone + Deserialize<'de>, V: Deserialize<'de>> serde::de::Visitor<'de>
+            for Visit<K, V>
+        {
+            type Value = ChunkMap<K, V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut map = ChunkMap::new();
+                while let Some((k, v)) = m.next_entry()? {
+                    map.insert(k, v);
+                }
+                Ok(map)
+            }
+        }
+        Ok(SnapMap {
+            map: d.deserialize_map(Visit(std::marker::PhantomData))?,
+            frozen: None,
+        })
     }
 }
 
 impl<K, V> Default for SnapMap<K, V> {
     fn default() -> Self {
         SnapMap {
-            map: BTreeMap::new(),
+            map: ChunkMap::new(),
             frozen: None,
         }
     }
 }
 
-impl<K: Ord, V> FromIterator<(K, Box<V>)> for SnapMap<K, V> {
-    fn from_iter<I: IntoIterator<Item = (K, Box<V>)>>(iter: I) -> Self {
-        SnapMap::from(iter.into_iter().collect::<BTreeMap<_, _>>())
+impl<K: Ord + Clone, V> FromIterator<(K, V)> for SnapMap<K, V> {
+    fn from_iter<I: IntoIterator<Item = (K, V)>>(iter: I) -> Self {
+        SnapMap {
+            map: iter.into_iter().collect(),
+            frozen: None,
+        }
     }
 }
 
-impl<K, V> From<BTreeMap<K, Box<V>>> for SnapMap<K, V> {
+/// From the maps of older snapshot versions, which boxed each value.
+impl<K: Ord + Clone, V> From<BTreeMap<K, Box<V>>> for SnapMap<K, V> {
     fn from(map: BTreeMap<K, Box<V>>) -> Self {
-        SnapMap { map, frozen: None }
+        map.into_iter().map(|(k, v)| (k, *v)).collect()
+    }
+}
+
+impl<K: Ord + Clone, V> From<BTreeMap<K, V>> for SnapMap<K, V> {
+    fn from(map: BTreeMap<K, V>) -> Self {
+        map.into_iter().collect()
     }
 }
 
@@ -113,15 +158,15 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
 
     pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
         self.touch(key);
-        self.map.get_mut(key).map(|b| &mut **b)
+        self.map.get_mut(key)
     }
 
-    pub(crate) fn insert(&mut self, key: K, value: Box<V>) -> Option<Box<V>> {
+    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<V> {
         self.touch(&key);
         self.map.insert(key, value)
     }
 
-    pub(crate) fn remove(&mut self, key: &K) -> Option<Box<V>> {
+    pub(crate) fn remove(&mut self, key: &K) -> Option<V> {
         self.touch(key);
         self.map.remove(key)
     }
@@ -129,7 +174,7 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
     /// Every value, to change; only outside a snapshot (rebuilding derived state after a decode).
     pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
         assert!(self.frozen.is_none(), "values_mut during a snapshot");
-        self.map.values_mut().map(|b| &mut **b)
+        self.map.values_mut()
     }
 
     /// Starts snapshot `generation`: from now on [`SnapMap::write_chunk`] writes the map as it is now.
@@ -164,7 +209,7 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
             Some(k) => Bound::Excluded(k),
             None => Bound::Unbounded,
         };
-        let mut live = self.map.range((from, Bound::Unbounded)).peekable();
+        let mut live = self.map.range_from(from).peekable();
         let mut old = f.before.range((from, Bound::Unbounded)).peekable();
         let mut last: Option<K> = None;
         let mut done = false;
@@ -188,7 +233,7 @@ impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
                     // Not changed since the freeze (a change would have left a before-image).
                     let (k, v) = live.next().expect("peeked");
                     let out_vec = std::mem::take(out);
-                    *out = postcard::to_extend(&(k, &**v), out_vec)
+                    *out = postcard::to_extend(&(k, v), out_vec)
                         .expect("encoding to a Vec cannot fail");
                     k
                 }

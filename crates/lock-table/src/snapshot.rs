@@ -346,11 +346,7 @@ mod v6 {
         fn from(t: LockTable) -> Self {
             table::LockTable {
                 sessions: t.sessions.into(),
-                locks: t
-                    .locks
-                    .into_iter()
-                    .map(|(n, l)| (n, Box::new(l.into())))
-                    .collect(),
+                locks: t.locks.into_iter().map(|(n, l)| (n, l.into())).collect(),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -545,7 +541,7 @@ mod v3 {
                 sessions: t
                     .sessions
                     .into_iter()
-                    .map(|(id, s)| (id, Box::new(s.into())))
+                    .map(|(id, s)| (id, s.into()))
                     .collect(),
                 locks: super::v5::locks(t.locks).into(),
                 open_nonces: t.open_nonces,
@@ -635,7 +631,7 @@ mod v2 {
                         });
                     }
                     let lock = table::Lock::from_parts(holder, waiters, Vec::new(), 0);
-                    (name, Box::new(lock))
+                    (name, lock)
                 })
                 .collect();
             table::LockTable {
@@ -644,7 +640,7 @@ mod v2 {
                 sessions: t
                     .sessions
                     .into_iter()
-                    .map(|(id, s)| (id, Box::new(s.into())))
+                    .map(|(id, s)| (id, s.into()))
                     .collect(),
                 locks,
                 open_nonces: t.open_nonces,

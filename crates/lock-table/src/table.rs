@@ -1,7 +1,8 @@
 //! The lock table state and [`LockTable::apply`].
 //!
-//! Ordered maps (`BTreeMap`) everywhere, so iteration order, snapshots and digests are identical on every
-//! replica and listings by prefix are range scans.
+//! Ordered maps everywhere (`BTreeMap`, and for the two large ones `ChunkMap` under `SnapMap`), so
+//! iteration order, snapshots and digests are identical on every replica and listings by prefix are
+//! range scans.
 
 use crate::command::{
     AcquireMode, Change, ChangeKind, Command, Event, Limit, Outcome, QuotaKind, QuotaLimits,
@@ -972,12 +973,12 @@ impl LockTable {
         let session = SessionId(index);
         self.sessions.insert(
             session,
-            Box::new(Session {
+            Session {
                 ttl_ms,
                 opened_at_ms: now_ms,
                 secret,
                 ..Session::default()
-            }),
+            },
         );
         self.open_nonces.insert(nonce, (session, ttl_ms));
         self.open_nonce_order.push_back(nonce);
@@ -1020,7 +1021,7 @@ impl LockTable {
         if !self.fits_expiry_batch(ids) {
             return Outcome::Refused(Refusal::LimitExceeded(Limit::ExpiryBatch));
         }
-        let ended: Vec<(SessionId, Box<Session>)> = ids
+        let ended: Vec<(SessionId, Session)> = ids
             .iter()
             .filter_map(|&id| Some((id, self.end_waits(id)?)))
             .collect();
@@ -1103,7 +1104,7 @@ impl LockTable {
 
     /// Ends `session` (if it exists) and removes its waits, each with its event and change; returns it,
     /// with its holds still in place.
-    fn end_waits(&mut self, session: SessionId) -> Option<Box<Session>> {
+    fn end_waits(&mut self, session: SessionId) -> Option<Session> {
         let ended = self.sessions.remove(&session)?;
         self.discharge(SESSION_BYTES);
         if let Some(owner) = self.owners.remove(&session) {
@@ -1293,8 +1294,7 @@ impl LockTable {
                     },
                     value: value.into(),
                 };
-                self.locks
-                    .insert(name.clone(), Box::new(Lock::new(holder, permits)));
+                self.locks.insert(name.clone(), Lock::new(holder, permits));
                 self.charge(lock_bytes(name) + grant_bytes(value));
                 self.session_mut(session_id).held.insert(name.clone());
                 self.count(session_id, 1, 0);
@@ -1690,7 +1690,7 @@ impl LockTable {
             _ => Bound::Included(prefix),
         };
         self.locks
-            .range::<str, _>((start, Bound::Unbounded))
+            .range_from::<str>(start)
             .take_while(|(name, _)| name.as_str().starts_with(prefix))
             .take(limit)
             .map(|(name, lock)| lock_view(name, lock))
@@ -1701,7 +1701,7 @@ impl LockTable {
     pub fn list_sessions(&self, after: Option<SessionId>, limit: usize) -> Vec<SessionView> {
         let start = after.map_or(Bound::Unbounded, Bound::Excluded);
         self.sessions
-            .range((start, Bound::Unbounded))
+            .range_from(start.as_ref())
             .take(limit)
             .map(|(id, s)| session_view(*id, s))
             .collect()
@@ -1710,6 +1710,8 @@ impl LockTable {
     /// Checks every structural invariant; panics with a description on the first violation. O(size).
     pub fn check_invariants(&self) {
         let mut waiters = 0u64;
+        self.sessions.check();
+        self.locks.check();
         assert!(!self.sessions.contains_key(&NO_SESSION), "no session 0");
         for (name, lock) in &self.locks {
             assert_eq!(
@@ -2023,39 +2025,4 @@ impl<'de> Deserialize<'de> for Value {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         Box::<[u8]>::deserialize(d).map(Value::from)
     }
-}
-
-/// Decodes a map by collecting its entries first: `BTreeMap::from_iter` builds full nodes from sorted
-/// entries, where inserting them one by one (serde's way) leaves most nodes a little over half full.
-/// A repeated key keeps its last value, as inserting does.
-pub(crate) fn bulk<'de, D, K, V>(d: D) -> Result<BTreeMap<K, V>, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    K: Ord + Deserialize<'de>,
-    V: Deserialize<'de>,
-{
-    struct Entries<K, V>(Vec<(K, V)>);
-    impl<'de, K: Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de> for Entries<K, V> {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct Visit<K, V>(std::marker::PhantomData<(K, V)>);
-            impl<'de, K: Deserialize<'de>, V: Deserialize<'de>> serde::de::Visitor<'de> for Visit<K, V> {
-                type Value = Entries<K, V>;
-                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                    f.write_str("a map")
-                }
-                fn visit_map<A: serde::de::MapAccess<'de>>(
-                    self,
-                    mut m: A,
-                ) -> Result<Self::Value, A::Error> {
-                    let mut v = Vec::with_capacity(m.size_hint().unwrap_or(0).min(1 << 16));
-                    while let Some(e) = m.next_entry()? {
-                        v.push(e);
-                    }
-                    Ok(Entries(v))
-                }
-            }
-            d.deserialize_map(Visit(std::marker::PhantomData))
-        }
-    }
-    Ok(Entries::deserialize(d)?.0.into_iter().collect())
 }
