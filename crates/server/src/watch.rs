@@ -16,8 +16,10 @@ use holdfast_lock_table::{Change, ChangeKind};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-/// Changes kept per group. About 64 bytes each plus the names (shared with the table) and values: a few
-/// MiB, enough for a watcher to ride out a reconnect at tens of thousands of changes a second.
+/// Changes kept per group. 80 bytes each (`(u64, Change)`, names of up to 22 bytes in place) plus longer
+/// names and values: 8 MB, enough for a watcher to ride out a reconnect at tens of thousands of changes
+/// a second. Reserved once, in full (untouched until used): grown by doubling, the queue would end at
+/// 131,072 slots, 2.5 MB more.
 pub const HISTORY_EVENTS: usize = 100_000;
 /// Bytes of grant values kept per group (values are up to 1 KiB each); older changes are dropped first.
 pub const HISTORY_VALUE_BYTES: usize = 16 << 20;
@@ -87,7 +89,7 @@ impl History {
     /// An empty history of a group whose state is at `applied` (its snapshot's index, or 0).
     pub fn new(applied: u64) -> History {
         History {
-            events: VecDeque::new(),
+            events: VecDeque::with_capacity(HISTORY_EVENTS),
             value_bytes: 0,
             floor: applied,
             evicted: false,
@@ -114,6 +116,18 @@ impl History {
             self.applied
         );
         self.applied = self.applied.max(index);
+        // Make room first, so the queue stays within the capacity reserved for it (the same entries are
+        // dropped as when dropping after: the oldest, whole, until what is left and the new ones fit).
+        let (count, bytes) = (
+            changes.len(),
+            changes.iter().map(|c| c.value.len()).sum::<usize>(),
+        );
+        while !self.events.is_empty()
+            && (self.events.len() + count > HISTORY_EVENTS
+                || self.value_bytes + bytes > HISTORY_VALUE_BYTES)
+        {
+            self.drop_oldest_entry();
+        }
         for change in changes {
             self.value_bytes += change.value.len();
             self.events.push_back((index, change));
@@ -399,6 +413,16 @@ mod tests {
             })
         );
         assert_eq!(ids(&h.read(at(2, 0), &all(), 1).unwrap())[0], (2, 2));
+        // Room was made before the new entry went in: the queue never grew past what was reserved.
+        assert_eq!(h.events.len(), HISTORY_EVENTS);
+        assert!(h.events.capacity() < HISTORY_EVENTS + HISTORY_EVENTS / 4);
+        // An entry with more changes than the history holds: everything before it goes, then it too.
+        let many = (0..HISTORY_EVENTS as u64 + 1)
+            .map(|i| change("c", i))
+            .collect();
+        h.record(HISTORY_EVENTS as u64, many);
+        assert!(h.events.is_empty());
+        assert_eq!(h.floor(), HISTORY_EVENTS as u64);
         h.reset(1_000_000);
         assert_eq!(
             h.read(at(5, 0), &all(), 10).err(),
