@@ -14,10 +14,13 @@
 //! - every chunk is non-empty, holds at most `CAP` entries in strictly increasing key order, and every key
 //!   of a chunk is below every key of the next;
 //! - `firsts[i]` is chunk `i`'s first key, and `len` is the number of entries;
-//! - two neighbouring chunks together hold more than `MERGE` entries (a removal that breaks this merges
-//!   them), so chunks are on average more than 3/8 full whatever the order of changes. The gap between
-//!   a split (two halves: `CAP + 1`) and a merge (`MERGE`, 3/4 of `CAP`) is the hysteresis that keeps one
-//!   lock acquired and released over and over at a chunk's edge from splitting and merging every time.
+//! - every chunk but the last holds at least `HALF` (half of `CAP`) entries, so the map is at least half
+//!   full whatever the order of changes, as a B-tree is: a chunk that falls below half takes an entry from
+//!   a neighbour that can spare one, or else merges with one (they fit in one chunk). A split makes two
+//!   halves; the last chunk is exempt so that in-order inserts can start it with one entry. One lock
+//!   taken and given back over and over at a chunk's edge moves at most one entry each time, never the
+//!   top-level arrays: a split leaves room for the next insert, and a merge or a borrow leaves room for
+//!   the next removal.
 //!
 //! Cost: a lookup is two binary searches; an insert or removal moves on average half a chunk (~4 KiB), and a
 //! split or merge also moves the two top-level arrays (24 bytes a chunk: ~260 KiB each at 1,000,000 locks),
@@ -45,8 +48,8 @@ impl<K, V> ChunkMap<K, V> {
             8192 / size
         }
     };
-    /// Two neighbouring chunks that together hold this many entries or fewer are merged.
-    const MERGE: usize = Self::CAP * 3 / 4;
+    /// Every chunk but the last holds at least this many entries.
+    const HALF: usize = Self::CAP / 2;
 
     pub(crate) fn new() -> Self {
         ChunkMap {
@@ -259,6 +262,7 @@ impl<K: Ord + Clone, V> ChunkMap<K, V> {
         let (_, value) = self.chunks[c].remove(i);
         self.len -= 1;
         if self.chunks[c].is_empty() {
+            // Only the last chunk can empty (the others hold at least `HALF`, at least 4).
             self.chunks.remove(c);
             self.firsts.remove(c);
             return Some(value);
@@ -266,13 +270,28 @@ impl<K: Ord + Clone, V> ChunkMap<K, V> {
         if i == 0 {
             self.fix_first(c);
         }
-        let n = self.chunks[c].len();
-        if c + 1 < self.chunks.len() && n + self.chunks[c + 1].len() <= Self::MERGE {
-            self.merge_into_left(c);
-        } else if c > 0 && self.chunks[c - 1].len() + n <= Self::MERGE {
-            self.merge_into_left(c - 1);
+        if c + 1 < self.chunks.len() && self.chunks[c].len() < Self::HALF {
+            self.refill(c);
         }
         Some(value)
+    }
+
+    /// Chunk `c`, not the last, fell one below half: it takes an entry from a neighbour that holds more
+    /// than half, or else merges with one (both then hold at most half: they fit in one chunk).
+    fn refill(&mut self, c: usize) {
+        if c > 0 && self.chunks[c - 1].len() > Self::HALF {
+            let moved = self.chunks[c - 1].pop().expect("more than half full");
+            self.chunks[c].insert(0, moved);
+            self.fix_first(c);
+        } else if self.chunks[c + 1].len() > Self::HALF {
+            let moved = self.chunks[c + 1].remove(0);
+            self.chunks[c].push(moved);
+            self.fix_first(c + 1);
+        } else if c > 0 {
+            self.merge_into_left(c - 1);
+        } else {
+            self.merge_into_left(c);
+        }
     }
 
     /// Moves chunk `c + 1`'s entries to the end of chunk `c` and drops it.
@@ -313,11 +332,10 @@ impl<K: Ord + Clone, V> ChunkMap<K, V> {
                 );
                 before = Some(k);
             }
-            if c > 0 {
+            if c + 1 < self.chunks.len() {
                 assert!(
-                    self.chunks[c - 1].len() + chunk.len() > Self::MERGE,
-                    "chunks {} and {c} should have been merged",
-                    c - 1
+                    chunk.len() >= Self::HALF,
+                    "chunk {c} is less than half full"
                 );
             }
         }
@@ -517,6 +535,28 @@ mod tests {
             .collect();
         scattered.check();
         assert!(fill(&scattered) > 0.8, "scattered: {}", fill(&scattered));
+    }
+
+    /// However entries are removed, every chunk but the last stays at least half full (a `BTreeMap`'s
+    /// guarantee), where merging only neighbours that together hold 3/4 of a chunk would let thinning
+    /// leave the map about 3/8 full.
+    #[test]
+    fn removals_leave_chunks_at_least_half_full() {
+        let n = 20_000u32;
+        let mut map: Map = (0..n).map(|k| (k, v(0))).collect();
+        // Thin every chunk to just over a third, from the front and from the back.
+        for k in (0..n).filter(|k| k % 3 != 0) {
+            map.remove(&k);
+        }
+        map.check();
+        let mut map: Map = (0..n).map(|k| (k, v(0))).collect();
+        for k in (0..n).rev().filter(|k| k % 8 != 0) {
+            map.remove(&k);
+        }
+        map.check();
+        let full = map.chunks.len() - 1;
+        assert!(map.chunks[..full].iter().all(|c| c.len() >= Map::CAP / 2));
+        assert_eq!(map.len(), (n / 8) as usize);
     }
 
     /// One key acquired and released over and over at a chunk's edge does not split and merge each time.
