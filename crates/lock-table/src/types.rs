@@ -102,8 +102,30 @@ impl PartialOrd for LockName {
 
 impl Ord for LockName {
     fn cmp(&self, other: &LockName) -> std::cmp::Ordering {
-        self.as_bytes().cmp(other.as_bytes())
+        match (&self.0, &other.0) {
+            // Two names in place: their zero-padded bytes as three big-endian words, then their lengths.
+            // Words order as the bytes do; padded bytes that are equal leave the shorter name a prefix
+            // of the longer one (followed by NULs, if by anything), which sorts first, as with strings.
+            // No call to `memcmp`: in the table benchmark a third of the time went to it, from the lock
+            // map's binary searches.
+            (Repr::Inline { len: a, bytes: x }, Repr::Inline { len: b, bytes: y }) => {
+                words(x).cmp(&words(y)).then(a.cmp(b))
+            }
+            _ => self.as_bytes().cmp(other.as_bytes()),
+        }
     }
+}
+
+/// A name's in-place bytes (zero past its length: [`LockName::from_valid`] is the only place that
+/// makes them) as three big-endian words.
+fn words(b: &[u8; INLINE_NAME_BYTES]) -> (u64, u64, u64) {
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        let end = (i + 8).min(INLINE_NAME_BYTES);
+        w[..end - i].copy_from_slice(&b[i..end]);
+        u64::from_be_bytes(w)
+    };
+    (word(0), word(8), word(16))
 }
 
 /// As the string, so that maps keyed by names can be searched with a `&str` ([`Borrow`]).
