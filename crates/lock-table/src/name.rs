@@ -47,7 +47,11 @@ pub fn group_for(name: &str, groups: u32) -> GroupId {
 
 /// FNV-1a, 64-bit. Chosen for being trivially reimplementable in any client language.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    fnv1a64_more(0xcbf2_9ce4_8422_2325, bytes)
+}
+
+/// Continues an FNV-1a hash (`fnv1a64(a ++ b) == fnv1a64_more(fnv1a64(a), b)`).
+pub(crate) fn fnv1a64_more(mut hash: u64, bytes: &[u8]) -> u64 {
     for &b in bytes {
         hash ^= u64::from(b);
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);

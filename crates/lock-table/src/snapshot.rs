@@ -216,9 +216,22 @@ impl LockTable {
         Ok(table)
     }
 
-    /// A digest of the whole state: equal on two replicas exactly when their tables are equal.
+    /// A digest of the whole state: equal on two replicas exactly when their tables are equal. The FNV-1a
+    /// hash of [`LockTable::encode_snapshot`]'s bytes (backups record it), hashed as they are produced
+    /// instead of from a copy of the encoding (at 1M locks a 41 MB encoding, in a buffer reserved at 96 MB).
     pub fn digest(&self) -> u64 {
-        crate::name::fnv1a64(&self.encode_snapshot())
+        let mut sink = DigestSink {
+            buf: Vec::with_capacity(DigestSink::BUF),
+            fnv: crate::name::fnv1a64(&[]),
+            crc: crc32fast::Hasher::new(),
+        };
+        sink.extend(MAGIC.iter().copied());
+        sink.extend(VERSION.to_le_bytes());
+        let mut sink = postcard::to_extend(self, sink).expect("hashing cannot fail");
+        sink.flush();
+        // The encoding ends with the CRC of everything before it.
+        let crc = sink.crc.finalize().to_le_bytes();
+        crate::name::fnv1a64_more(sink.fnv, &crc)
     }
 
     /// A checksummed snapshot can still be written by a buggy build; refuse one that breaks an invariant
@@ -226,6 +239,34 @@ impl LockTable {
     fn validate_decoded(&self) -> Result<(), String> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check_invariants()))
             .map_err(|_| "snapshot breaks a lock table invariant".to_string())
+    }
+}
+
+/// Hashes an encoding as postcard produces it (a byte or a few at a time), a buffer-full at a time.
+struct DigestSink {
+    buf: Vec<u8>,
+    fnv: u64,
+    crc: crc32fast::Hasher,
+}
+
+impl DigestSink {
+    const BUF: usize = 64 * 1024;
+
+    fn flush(&mut self) {
+        self.fnv = crate::name::fnv1a64_more(self.fnv, &self.buf);
+        self.crc.update(&self.buf);
+        self.buf.clear();
+    }
+}
+
+impl Extend<u8> for DigestSink {
+    fn extend<I: IntoIterator<Item = u8>>(&mut self, bytes: I) {
+        for b in bytes {
+            self.buf.push(b);
+            if self.buf.len() == Self::BUF {
+                self.flush();
+            }
+        }
     }
 }
 
