@@ -20,8 +20,8 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Also ask each server for each group's lock table digest (in `--json` as `digest`, in the table as
-    /// a DIGEST column), to check that replicas at the same applied index agree. Costly on a large
+    /// Also ask each server for each group's lock table digest (in `--json` as `digest`, in the table on
+    /// a DIGEST line after each group's), to check that replicas at the same applied index agree. Costly on a large
     /// table: every server encodes its whole table under the group's state lock (~75 ms at 1M locks,
     /// during which it applies nothing). Needs the `admin` permission under an access policy.
     #[arg(long)]
