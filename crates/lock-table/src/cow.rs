@@ -137,12 +137,6 @@ impl<K: Ord + Clone, V> From<BTreeMap<K, Box<V>>> for SnapMap<K, V> {
     }
 }
 
-impl<K: Ord + Clone, V> From<BTreeMap<K, V>> for SnapMap<K, V> {
-    fn from(map: BTreeMap<K, V>) -> Self {
-        map.into_iter().collect()
-    }
-}
-
 impl<K: Ord + Clone + Serialize, V: Serialize> SnapMap<K, V> {
     /// Records `key`'s before-image if a snapshot is under way and has not written it yet.
     #[inline]

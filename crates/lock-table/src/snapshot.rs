@@ -60,6 +60,12 @@ enum Stage {
     Done,
 }
 
+/// Appends what every encoding of a table starts with: the magic and the format version.
+fn push_header(out: &mut impl Extend<u8>) {
+    out.extend(MAGIC.iter().copied());
+    out.extend(VERSION.to_le_bytes());
+}
+
 /// Appends a map's length as postcard encodes it (the prefix of the map's entries).
 fn push_map_len(out: &mut Vec<u8>, len: usize) {
     struct Len(usize);
@@ -75,14 +81,17 @@ fn push_map_len(out: &mut Vec<u8>, len: usize) {
 impl LockTable {
     /// Encodes the whole table.
     pub fn encode_snapshot(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64 + self.lock_count() * 96);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        let out = postcard::to_extend(self, out).expect("encoding to a Vec cannot fail");
-        let mut out = out;
+        let mut out = self.encode_to(Vec::with_capacity(64 + self.lock_count() * 96));
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
         out
+    }
+
+    /// Appends the encoding up to its CRC (the magic, the version, the table) to `out`: what
+    /// [`LockTable::encode_snapshot`] keeps and [`LockTable::digest`] hashes.
+    fn encode_to<W: Extend<u8>>(&self, mut out: W) -> W {
+        push_header(&mut out);
+        postcard::to_extend(self, out).expect("encoding into memory cannot fail")
     }
 
     /// Starts writing a snapshot of the table as it is now, while it goes on changing: returns the
@@ -93,8 +102,7 @@ impl LockTable {
     /// already under way is abandoned.
     pub fn snapshot_begin(&mut self, out: &mut Vec<u8>) -> SnapshotWriter {
         let start = out.len();
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        push_header(out);
         push_map_len(out, self.sessions.len());
         // Unique per snapshot in this process, so a writer whose snapshot was abandoned (and another
         // begun) is refused instead of advancing the other's. Not part of the table's state.
@@ -220,14 +228,11 @@ impl LockTable {
     /// hash of [`LockTable::encode_snapshot`]'s bytes (backups record it), hashed as they are produced
     /// instead of from a copy of the encoding (at 1M locks a 41 MB encoding, in a buffer reserved at 96 MB).
     pub fn digest(&self) -> u64 {
-        let mut sink = DigestSink {
+        let mut sink = self.encode_to(DigestSink {
             buf: Vec::with_capacity(DigestSink::BUF),
             fnv: crate::name::fnv1a64(&[]),
             crc: crc32fast::Hasher::new(),
-        };
-        sink.extend(MAGIC.iter().copied());
-        sink.extend(VERSION.to_le_bytes());
-        let mut sink = postcard::to_extend(self, sink).expect("hashing cannot fail");
+        });
         sink.flush();
         // The encoding ends with the CRC of everything before it.
         let crc = sink.crc.finalize().to_le_bytes();
@@ -477,18 +482,17 @@ mod v5 {
     }
 
     /// Version 5's locks as this version's.
-    pub(super) fn locks(locks: BTreeMap<LockName, Lock>) -> BTreeMap<LockName, Box<table::Lock>> {
-        locks
-            .into_iter()
-            .map(|(n, l)| (n, Box::new(l.into())))
-            .collect()
+    pub(super) fn locks(
+        locks: BTreeMap<LockName, Lock>,
+    ) -> crate::cow::SnapMap<LockName, table::Lock> {
+        locks.into_iter().map(|(n, l)| (n, l.into())).collect()
     }
 
     impl From<LockTable> for table::LockTable {
         fn from(t: LockTable) -> Self {
             table::LockTable {
                 sessions: t.sessions.into(),
-                locks: locks(t.locks).into(),
+                locks: locks(t.locks),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -521,7 +525,7 @@ mod v4 {
                 budget: 0,
                 bytes: 0,
                 sessions: t.sessions.into(),
-                locks: super::v5::locks(t.locks).into(),
+                locks: super::v5::locks(t.locks),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,
@@ -584,7 +588,7 @@ mod v3 {
                     .into_iter()
                     .map(|(id, s)| (id, s.into()))
                     .collect(),
-                locks: super::v5::locks(t.locks).into(),
+                locks: super::v5::locks(t.locks),
                 open_nonces: t.open_nonces,
                 open_nonce_order: t.open_nonce_order,
                 waiter_count: t.waiter_count,

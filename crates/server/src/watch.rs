@@ -122,19 +122,22 @@ impl History {
             changes.len(),
             changes.iter().map(|c| c.value.len()).sum::<usize>(),
         );
-        while !self.events.is_empty()
-            && (self.events.len() + count > HISTORY_EVENTS
-                || self.value_bytes + bytes > HISTORY_VALUE_BYTES)
-        {
+        while !self.events.is_empty() && self.over_with(count, bytes) {
             self.drop_oldest_entry();
         }
         for change in changes {
             self.value_bytes += change.value.len();
             self.events.push_back((index, change));
         }
-        while self.events.len() > HISTORY_EVENTS || self.value_bytes > HISTORY_VALUE_BYTES {
+        // Only an entry with more than the history holds is still over: it goes too.
+        while self.over_with(0, 0) {
             self.drop_oldest_entry();
         }
+    }
+
+    /// Whether `count` more changes carrying `bytes` of values would be more than the history keeps.
+    fn over_with(&self, count: usize, bytes: usize) -> bool {
+        self.events.len() + count > HISTORY_EVENTS || self.value_bytes + bytes > HISTORY_VALUE_BYTES
     }
 
     /// Drops every change of the oldest entry still here (never part of one: the floor is an index).
