@@ -12,7 +12,8 @@
 //! ```
 //!
 //! Layout: [`client`] (endpoints, leader following, retries), [`session`] (keepalive and the client-side
-//! lease), [`guard`] (a held lock), [`watch`] (event streams), [`election`], [`tls`], [`error`]. The crate depends only on the protocol crate
+//! lease), [`guard`] (a held lock), [`watch`] (event streams), [`election`], [`tls`], [`error`], [`placement`] (which servers should be each group's voters, for
+//! `holdfast member place`). The crate depends only on the protocol crate
 //! (`holdfast-proto`), never on server internals.
 //!
 //! Retries are safe: every write carries an id (a random nonce for opening a session, a per-session
@@ -24,6 +25,7 @@ pub mod election;
 pub mod error;
 pub mod guard;
 mod keepalive;
+pub mod placement;
 pub mod session;
 pub mod tls;
 pub mod watch;

@@ -54,6 +54,10 @@ const COMPACT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long one step of a membership change may take (a learner catching up by snapshot included).
 const MEMBER_CHANGE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long a voter being removed is given to receive the configuration that makes it a learner, before
+/// it is removed for good (see [`Group::remove_member`]).
+const DEMOTED_LEARNER_WAIT: Duration = Duration::from_secs(5);
+
 fn membership_result<T>(
     r: Result<
         Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>,
@@ -560,6 +564,49 @@ impl Group {
         self.ensure_leader()?;
         let view = self.membership_view();
         self.check_removal(&view, id, force)?;
+        let mut view = view;
+        if view.voters.contains(&id) && !view.joint {
+            // First a learner, then gone. openraft stops replicating to a removed voter as soon as the
+            // leader appends the configuration without it, so a voter removed in one step never learns
+            // it was removed and stands for election in this group for as long as it runs (harmless to
+            // the others, whose logs are longer, but endless). Kept as a learner, it receives the
+            // configuration that makes it one, and then stops standing (`run_leadership`); a server
+            // that leaves some groups but stays in others (`holdfast member place`) needs that.
+            let demoted = tokio::time::timeout(
+                MEMBER_CHANGE_TIMEOUT,
+                self.raft.change_membership_if(
+                    ChangeMembers::RemoveVoters(BTreeSet::from([id])),
+                    true,
+                    [openraft::raft::Precondition::LastMembershipLogId {
+                        last_membership_log_id: view.log_id,
+                    }],
+                ),
+            );
+            membership_result(demoted.await, "making the voter a learner")?;
+            view = self.membership_view();
+            let config_index = view.log_id.map_or(0, |l| l.index);
+            // Best effort: a removed server that is down learns nothing, and is stopped anyway.
+            let reached = self
+                .raft
+                .wait(Some(DEMOTED_LEARNER_WAIT))
+                .metrics(
+                    |m| {
+                        m.replication
+                            .as_ref()
+                            .and_then(|r| r.get(&id).cloned().flatten())
+                            .is_some_and(|l| l.index >= config_index)
+                    },
+                    "the demoted voter has the configuration that makes it a learner",
+                )
+                .await;
+            if reached.is_err() {
+                tracing::info!(
+                    group = self.id,
+                    node = id,
+                    "the removed voter did not receive its removal within {DEMOTED_LEARNER_WAIT:?}; removing it anyway"
+                );
+            }
+        }
         let change = if view.voters.contains(&id) {
             ChangeMembers::RemoveVoters(BTreeSet::from([id]))
         } else if view.learners.contains(&id) {
@@ -626,6 +673,7 @@ impl Group {
     pub async fn run_leadership(self: Arc<Self>) {
         let mut rx = self.raft.metrics();
         let mut last_leader = None;
+        let mut eligible_before = None;
         loop {
             let (state, term, leader) = {
                 let m = rx.borrow_watched();
@@ -634,6 +682,33 @@ impl Group {
             if leader != last_leader {
                 self.metrics.leader_changes.inc();
                 last_leader = leader;
+            }
+            // A server stands for election in this group only while its newest configuration counts
+            // it a voter (or it has none yet). openraft would also let it stand while its committed
+            // configuration does, which a server removed from the group (and told so, see
+            // `remove_member`) may keep for good, since nothing reaches it afterwards. Not standing
+            // cannot break safety, and it still votes; an eligible server that has the configuration
+            // removing it is outvoted by the ones that have it too.
+            let eligible = {
+                let m = rx.borrow_watched();
+                let membership = m.membership_config.membership();
+                membership.nodes().next().is_none() || membership.voter_ids().any(|v| v == m.id)
+            };
+            if eligible_before != Some(eligible) {
+                self.raft.runtime_config().elect(eligible);
+                if eligible_before.is_some() || !eligible {
+                    tracing::info!(
+                        group = self.id,
+                        eligible,
+                        "this server {} for election in this group",
+                        if eligible {
+                            "stands again"
+                        } else {
+                            "no longer stands"
+                        }
+                    );
+                }
+                eligible_before = Some(eligible);
             }
             if state == ServerState::Leader && !self.handing_over.load(Relaxed) {
                 if self.leases.leading_term() != Some(term) {

@@ -542,6 +542,7 @@ impl NodeShared {
             .iter()
             .map(|g| {
                 let m = g.raft_metrics();
+                let view = g.membership_view();
                 let leader_endpoint = m
                     .current_leader
                     .and_then(|l| self.client_endpoint(l))
@@ -565,6 +566,8 @@ impl NodeShared {
                     leader_confirmed: g.quorum_confirmed(),
                     table_bytes: s.table.table_bytes(),
                     table_budget: s.table.table_budget(),
+                    voters: view.voters,
+                    learners: view.learners,
                 }
             })
             .collect();
@@ -593,29 +596,41 @@ impl NodeShared {
         })
     }
 
-    /// Group 0's current members (voters, then learners), then configured servers not among them.
+    /// Every group's members (voters of any group, then learners of some group only), then configured
+    /// servers in no group. A cluster of more than five servers places each group on some of them, so
+    /// no one group names them all.
     fn members(&self) -> Vec<pb::Member> {
-        let metrics = self.groups[0].raft_metrics();
-        let membership = metrics.membership_config.membership();
-        let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
-        let mut out: Vec<pb::Member> = membership
-            .nodes()
-            .map(|(id, n)| {
-                let configured = self.config.member(*id);
+        let mut known: BTreeMap<u64, (crate::raft_types::MemberNode, Vec<u32>)> = BTreeMap::new();
+        for g in &self.groups {
+            let metrics = g.raft_metrics();
+            let membership = metrics.membership_config.membership();
+            let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+            for (id, n) in membership.nodes() {
+                let entry = known.entry(*id).or_insert_with(|| (n.clone(), Vec::new()));
+                if voters.contains(id) {
+                    entry.1.push(g.id);
+                }
+            }
+        }
+        let mut out: Vec<pb::Member> = known
+            .into_iter()
+            .map(|(id, (n, voter_of))| {
+                let configured = self.config.member(id);
                 pb::Member {
-                    node_id: *id,
+                    node_id: id,
                     client_endpoint: configured
                         .map(|m| m.client.clone())
                         .unwrap_or_else(|| n.client.clone()),
                     peer_endpoint: configured
                         .map(|m| m.peer.clone())
                         .unwrap_or_else(|| n.peer.clone()),
-                    role: if voters.contains(id) {
-                        "voter"
-                    } else {
+                    role: if voter_of.is_empty() {
                         "learner"
+                    } else {
+                        "voter"
                     }
                     .into(),
+                    voter_of,
                 }
             })
             .collect();
@@ -627,6 +642,7 @@ impl NodeShared {
                     client_endpoint: m.client.clone(),
                     peer_endpoint: m.peer.clone(),
                     role: "configured".into(),
+                    voter_of: Vec::new(),
                 });
             }
         }
@@ -635,11 +651,25 @@ impl NodeShared {
 
     /// Ready when a write or a linearizable read of every group can be served now, here or at the leader
     /// this server redirects to: the group's leader (this server, or the one it names) has been
-    /// acknowledged by a quorum within 3/4 of the election timeout. Err says, per group, why not.
+    /// acknowledged by a quorum within 3/4 of the election timeout. Err says, per group, why not. Only
+    /// the groups this server is a voter of count (all of them, up to five servers; `holdfast member
+    /// place` puts groups on some servers only); a server that is a voter of none is not ready.
     pub async fn readiness(&self) -> Result<(), String> {
         let mut problems = Vec::new();
         let mut elsewhere: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
-        for g in &self.groups {
+        let me = self.config.node_id;
+        let mine: Vec<&Arc<Group>> = self
+            .groups
+            .iter()
+            .filter(|g| g.membership_view().voters.contains(&me))
+            .collect();
+        if mine.is_empty() {
+            return Err(format!(
+                "this server is a voter of none of the {} groups (a joining server waits for `holdfast member add` or `holdfast member place`)",
+                self.groups.len()
+            ));
+        }
+        for g in mine {
             if g.quorum_confirmed() {
                 continue;
             }
@@ -867,8 +897,16 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
         if tokio::time::Instant::now() < quiet_until || *shutdown.borrow() {
             continue;
         }
+        // The groups this server is a voter of: all of them up to five servers. With groups placed on
+        // some servers only (`holdfast member place`) it sees only these groups' leaders, and balances
+        // by that partial view.
+        let voter_of: Vec<&Arc<Group>> = node
+            .groups
+            .iter()
+            .filter(|g| g.membership_view().voters.contains(&me))
+            .collect();
         // Only with a settled view: every group has a leader this server knows.
-        let leaders: Vec<Option<u64>> = node.groups.iter().map(|g| g.current_leader()).collect();
+        let leaders: Vec<Option<u64>> = voter_of.iter().map(|g| g.current_leader()).collect();
         if leaders.iter().any(Option::is_none) {
             continue;
         }
@@ -879,7 +917,7 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
             continue;
         }
         let mut led: BTreeMap<u64, usize> = BTreeMap::new();
-        for g in &node.groups {
+        for g in &voter_of {
             for v in g.raft_metrics().membership_config.membership().voter_ids() {
                 led.entry(v).or_default();
             }
@@ -888,7 +926,7 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
             *led.entry(*l).or_default() += 1;
         }
         let mine = led.get(&me).copied().unwrap_or(0);
-        let share = node.groups.len().div_ceil(led.len().max(1));
+        let share = voter_of.len().div_ceil(led.len().max(1));
         // Over its share, a server gives one away. At or under it, only the lowest-numbered of the
         // servers that lead the most does, so that a server that leads nothing (just restarted: its
         // groups went to others, every one of which is now at its share) still gets one, and the
@@ -898,7 +936,7 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
         if mine <= share && first_of_most != Some(me) {
             continue;
         }
-        let candidate = node.groups.iter().find_map(|g| {
+        let candidate = voter_of.iter().find_map(|g| {
             if !g.quorum_confirmed() || g.is_handing_over() {
                 return None;
             }
@@ -929,7 +967,7 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
                 .map(|v| (led.get(&v).copied().unwrap_or(0), v))
                 .min()
                 .filter(|(count, _)| mine >= count + 2)
-                .map(|(_, v)| (g.clone(), v))
+                .map(|(_, v)| (Arc::clone(g), v))
         });
         let Some((group, to)) = candidate else {
             continue;

@@ -1,5 +1,5 @@
-//! `holdfast status`: every member's own view of every group (role, leader, term, log indexes, lag),
-//! and what is wrong: members that do not answer, and groups whose leader no quorum confirms.
+//! `holdfast status`: every member's own view of every group it is in (role, leader, term, log indexes,
+//! lag; with groups placed on some servers only, each group's voters), and what is wrong: members that do not answer, and groups whose leader no quorum confirms.
 //!
 //! The members are learned from the first server that answers, so a partial `--endpoints` list shows
 //! the whole cluster. Exit 0 when every member answered and every group has a leader confirmed by a
@@ -115,6 +115,35 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .max()
     };
 
+    // Each group's members as its leader says (the highest term's), if one answered. With more than five
+    // servers a group is on some of them only (`holdfast member place`).
+    let mut members_of: std::collections::BTreeMap<u32, (u64, Vec<u64>, Vec<u64>)> =
+        std::collections::BTreeMap::new();
+    for g in answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .flat_map(|s| s.groups.iter())
+        .filter(|g| g.role == "leader")
+    {
+        if members_of
+            .get(&g.group)
+            .is_none_or(|(term, _, _)| *term < g.term)
+        {
+            members_of.insert(g.group, (g.term, g.voters.clone(), g.learners.clone()));
+        }
+    }
+    // A server that is not in a group (as its leader says) has no row for it in the table.
+    let in_group = |node: u64, group: u32| {
+        members_of
+            .get(&group)
+            .is_none_or(|(_, v, l)| v.contains(&node) || l.contains(&node))
+    };
+    let placed = {
+        let mut sets = members_of.values().map(|(_, v, _)| v);
+        sets.next()
+            .is_some_and(|first| sets.any(|other| other != first))
+    };
+
     let mut problems = Vec::new();
     for (ep, a) in &answers {
         if let Err(e) = a {
@@ -202,6 +231,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                         "snapshot_index": g.snapshot_index, "purged_index": g.purged_index, "lag": leader_last(g.group).map(|l| l.saturating_sub(g.applied_index)),
                         "sessions": g.sessions, "locks": g.locks, "waiters": g.waiters,
                         "table_bytes": g.table_bytes, "table_budget": g.table_budget,
+                        "voters": g.voters, "learners": g.learners,
                     });
                     if args.digest {
                         v["digest"] = json!(format!("{:016x}", g.digest));
@@ -236,7 +266,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         for (ep, a) in &answers {
             match a {
                 Ok(s) => {
-                    for g in &s.groups {
+                    for g in s.groups.iter().filter(|g| in_group(s.node_id, g.group)) {
                         let lag = leader_last(g.group).map_or("?".to_string(), |l| {
                             l.saturating_sub(g.applied_index).to_string()
                         });
@@ -269,6 +299,16 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     println!("{node:<5} {ep:<21} unreachable");
                 }
             }
+        }
+        if placed {
+            let list: Vec<String> = members_of
+                .iter()
+                .map(|(g, (_, v, _))| {
+                    let ids: Vec<String> = v.iter().map(u64::to_string).collect();
+                    format!("{g}: {}", ids.join(" "))
+                })
+                .collect();
+            println!("voters per group: {}", list.join(", "));
         }
         // With several groups, how the leaderships are spread (as the leaders themselves say).
         let mut leads: std::collections::BTreeMap<u64, Vec<u32>> =

@@ -211,3 +211,181 @@ async fn a_server_whose_disk_was_lost_is_replaced() {
     let g = session.acquire("replace/after").await.unwrap();
     assert!(g.token() > kept.token());
 }
+
+/// The voters of `group` as the server that leads it says, once one does.
+async fn voters_of(c: &Cluster, group: u32) -> Vec<u64> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        for s in c.servers.iter().filter(|s| s.child.is_some()) {
+            if let Some(g) = c.group_status(s.id, group).await {
+                if g.role == "leader" && g.leader_confirmed {
+                    return g.voters;
+                }
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "group {group} has no leader"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Seven servers, each group on three of them: two servers join a five-server cluster of four groups
+/// and `holdfast member place --replicas 3` spreads the groups evenly while a client loops acquire +
+/// release in every group (which never fails). A server taken out of a group stops standing for
+/// election there; a client that knows only one server reaches every group; placing again changes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_are_placed_on_three_of_seven_servers() {
+    const GROUPS: u32 = 4;
+    let mut c = Cluster::start(Options {
+        groups: GROUPS,
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    // Guards, held to the end (dropping one releases its lock).
+    let mut kept = Vec::new();
+    for g in 0..GROUPS {
+        let name = crate::harness::name_in_group(g, GROUPS, "place/kept-");
+        kept.push((name.clone(), session.acquire(&name).await.unwrap()));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let grants = Arc::new(AtomicU32::new(0));
+    let looping = tokio::spawn({
+        let (session, stop, grants) = (session.clone(), stop.clone(), grants.clone());
+        async move {
+            let mut i = 0u32;
+            while !stop.load(Relaxed) {
+                i += 1;
+                let g = session
+                    .acquire_timeout(&format!("place/loop-{}", i % 16), Duration::from_secs(10))
+                    .await
+                    .expect("acquire while groups move");
+                g.release().await.expect("release while groups move");
+                grants.fetch_add(1, Relaxed);
+            }
+        }
+    });
+
+    let mut with = Vec::new();
+    for _ in 0..2 {
+        let id = c.add_server(&[]).await;
+        c.start_server(id);
+        with.push(format!("{id}={}/{}", c.endpoint(id), c.peer_endpoint(id)));
+    }
+    let place = |extra: Vec<String>| {
+        let mut args = vec!["place".to_string(), "--replicas".into(), "3".into()];
+        args.extend(extra);
+        args
+    };
+    let args = place(
+        with.iter()
+            .flat_map(|w| ["--with".to_string(), w.clone()])
+            .collect(),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = member_ok(&c, &args).await;
+    assert!(
+        out.contains(&format!("changed {GROUPS} of {GROUPS} groups")),
+        "{out}"
+    );
+
+    // Twelve voters over seven servers: each a voter of one or two groups, the new ones included.
+    let mut load = [0usize; 8];
+    let mut voters = Vec::new();
+    for g in 0..GROUPS {
+        let v = voters_of(&c, g).await;
+        assert_eq!(v.len(), 3, "group {g}: {v:?}\n{out}");
+        for id in &v {
+            load[*id as usize] += 1;
+        }
+        voters.push(v);
+    }
+    for (id, n) in load.iter().enumerate().skip(1) {
+        assert!(
+            (1..=2).contains(n),
+            "node {id} is a voter of {n} groups: {voters:?}"
+        );
+    }
+
+    // `holdfast status` shows each group's rows only for its members, and the voters per group.
+    let status = c.holdfast_ok(&["status"]).await;
+    let text = String::from_utf8_lossy(&status.stdout);
+    let expected: Vec<String> = voters
+        .iter()
+        .enumerate()
+        .map(|(g, v)| {
+            let ids: Vec<String> = v.iter().map(u64::to_string).collect();
+            format!("{g}: {}", ids.join(" "))
+        })
+        .collect();
+    assert!(
+        text.contains(&format!("voters per group: {}", expected.join(", "))),
+        "{text}"
+    );
+    let rows = text
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(2)
+                .is_some_and(|g| g.parse::<u32>().is_ok())
+        })
+        .count();
+    assert_eq!(rows, 3 * GROUPS as usize, "{text}");
+
+    // A server that left a group is a learner there and stands for no election: its term stays put
+    // over several election timeouts (before the change to demote first, it campaigned for good).
+    let (g, gone) = (0..GROUPS)
+        .find_map(|g| {
+            (1..=5u64)
+                .find(|id| !voters[g as usize].contains(id))
+                .map(|id| (g, id))
+        })
+        .expect("some original server left some group");
+    let before = c.group_status(gone, g).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = c.group_status(gone, g).await.unwrap();
+    assert_eq!(after.role, "learner", "node {gone}, group {g}: {after:?}");
+    assert_eq!(
+        after.term, before.term,
+        "node {gone} campaigns in group {g}"
+    );
+
+    // Every group still serves, and the locks taken before kept their tokens; a client that knows
+    // only a new server (a voter of one or two groups) finds every group's leader.
+    let before = grants.load(Relaxed);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while grants.load(Relaxed) < before + 20 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no grants after the placement"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Relaxed);
+    looping.await.expect("the load loop failed");
+    let seven = holdfast_client::Client::connect([c.endpoint(7)])
+        .await
+        .unwrap();
+    for (name, guard) in &kept {
+        let info = seven.describe(name).await.unwrap().expect("still held");
+        assert_eq!(info.token, guard.token(), "{name}");
+    }
+    let other = seven.open_session(Duration::from_secs(10)).await.unwrap();
+    for g in 0..GROUPS {
+        let name = crate::harness::name_in_group(g, GROUPS, "place/seven-");
+        other.acquire(&name).await.unwrap().release().await.unwrap();
+    }
+
+    // Placed already: nothing moves.
+    let args = place(Vec::new());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = member_ok(&c, &args).await;
+    assert!(
+        out.contains(&format!("changed 0 of {GROUPS} groups")),
+        "{out}"
+    );
+}
