@@ -122,9 +122,8 @@ mod tests {
     /// (groups, servers before, servers after, replicas, most moves allowed).
     type Case = (usize, &'static [u64], &'static [u64], usize, usize);
 
-    /// Every group gets exactly
-    /// `replicas` voters, all among the servers, each server within one of even, and no more moves than
-    /// the case allows.
+    /// Every group gets exactly `replicas` voters, all among the servers, each server within one of
+    /// even, and no more moves than the case allows.
     #[test]
     fn placements_are_even_and_move_little() {
         let cases: &[Case] = &[

@@ -649,6 +649,43 @@ impl NodeShared {
         out
     }
 
+    /// Every group's leader and every group's voters, in a cluster whose groups are placed on some
+    /// servers only: this server's view of its own groups, and what each other member says it leads
+    /// (with a quorum's confirmation), asked for its status within a second. A group no answer
+    /// accounts for has no leader here.
+    async fn leaders_everywhere(&self) -> (Vec<Option<u64>>, std::collections::BTreeSet<u64>) {
+        let me = self.config.node_id;
+        let mut leaders = vec![None; self.groups.len()];
+        let mut voters = std::collections::BTreeSet::new();
+        for g in &self.groups {
+            let view = g.membership_view();
+            if view.voters.contains(&me) {
+                leaders[g.id as usize] = g.current_leader();
+                voters.extend(view.voters);
+            }
+        }
+        for m in self.members() {
+            if m.node_id == me || m.role != "voter" {
+                continue;
+            }
+            let Ok(s) = leader_status(&m.client_endpoint, m.node_id, self.tls.as_deref()).await
+            else {
+                continue;
+            };
+            for g in s
+                .groups
+                .iter()
+                .filter(|g| g.role == "leader" && g.leader_confirmed)
+            {
+                if let Some(slot) = leaders.get_mut(g.group as usize) {
+                    *slot = Some(s.node_id);
+                    voters.extend(g.voters.iter().copied());
+                }
+            }
+        }
+        (leaders, voters)
+    }
+
     /// Ready when a write or a linearizable read of every group can be served now, here or at the leader
     /// this server redirects to: the group's leader (this server, or the one it names) has been
     /// acknowledged by a quorum within 3/4 of the election timeout. Err says, per group, why not. Only
@@ -870,7 +907,8 @@ const BALANCE_BACKOFF: Duration = Duration::from_secs(30);
 const BALANCE_SETTLE: Duration = Duration::from_secs(10);
 
 /// Spreads group leaderships over the voters (`balance_leaders`). Each server only ever gives away its
-/// own leaderships, one at a time: when, in its own view of every group's leader, it leads at least two
+/// own leaderships, one at a time: when, in its own view of every group's leader (with groups placed on
+/// some servers only, learned from the other members' status), it leads at least two
 /// more than the live voter that leads the fewest, and either more than its share (`ceil(groups /
 /// voters)`) or the most of all servers (the lowest id among equals), it hands one group to that voter.
 /// So the counts end at most one apart: within one of even. The target must have acknowledged this leader within the last
@@ -898,15 +936,32 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
             continue;
         }
         // The groups this server is a voter of: all of them up to five servers. With groups placed on
-        // some servers only (`holdfast member place`) it sees only these groups' leaders, and balances
-        // by that partial view.
+        // some servers only (`holdfast member place`) the other groups' leaders are learned by asking
+        // every other member for its status.
         let voter_of: Vec<&Arc<Group>> = node
             .groups
             .iter()
             .filter(|g| g.membership_view().voters.contains(&me))
             .collect();
+        let (leaders, voters) = if voter_of.len() == node.groups.len() {
+            let leaders: Vec<Option<u64>> =
+                node.groups.iter().map(|g| g.current_leader()).collect();
+            let voters: std::collections::BTreeSet<u64> = node
+                .groups
+                .iter()
+                .flat_map(|g| {
+                    let m = g.raft_metrics();
+                    m.membership_config
+                        .membership()
+                        .voter_ids()
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            (leaders, voters)
+        } else {
+            node.leaders_everywhere().await
+        };
         // Only with a settled view: every group has a leader this server knows.
-        let leaders: Vec<Option<u64>> = voter_of.iter().map(|g| g.current_leader()).collect();
         if leaders.iter().any(Option::is_none) {
             continue;
         }
@@ -916,17 +971,12 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
             quiet_until = tokio::time::Instant::now() + BALANCE_SETTLE;
             continue;
         }
-        let mut led: BTreeMap<u64, usize> = BTreeMap::new();
-        for g in &voter_of {
-            for v in g.raft_metrics().membership_config.membership().voter_ids() {
-                led.entry(v).or_default();
-            }
-        }
+        let mut led: BTreeMap<u64, usize> = voters.iter().map(|&v| (v, 0)).collect();
         for l in leaders.iter().flatten() {
             *led.entry(*l).or_default() += 1;
         }
         let mine = led.get(&me).copied().unwrap_or(0);
-        let share = voter_of.len().div_ceil(led.len().max(1));
+        let share = node.groups.len().div_ceil(led.len().max(1));
         // Over its share, a server gives one away. At or under it, only the lowest-numbered of the
         // servers that lead the most does, so that a server that leads nothing (just restarted: its
         // groups went to others, every one of which is now at its share) still gets one, and the

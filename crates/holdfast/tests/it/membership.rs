@@ -235,12 +235,13 @@ async fn voters_of(c: &Cluster, group: u32) -> Vec<u64> {
 /// and `holdfast member place --replicas 3` spreads the groups evenly while a client loops acquire +
 /// release in every group (which never fails). A server taken out of a group stops standing for
 /// election there; a client that knows only one server reaches every group; placing again changes
-/// nothing.
+/// nothing; and the leader balancer ends with no server leading two groups.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_are_placed_on_three_of_seven_servers() {
     const GROUPS: u32 = 4;
     let mut c = Cluster::start(Options {
         groups: GROUPS,
+        server_args: vec!["--balance-leaders".into()],
         ..Options::default()
     })
     .await;
@@ -388,4 +389,46 @@ async fn groups_are_placed_on_three_of_seven_servers() {
         out.contains(&format!("changed 0 of {GROUPS} groups")),
         "{out}"
     );
+
+    // The balancer, which sees only its own groups and asks the other members for the rest, spreads
+    // the four leaderships over four servers: none leads two, also after two are moved to one server by
+    // hand (it waits 10 s after a change it did not make).
+    let busy = (1..=7u64)
+        .find(|id| load[*id as usize] == 2)
+        .expect("a voter of two groups");
+    for g in (0..GROUPS).filter(|g| voters[*g as usize].contains(&busy)) {
+        c.holdfast_ok(&[
+            "leader",
+            "transfer",
+            "--group",
+            &g.to_string(),
+            "--to",
+            &busy.to_string(),
+        ])
+        .await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let mut leaders = Vec::new();
+        for g in 0..GROUPS {
+            let mut leader = None;
+            for id in voters_of(&c, g).await {
+                if let Some(s) = c.group_status(id, g).await {
+                    if s.role == "leader" && s.leader_confirmed {
+                        leader = Some(id);
+                    }
+                }
+            }
+            leaders.push(leader);
+        }
+        let distinct: std::collections::BTreeSet<_> = leaders.iter().flatten().collect();
+        if distinct.len() == GROUPS as usize {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leaders not spread: {leaders:?} (voters {voters:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
