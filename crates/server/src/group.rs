@@ -585,20 +585,31 @@ impl Group {
             membership_result(demoted.await, "making the voter a learner")?;
             view = self.membership_view();
             let config_index = view.log_id.map_or(0, |l| l.index);
-            // Best effort: a removed server that is down learns nothing, and is stopped anyway.
-            let reached = self
-                .raft
-                .wait(Some(DEMOTED_LEARNER_WAIT))
-                .metrics(
-                    |m| {
-                        m.replication
-                            .as_ref()
-                            .and_then(|r| r.get(&id).cloned().flatten())
-                            .is_some_and(|l| l.index >= config_index)
-                    },
-                    "the demoted voter has the configuration that makes it a learner",
-                )
-                .await;
+            // Best effort, and only for a server that answered this leader lately: one that is down
+            // learns nothing (and is stopped anyway), so waiting for it would only slow a replacement.
+            let live = self
+                .raft_metrics()
+                .heartbeat
+                .as_ref()
+                .and_then(|h| h.get(&id).cloned().flatten())
+                .is_some_and(|at| openraft::Instant::elapsed(&*at) < self.renew_guard);
+            let reached = if !live {
+                Ok(())
+            } else {
+                self.raft
+                    .wait(Some(DEMOTED_LEARNER_WAIT))
+                    .metrics(
+                        |m| {
+                            m.replication
+                                .as_ref()
+                                .and_then(|r| r.get(&id).cloned().flatten())
+                                .is_some_and(|l| l.index >= config_index)
+                        },
+                        "the demoted voter has the configuration that makes it a learner",
+                    )
+                    .await
+                    .map(|_| ())
+            };
             if reached.is_err() {
                 tracing::info!(
                     group = self.id,
@@ -687,8 +698,8 @@ impl Group {
             // it a voter (or it has none yet). openraft would also let it stand while its committed
             // configuration does, which a server removed from the group (and told so, see
             // `remove_member`) may keep for good, since nothing reaches it afterwards. Not standing
-            // cannot break safety, and it still votes; an eligible server that has the configuration
-            // removing it is outvoted by the ones that have it too.
+            // cannot break safety (it still votes), nor liveness: the configuration that leaves it out
+            // has the voters to elect a leader without it.
             let eligible = {
                 let m = rx.borrow_watched();
                 let membership = m.membership_config.membership();
@@ -700,11 +711,11 @@ impl Group {
                     tracing::info!(
                         group = self.id,
                         eligible,
-                        "this server {} for election in this group",
+                        "{}",
                         if eligible {
-                            "stands again"
+                            "a voter of this group's newest configuration: stands for election"
                         } else {
-                            "no longer stands"
+                            "not a voter of this group's newest configuration: stands for no election"
                         }
                     );
                 }
