@@ -64,6 +64,12 @@ enum Cmd {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Cmd::Status(_) | Cmd::Locks(_) | Cmd::Sessions(_) | Cmd::Describe(_) | Cmd::Watch(_)
+    ) {
+        cmd::default_sigpipe();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

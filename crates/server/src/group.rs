@@ -699,11 +699,16 @@ impl Group {
             // configuration does, which a server removed from the group (and told so, see
             // `remove_member`) may keep for good, since nothing reaches it afterwards. Not standing
             // cannot break safety (it still votes), nor liveness: the configuration that leaves it out
-            // has the voters to elect a leader without it.
+            // has the voters to elect a leader without it. (No allocation: metrics change with every
+            // batch of entries.)
             let eligible = {
                 let m = rx.borrow_watched();
                 let membership = m.membership_config.membership();
-                membership.nodes().next().is_none() || membership.voter_ids().any(|v| v == m.id)
+                membership.nodes().next().is_none()
+                    || membership
+                        .get_joint_config()
+                        .iter()
+                        .any(|voters| voters.contains(&m.id))
             };
             if eligible_before != Some(eligible) {
                 self.raft.runtime_config().elect(eligible);

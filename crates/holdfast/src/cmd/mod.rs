@@ -217,3 +217,18 @@ pub fn signal(pid: u32, signal: libc::c_int) {
         libc::kill(pid as libc::pid_t, signal);
     }
 }
+
+/// Lets a command whose output is read through a pipe end quietly when the reader goes away, as other
+/// Unix tools do (`holdfast status | head`): Rust starts with SIGPIPE ignored, so a print to a closed
+/// pipe panicked with a backtrace. Only for the commands that print what they read from the cluster;
+/// servers keep ignoring it.
+#[allow(
+    unsafe_code,
+    reason = "signal(2) restoring SIGPIPE's default action, before any thread is started"
+)]
+pub fn default_sigpipe() {
+    // SAFETY: signal(2) with SIG_DFL has no memory-safety preconditions; called first thing in main.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

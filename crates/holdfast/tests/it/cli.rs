@@ -220,6 +220,22 @@ async fn inspection_commands_print_tables_and_json() {
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
+
+    // `holdfast status | head`: a reader that goes away ends the command quietly (SIGPIPE), as with
+    // other Unix tools, not with a panic and a backtrace. Here the pipe is closed before it prints.
+    let mut child = c
+        .holdfast()
+        .arg("status")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
