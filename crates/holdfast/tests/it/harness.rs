@@ -310,11 +310,16 @@ impl Cluster {
                 .cloned(),
         );
         args.extend(extra.iter().map(|a| a.to_string()));
+        // HTTP as the others have it.
+        let http_port = self.servers[0].http_port.map(|_| free_port());
+        if let Some(port) = http_port {
+            args.push(format!("--http-listen=127.0.0.1:{port}"));
+        }
         self.servers.push(Server {
             id,
             client_port,
             peer_port,
-            http_port: None,
+            http_port,
             log: self.dir().join(format!("node{id}.log")),
             data_dir,
             extra_args: Vec::new(),

@@ -235,12 +235,14 @@ async fn voters_of(c: &Cluster, group: u32) -> Vec<u64> {
 /// and `holdfast member place --replicas 3` spreads the groups evenly while a client loops acquire +
 /// release in every group (which never fails). A server taken out of a group stops standing for
 /// election there; a client that knows only one server reaches every group; placing again changes
-/// nothing; and the leader balancer ends with no server leading two groups.
+/// nothing; and the leader balancer ends with no server leading two groups. A joined server is not
+/// ready (`/readyz`) until it is a voter of some group; then every server is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_are_placed_on_three_of_seven_servers() {
     const GROUPS: u32 = 4;
     let mut c = Cluster::start(Options {
         groups: GROUPS,
+        http: true,
         server_args: vec!["--balance-leaders".into()],
         ..Options::default()
     })
@@ -277,6 +279,11 @@ async fn groups_are_placed_on_three_of_seven_servers() {
         c.start_server(id);
         with.push(format!("{id}={}/{}", c.endpoint(id), c.peer_endpoint(id)));
     }
+    // A joined server that is a voter of no group yet is not ready, and says why.
+    c.wait_for_log(7, "holdfast server started", 1).await;
+    let (code, body) = c.http_get(7, "/readyz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("a voter of none of the 4 groups"), "{body}");
     let place = |extra: Vec<String>| {
         let mut args = vec!["place".to_string(), "--replicas".into(), "3".into()];
         args.extend(extra);
@@ -310,6 +317,12 @@ async fn groups_are_placed_on_three_of_seven_servers() {
             (1..=2).contains(n),
             "node {id} is a voter of {n} groups: {voters:?}"
         );
+    }
+
+    // Every server is ready: each serves (or redirects to the leader of) the groups it is a voter of.
+    for id in 1..=7 {
+        let (code, body) = c.http_get(id, "/readyz").await;
+        assert_eq!(code, 200, "node {id}: {body}");
     }
 
     // `holdfast status` shows each group's rows only for its members, and the voters per group.
