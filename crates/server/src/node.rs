@@ -598,23 +598,32 @@ impl NodeShared {
 
     /// Every group's members (voters of any group, then learners of some group only), then configured
     /// servers in no group. A cluster of more than five servers places each group on some of them, so
-    /// no one group names them all.
+    /// no one group names them all. `voter_of` counts only the groups this server is a voter of: its
+    /// view of a group it left, or was never in, may be stale.
     fn members(&self) -> Vec<pb::Member> {
-        let mut known: BTreeMap<u64, (crate::raft_types::MemberNode, Vec<u32>)> = BTreeMap::new();
+        let me = self.config.node_id;
+        let mut known: BTreeMap<u64, (crate::raft_types::MemberNode, Vec<u32>, bool)> =
+            BTreeMap::new();
         for g in &self.groups {
             let metrics = g.raft_metrics();
             let membership = metrics.membership_config.membership();
             let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+            let current = voters.contains(&me);
             for (id, n) in membership.nodes() {
-                let entry = known.entry(*id).or_insert_with(|| (n.clone(), Vec::new()));
+                let entry = known
+                    .entry(*id)
+                    .or_insert_with(|| (n.clone(), Vec::new(), false));
                 if voters.contains(id) {
-                    entry.1.push(g.id);
+                    entry.2 = true;
+                    if current {
+                        entry.1.push(g.id);
+                    }
                 }
             }
         }
         let mut out: Vec<pb::Member> = known
             .into_iter()
-            .map(|(id, (n, voter_of))| {
+            .map(|(id, (n, voter_of, voter))| {
                 let configured = self.config.member(id);
                 pb::Member {
                     node_id: id,
@@ -624,12 +633,7 @@ impl NodeShared {
                     peer_endpoint: configured
                         .map(|m| m.peer.clone())
                         .unwrap_or_else(|| n.peer.clone()),
-                    role: if voter_of.is_empty() {
-                        "learner"
-                    } else {
-                        "voter"
-                    }
-                    .into(),
+                    role: if voter { "voter" } else { "learner" }.into(),
                     voter_of,
                 }
             })

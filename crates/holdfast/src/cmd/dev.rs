@@ -35,6 +35,10 @@ pub struct DevArgs {
     /// Raft groups (fixed when the data directory is first created).
     #[arg(long, default_value_t = 1)]
     groups: u32,
+    /// Place each group on this many of the servers once the cluster is ready (`holdfast member place
+    /// --replicas R`; e.g. `--nodes 7 --groups 4 --replicas 3`). Default: every server in every group.
+    #[arg(long)]
+    replicas: Option<usize>,
     /// TLS on every port, with a throwaway CA and certificates made under DATA_DIR/tls on first use
     /// (kept for the next run): the banner says which HOLDFAST_CA/CERT/KEY the client commands need.
     #[arg(long)]
@@ -205,6 +209,23 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     match wait_ready(&plan, &endpoints, &mut children, client_tls.as_ref()).await {
         Ok(leader) => {
             println!("holdfast dev cluster ready in {:.1}s ({} servers, leader of group 0: node {leader})", started.elapsed().as_secs_f64(), plan.nodes);
+            if let Some(replicas) = args.replicas {
+                let options = holdfast_client::ClientOptions {
+                    tls: client_tls.clone(),
+                    ..Default::default()
+                };
+                let placed = match holdfast_client::Client::connect_with(endpoints.clone(), options)
+                    .await
+                {
+                    Ok(client) => super::member::place(&client, replicas, &[], &[], false).await,
+                    Err(e) => Err(e.into()),
+                };
+                if let Err(e) = placed {
+                    stop(&mut children).await;
+                    let _ = std::fs::remove_file(&socket_path);
+                    bail!("cannot place the groups on {replicas} servers each: {e:#}");
+                }
+            }
             let http = if plan.tls.is_some() { "https" } else { "http" };
             println!(
                 "  dashboard: {http}://127.0.0.1:{}/ui (any server's http port serves one)",

@@ -16,8 +16,8 @@ pub struct MemberArgs {
 
 #[derive(Subcommand, Debug)]
 enum MemberAction {
-    /// The members as a server sees them: voters (of some group, and which), learners, and configured
-    /// servers that are in no group.
+    /// Every known server: voters (of which groups, as each group's leader says), learners, configured
+    /// servers in no group, and "none" for a server no group's leader names.
     List {
         /// Print JSON.
         #[arg(long)]
@@ -98,31 +98,7 @@ pub async fn run(args: MemberArgs) -> anyhow::Result<ExitCode> {
     match args.action {
         MemberAction::List { json, conn } => {
             let client = conn.connect().await?;
-            let s = super::any_status(&client).await?;
-            if json {
-                let members: Vec<_> = s
-                    .members
-                    .iter()
-                    .map(|m| json!({"node_id": m.node_id, "role": m.role, "client": m.client_endpoint, "peer": m.peer_endpoint, "voter_of": m.voter_of}))
-                    .collect();
-                println!("{}", serde_json::to_string_pretty(&members)?);
-            } else {
-                println!(
-                    "{:<5} {:<10} {:<21} {:<21} VOTER OF GROUPS",
-                    "NODE", "ROLE", "CLIENT", "PEER"
-                );
-                for m in &s.members {
-                    let groups: Vec<String> = m.voter_of.iter().map(u32::to_string).collect();
-                    println!(
-                        "{:<5} {:<10} {:<21} {:<21} {}",
-                        m.node_id,
-                        m.role,
-                        m.client_endpoint,
-                        m.peer_endpoint,
-                        groups.join(",")
-                    );
-                }
-            }
+            list(&client, json).await?;
         }
         MemberAction::Add {
             node_id,
@@ -163,40 +139,129 @@ pub async fn run(args: MemberArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Every group's members as its leader says (in the highest term, if two say so), and every server's
+/// addresses, from the status of every server the client knows.
+struct ClusterView {
+    addresses: BTreeMap<u64, (String, String)>,
+    /// Per group: its leader's view.
+    groups: BTreeMap<u32, holdfast_proto::v1::GroupStatus>,
+    /// What the servers that did not answer said.
+    unreachable: Vec<String>,
+    /// The roles the servers reported, for the nodes no leader names (e.g. "configured").
+    reported: BTreeMap<u64, String>,
+}
+
+impl ClusterView {
+    async fn gather(client: &holdfast_client::Client) -> ClusterView {
+        let mut view = ClusterView {
+            addresses: BTreeMap::new(),
+            groups: BTreeMap::new(),
+            unreachable: Vec::new(),
+            reported: BTreeMap::new(),
+        };
+        for i in 0..client.endpoints().len() {
+            let s = match client.status_of(i).await {
+                Ok(s) => s,
+                Err(e) => {
+                    view.unreachable.push(e.to_string());
+                    continue;
+                }
+            };
+            for m in &s.members {
+                view.addresses
+                    .entry(m.node_id)
+                    .or_insert((m.client_endpoint.clone(), m.peer_endpoint.clone()));
+                view.reported.entry(m.node_id).or_insert(m.role.clone());
+            }
+            for g in s.groups {
+                if g.role == "leader"
+                    && view
+                        .groups
+                        .get(&g.group)
+                        .is_none_or(|known| known.term < g.term)
+                {
+                    view.groups.insert(g.group, g);
+                }
+            }
+        }
+        view
+    }
+}
+
+/// `member list`: every known server, with its role and the groups it is a voter of as each group's
+/// leader says.
+async fn list(client: &holdfast_client::Client, json: bool) -> anyhow::Result<()> {
+    let view = ClusterView::gather(client).await;
+    if view.addresses.is_empty() {
+        anyhow::bail!("no server answered: {}", view.unreachable.join("; "));
+    }
+    let mut rows: Vec<serde_json::Value> = view
+        .addresses
+        .iter()
+        .map(|(id, (client_ep, peer))| {
+            let voter_of: Vec<u32> = view
+                .groups
+                .values()
+                .filter(|g| g.voters.contains(id))
+                .map(|g| g.group)
+                .collect();
+            let role = if !voter_of.is_empty() {
+                "voter"
+            } else if view.groups.values().any(|g| g.learners.contains(id)) {
+                "learner"
+            } else if view.reported.get(id).map(String::as_str) == Some("configured") {
+                "configured"
+            } else {
+                "none"
+            };
+            json!({"node_id": id, "role": role, "client": client_ep, "peer": peer, "voter_of": voter_of})
+        })
+        .collect();
+    rows.sort_by_key(|m| (m["role"] != "voter", m["node_id"].as_u64()));
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "{:<5} {:<10} {:<21} {:<21} VOTER OF GROUPS",
+            "NODE", "ROLE", "CLIENT", "PEER"
+        );
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+        for m in &rows {
+            let groups: Vec<String> = m["voter_of"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|g| g.to_string())
+                .collect();
+            println!(
+                "{:<5} {:<10} {:<21} {:<21} {}",
+                m["node_id"].as_u64().unwrap_or_default(),
+                text(&m["role"]),
+                text(&m["client"]),
+                text(&m["peer"]),
+                groups.join(",")
+            );
+        }
+    }
+    for g in 0..client.groups() {
+        if !view.groups.contains_key(&g) {
+            eprintln!("note: no server says it leads group {g}; its members are not shown");
+        }
+    }
+    Ok(())
+}
+
 /// `member place`: reads each group's voters from its leader, plans with
 /// `holdfast_client::placement::plan`, and carries the plan out one group at a time.
-async fn place(
+pub async fn place(
     client: &holdfast_client::Client,
     replicas: usize,
     with: &[String],
     without: &[u64],
     dry_run: bool,
 ) -> anyhow::Result<()> {
-    // Every server's view: a group's voters come from the server that leads it (in the highest term).
-    let mut addresses: BTreeMap<u64, (String, String)> = BTreeMap::new();
-    let mut views: BTreeMap<u32, (u64, Vec<u64>)> = BTreeMap::new();
-    let mut unreachable = Vec::new();
-    for i in 0..client.endpoints().len() {
-        let s = match client.status_of(i).await {
-            Ok(s) => s,
-            Err(e) => {
-                unreachable.push(e.to_string());
-                continue;
-            }
-        };
-        for m in &s.members {
-            if m.role == "voter" {
-                addresses
-                    .entry(m.node_id)
-                    .or_insert((m.client_endpoint.clone(), m.peer_endpoint.clone()));
-            }
-        }
-        for g in &s.groups {
-            if g.role == "leader" && views.get(&g.group).is_none_or(|(term, _)| *term < g.term) {
-                views.insert(g.group, (g.term, g.voters.clone()));
-            }
-        }
-    }
+    let view = ClusterView::gather(client).await;
+    let mut addresses = view.addresses.clone();
     for w in with {
         let (id, rest) = w.split_once('=').ok_or_else(|| {
             anyhow::anyhow!("--with {w}: give ID=CLIENT_HOST:PORT/PEER_HOST:PORT")
@@ -213,24 +278,36 @@ async fn place(
     }
     let mut current = Vec::new();
     for g in 0..client.groups() {
-        match views.remove(&g) {
-            Some((_, voters)) => current.push(voters.into_iter().collect::<BTreeSet<u64>>()),
+        match view.groups.get(&g) {
+            Some(led) => current.push(led.voters.iter().copied().collect::<BTreeSet<u64>>()),
             None => anyhow::bail!(
                 "no server says it leads group {g}, so its voters are not known; retry when `holdfast status` shows a leader for every group{}",
-                if unreachable.is_empty() {
+                if view.unreachable.is_empty() {
                     String::new()
                 } else {
-                    format!(" (unreachable: {})", unreachable.join("; "))
+                    format!(" (unreachable: {})", view.unreachable.join("; "))
                 }
             ),
         }
     }
+    // The servers: every group's voters (as its leader says; a server's view of a group it is not in may
+    // be stale), and the new ones.
+    let mut servers: BTreeSet<u64> = current.iter().flatten().copied().collect();
+    for w in with {
+        servers.insert(
+            w.split_once('=')
+                .and_then(|(id, _)| id.parse().ok())
+                .expect("checked above"),
+        );
+    }
     for id in without {
-        if addresses.remove(id).is_none() {
+        if !servers.remove(id) {
             anyhow::bail!("--without {id}: node {id} is not a voter of any group");
         }
     }
-    let servers: BTreeSet<u64> = addresses.keys().copied().collect();
+    if let Some(id) = servers.iter().find(|id| !addresses.contains_key(id)) {
+        anyhow::bail!("node {id} is a voter, but no server reported its addresses");
+    }
     let target = holdfast_client::placement::plan(&current, &servers, replicas)
         .map_err(|e| anyhow::anyhow!(e))?;
     let mut changes = 0;

@@ -350,6 +350,27 @@ async fn groups_are_placed_on_three_of_seven_servers() {
         .count();
     assert_eq!(rows, 3 * GROUPS as usize, "{text}");
 
+    // `holdfast member list` says which groups each server is a voter of, as the leaders say.
+    let list = member_ok(&c, &["list", "--json"]).await;
+    let members: serde_json::Value = serde_json::from_str(&list).unwrap();
+    for id in 1..=7u64 {
+        let m = members
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["node_id"] == id)
+            .unwrap_or_else(|| panic!("node {id} missing: {list}"));
+        let expected: Vec<u32> = (0..GROUPS)
+            .filter(|g| voters[*g as usize].contains(&id))
+            .collect();
+        assert_eq!(
+            m["voter_of"],
+            serde_json::json!(expected),
+            "node {id}: {list}"
+        );
+        assert_eq!(m["role"], "voter", "{list}");
+    }
+
     // A server that left a group is a learner there and stands for no election: its term stays put
     // over several election timeouts (before the change to demote first, it campaigned for good).
     let (g, gone) = (0..GROUPS)
