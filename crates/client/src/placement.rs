@@ -17,8 +17,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Voters per group this accepts: odd (an even count tolerates no more failures than one fewer) and at
-/// most seven.
+/// Voters per group this accepts: odd (an even count tolerates no more failures than one fewer), at
+/// least three (a removal that leaves fewer is refused without `force`) and at most seven.
+pub const MIN_REPLICAS: usize = 3;
 pub const MAX_REPLICAS: usize = 7;
 
 /// The voters each group should have (indexed like `current`), or why there is no such placement.
@@ -27,9 +28,9 @@ pub fn plan(
     servers: &BTreeSet<u64>,
     replicas: usize,
 ) -> Result<Vec<BTreeSet<u64>>, String> {
-    if replicas.is_multiple_of(2) || replicas > MAX_REPLICAS {
+    if replicas.is_multiple_of(2) || !(MIN_REPLICAS..=MAX_REPLICAS).contains(&replicas) {
         return Err(format!(
-            "{replicas} voters per group: give an odd number from 1 to {MAX_REPLICAS} (3 survives one failure, 5 two)"
+            "{replicas} voters per group: give an odd number from {MIN_REPLICAS} to {MAX_REPLICAS} (3 survives one failure, 5 two)"
         ));
     }
     if servers.len() < replicas {
@@ -189,6 +190,7 @@ mod tests {
             (five.clone(), 4, "odd number"),
             (five.clone(), 0, "odd number"),
             (five.clone(), 9, "odd number"),
+            (five.clone(), 1, "odd number"),
             (set(&[1, 2]), 3, "at least 3 servers"),
         ] {
             let e = plan(&current, &servers, replicas).unwrap_err();

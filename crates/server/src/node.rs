@@ -655,7 +655,7 @@ impl NodeShared {
 
     /// Every group's leader and every group's voters, in a cluster whose groups are placed on some
     /// servers only: this server's view of its own groups, and what each other member says it leads
-    /// (with a quorum's confirmation), asked for its status within a second. A group no answer
+    /// (with a quorum's confirmation), asked for its status within a second each. A group no answer
     /// accounts for has no leader here.
     async fn leaders_everywhere(&self) -> (Vec<Option<u64>>, std::collections::BTreeSet<u64>) {
         let me = self.config.node_id;
@@ -668,14 +668,28 @@ impl NodeShared {
                 voters.extend(view.voters);
             }
         }
-        for m in self.members() {
-            if m.node_id == me || m.role != "voter" {
+        // Every member this server knows of, and every member those name (a server in none of this
+        // server's groups may be known only to others).
+        let mut to_ask: Vec<(u64, String)> = self
+            .members()
+            .into_iter()
+            .filter(|m| m.role != "configured")
+            .map(|m| (m.node_id, m.client_endpoint))
+            .collect();
+        let mut asked = std::collections::BTreeSet::from([me]);
+        while let Some((id, endpoint)) = to_ask.pop() {
+            if !asked.insert(id) {
                 continue;
             }
-            let Ok(s) = leader_status(&m.client_endpoint, m.node_id, self.tls.as_deref()).await
-            else {
+            let Ok(s) = leader_status(&endpoint, id, self.tls.as_deref()).await else {
                 continue;
             };
+            to_ask.extend(
+                s.members
+                    .iter()
+                    .filter(|m| m.role != "configured" && !asked.contains(&m.node_id))
+                    .map(|m| (m.node_id, m.client_endpoint.clone())),
+            );
             for g in s
                 .groups
                 .iter()
