@@ -84,9 +84,11 @@ impl History {
             self.recorded
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        // One write per line: formatting straight into the file made one write per piece, so a line
+        // could be cut short when the process exited during one.
+        let text = format!("{line}\n");
         let mut out = self.out.lock().expect("history lock");
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
+        let _ = out.write_all(text.as_bytes());
     }
 }
 
@@ -259,7 +261,10 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
     for t in tasks {
         t.await??;
     }
+    // Wait for the watcher to stop: returning while it records a line let the process exit in the
+    // middle of one (a fault test's checker then found a history line cut short).
     watcher.abort();
+    let _ = watcher.await;
     Ok(ExitCode::SUCCESS)
 }
 
