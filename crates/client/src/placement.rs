@@ -12,8 +12,8 @@
 //!    group that has the first and not the second swaps them.
 //!
 //! So every server ends a voter of `groups * replicas / servers` groups, rounded down or up, and a
-//! cluster already so placed is left alone. Each move is one voter added and one removed, done in that
-//! order by the caller, so a group never has fewer voters than it had.
+//! cluster already so placed is left alone. The caller adds a group's new voters before it removes
+//! the old ones, so a group never has fewer voters than the fewer of what it had and `replicas`.
 
 use std::collections::{BTreeMap, BTreeSet};
 

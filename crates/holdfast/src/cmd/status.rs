@@ -1,5 +1,6 @@
 //! `holdfast status`: every member's own view of every group it is in (role, leader, term, log indexes,
-//! lag; with groups placed on some servers only, each group's voters), and what is wrong: members that do not answer, and groups whose leader no quorum confirms.
+//! lag; with groups placed on some servers only, each group's voters), and what is wrong: members that
+//! do not answer, and groups whose leader no quorum confirms.
 //!
 //! The members are learned from the first server that answers, so a partial `--endpoints` list shows
 //! the whole cluster. Exit 0 when every member answered and every group has a leader confirmed by a
