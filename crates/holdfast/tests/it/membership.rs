@@ -236,7 +236,8 @@ async fn voters_of(c: &Cluster, group: u32) -> Vec<u64> {
 /// release in every group (which never fails). A server taken out of a group stops standing for
 /// election there; a client that knows only one server reaches every group; placing again changes
 /// nothing; and the leader balancer ends with no server leading two groups. A joined server is not
-/// ready (`/readyz`) until it is a voter of some group; then every server is.
+/// ready (`/readyz`) until it is a voter of some group; then every server is. Last, a server is killed
+/// and `--without` moves its groups to the six others, two each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_are_placed_on_three_of_seven_servers() {
     const GROUPS: u32 = 4;
@@ -464,5 +465,31 @@ async fn groups_are_placed_on_three_of_seven_servers() {
             "leaders not spread: {leaders:?} (voters {voters:?})"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A server lost for good: `--without` moves its groups to the others, which stay even (twelve
+    // voters over six servers: two each), and every group serves again.
+    c.kill(busy).await;
+    for g in 0..GROUPS {
+        voters_of(&c, g).await; // a leader again, if `busy` led the group
+    }
+    let args = place(vec!["--without".into(), busy.to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = member_ok(&c, &args).await;
+    let mut load = [0usize; 8];
+    for g in 0..GROUPS {
+        let v = voters_of(&c, g).await;
+        assert_eq!(v.len(), 3, "group {g}: {v:?}\n{out}");
+        assert!(!v.contains(&busy), "group {g}: {v:?}\n{out}");
+        for id in &v {
+            load[*id as usize] += 1;
+        }
+    }
+    for id in (1..=7).filter(|id| *id != busy) {
+        assert_eq!(load[id as usize], 2, "node {id}: {load:?}\n{out}");
+    }
+    for (name, guard) in &kept {
+        let info = seven.describe(name).await.unwrap().expect("still held");
+        assert_eq!(info.token, guard.token(), "{name}");
     }
 }
