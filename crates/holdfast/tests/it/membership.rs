@@ -29,6 +29,55 @@ async fn member_ok(c: &Cluster, args: &[&str]) -> String {
     out
 }
 
+/// A client looping acquire + release over `names` locks `{prefix}N` for as long as a test changes the
+/// membership; any failure fails the test.
+struct Looping {
+    stop: Arc<AtomicBool>,
+    grants: Arc<AtomicU32>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Looping {
+    fn start(session: &holdfast_client::Session, prefix: &str, names: u32) -> Looping {
+        let stop = Arc::new(AtomicBool::new(false));
+        let grants = Arc::new(AtomicU32::new(0));
+        let task = tokio::spawn({
+            let (session, stop, grants) = (session.clone(), stop.clone(), grants.clone());
+            let prefix = prefix.to_string();
+            async move {
+                let mut i = 0u32;
+                while !stop.load(Relaxed) {
+                    i += 1;
+                    let g = session
+                        .acquire_timeout(&format!("{prefix}{}", i % names), Duration::from_secs(10))
+                        .await
+                        .expect("acquire during membership changes");
+                    g.release()
+                        .await
+                        .expect("release during membership changes");
+                    grants.fetch_add(1, Relaxed);
+                }
+            }
+        });
+        Looping { stop, grants, task }
+    }
+
+    /// Waits (up to 20 s) for 20 more grants, then stops the loop.
+    async fn grants_more_then_stop(self, after: &str) {
+        let before = self.grants.load(Relaxed);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while self.grants.load(Relaxed) < before + 20 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no grants after {after}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stop.store(true, Relaxed);
+        self.task.await.expect("the load loop failed");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sixth_server_is_added_and_one_removed_under_load() {
     let mut c = Cluster::start(Options {
@@ -41,25 +90,7 @@ async fn a_sixth_server_is_added_and_one_removed_under_load() {
     let kept = session.acquire("member/kept").await.unwrap();
 
     // A client loops acquire + release on both groups the whole time; nothing may fail.
-    let stop = Arc::new(AtomicBool::new(false));
-    let grants = Arc::new(AtomicU32::new(0));
-    let looping = tokio::spawn({
-        let (session, stop, grants) = (session.clone(), stop.clone(), grants.clone());
-        async move {
-            let mut i = 0u32;
-            while !stop.load(Relaxed) {
-                i += 1;
-                let g = session
-                    .acquire_timeout(&format!("member/loop-{}", i % 8), Duration::from_secs(10))
-                    .await
-                    .expect("acquire during membership changes");
-                g.release()
-                    .await
-                    .expect("release during membership changes");
-                grants.fetch_add(1, Relaxed);
-            }
-        }
-    });
+    let looping = Looping::start(&session, "member/loop-", 8);
 
     let six = c.add_server(&[]).await;
     c.start_server(six);
@@ -102,17 +133,7 @@ async fn a_sixth_server_is_added_and_one_removed_under_load() {
     for g in 0..2 {
         c.wait_converged(g, Duration::from_secs(30)).await;
     }
-    let before = grants.load(Relaxed);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while grants.load(Relaxed) < before + 20 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no grants after the removal"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.store(true, Relaxed);
-    looping.await.expect("the load loop failed");
+    looping.grants_more_then_stop("the removal").await;
 
     // `member list` shows the voters, and node 1 only as configured somewhere.
     let list = member_ok(&c, &["list", "--json"]).await;
@@ -256,23 +277,7 @@ async fn groups_are_placed_on_three_of_seven_servers() {
         let name = crate::harness::name_in_group(g, GROUPS, "place/kept-");
         kept.push((name.clone(), session.acquire(&name).await.unwrap()));
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let grants = Arc::new(AtomicU32::new(0));
-    let looping = tokio::spawn({
-        let (session, stop, grants) = (session.clone(), stop.clone(), grants.clone());
-        async move {
-            let mut i = 0u32;
-            while !stop.load(Relaxed) {
-                i += 1;
-                let g = session
-                    .acquire_timeout(&format!("place/loop-{}", i % 16), Duration::from_secs(10))
-                    .await
-                    .expect("acquire while groups move");
-                g.release().await.expect("release while groups move");
-                grants.fetch_add(1, Relaxed);
-            }
-        }
-    });
+    let looping = Looping::start(&session, "place/loop-", 16);
 
     let mut with = Vec::new();
     for _ in 0..2 {
@@ -392,17 +397,7 @@ async fn groups_are_placed_on_three_of_seven_servers() {
 
     // Every group still serves, and the locks taken before kept their tokens; a client that knows
     // only a new server (a voter of one or two groups) finds every group's leader.
-    let before = grants.load(Relaxed);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while grants.load(Relaxed) < before + 20 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no grants after the placement"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.store(true, Relaxed);
-    looping.await.expect("the load loop failed");
+    looping.grants_more_then_stop("the placement").await;
     let seven = holdfast_client::Client::connect([c.endpoint(7)])
         .await
         .unwrap();
