@@ -398,10 +398,13 @@ pub async fn propose(
 }
 
 /// True once this server has applied past the session's creation and the session is not there: it
-/// holds and waits for nothing any more, so there is nothing left to abandon.
+/// holds and waits for nothing any more, so there is nothing left to abandon. (Not known while the
+/// group's table is unloaded: the abandon goes on to the leader.)
 fn session_gone(group: &Group, session: SessionId) -> bool {
     let state = group.state.read().expect("state lock");
-    state.last_applied.map_or(0, |l| l.index) >= session.0 && !state.table.has_session(session)
+    state.unloaded.is_none()
+        && state.last_applied.map_or(0, |l| l.index) >= session.0
+        && !state.table.has_session(session)
 }
 
 /// Sends the abandon to the leader's client port. A refusal from the leader is an answer too: the

@@ -60,6 +60,15 @@ pub struct ServerConfig {
     /// Also snapshot a group once its log grew by this many bytes since its last snapshot (checked every
     /// 5 s; 0 turns it off): with large lock values, few entries can be many bytes.
     pub snapshot_every_bytes: u64,
+    /// A group this server is not a voter of (it left it, or is a learner), with nothing appended or
+    /// applied for this long, and not led here, is snapshotted and its table dropped from memory; the
+    /// next entry to apply loads it back (see `state_machine`). 0: never. Checked every second.
+    pub unload_after_ms: u64,
+    /// Simulation only: unload idle groups this server is a voter of too (not led here), to put the
+    /// reload path under the simulation's faults.
+    #[cfg(holdfast_sim)]
+    #[serde(skip)]
+    pub sim_unload_voters: bool,
     /// Fault injection for storage tests: every WAL fsync after this many fails (as if the disk
     /// returned EIO). Never set in production, so only a hidden flag sets it, not a config file.
     #[serde(skip)]
@@ -152,6 +161,9 @@ impl Default for ServerConfig {
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
             snapshot_every_bytes: 64 << 20,
+            unload_after_ms: 30_000,
+            #[cfg(holdfast_sim)]
+            sim_unload_voters: false,
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
             compat_no_append_stream: false,

@@ -213,6 +213,8 @@ pub struct Group {
     peer_features: Option<crate::peer::PeerFeatures>,
     /// Held while expiry batches are proposed, so that they go into the log one at a time.
     expiring: tokio::sync::Mutex<()>,
+    /// Drops the table of an idle group this server is not a voter of (see `node::unload_idle_groups`).
+    pub unloader: crate::state_machine::Unloader,
 }
 
 /// How long the expiry task waits, once something came due, before it looks: every session that comes
@@ -264,6 +266,7 @@ impl Group {
         log_bytes: Arc<std::sync::atomic::AtomicU64>,
         config: &ServerConfig,
         peer_features: crate::peer::PeerFeatures,
+        unloader: crate::state_machine::Unloader,
     ) -> Self {
         let metrics_rx = raft.metrics();
         // Followers refuse to vote for a new leader until election_timeout_max after they last heard the
@@ -286,6 +289,7 @@ impl Group {
             table_budget: config.group_table_budget(),
             peer_features: (!config.compat_no_expire_sessions).then_some(peer_features),
             expiring: tokio::sync::Mutex::new(()),
+            unloader,
         }
     }
 

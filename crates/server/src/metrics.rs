@@ -367,22 +367,26 @@ impl Collector for NodeCollector {
                 node.groups.iter().map(|g| (group(g), value(&g.metrics))),
             )?;
         }
-        let tables: Vec<(Labels, [u64; 9])> = node
+        let tables: Vec<(Labels, [u64; 12])> = node
             .groups
             .iter()
             .map(|g| {
                 let m = g.raft_metrics();
                 let s = g.state.read().expect("state lock");
+                let f = s.figures();
                 let values = [
-                    s.table.session_count() as u64,
-                    s.table.lock_count() as u64,
-                    s.table.waiter_count(),
+                    f.sessions,
+                    f.locks,
+                    f.waiters,
                     m.current_term,
                     s.last_applied.map_or(0, |l| l.index),
                     u64::from(m.state == openraft::ServerState::Leader),
-                    s.table.table_bytes(),
-                    s.table.table_budget(),
+                    f.table_bytes,
+                    f.table_budget,
                     g.waiters.registered() as u64,
+                    u64::from(s.unloaded.is_some()),
+                    s.unloads,
+                    s.reloads,
                 ];
                 (group(g), values)
             })
@@ -405,6 +409,18 @@ impl Collector for NodeCollector {
             (
                 "holdfast_acquire_calls_waiting",
                 "Acquire calls on this server waiting for a grant (registered for the applied log to wake).",
+            ),
+            (
+                "holdfast_table_unloaded",
+                "1 while the group's table is on disk only (an idle group this server is not a voter of); the other table gauges then give its figures as they were.",
+            ),
+            (
+                "holdfast_table_unloads",
+                "Times the group's table was unloaded since this server started.",
+            ),
+            (
+                "holdfast_table_reloads",
+                "Times the group's table was loaded back from its snapshot since this server started.",
             ),
         ];
         for (i, (name, help)) in names.iter().enumerate() {

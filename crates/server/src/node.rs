@@ -229,6 +229,7 @@ impl Node {
             let (sm, state) =
                 StateMachine::open(snapshots, event_sink(leases.clone(), waiters.clone()))
                     .map_err(|e| anyhow!("group {g}: {e}"))?;
+            let unloader = sm.unloader();
             let sm = if let Some(sink) = &config.audit_sink {
                 sm.with_audit_writer((sink.0)(g))
             } else if config.audit_log {
@@ -272,6 +273,7 @@ impl Node {
                 log_bytes,
                 &config,
                 peers.features(),
+                unloader,
             )));
         }
         drop(recovered);
@@ -446,6 +448,10 @@ impl Node {
             shared.clone(),
             shutdown_rx.clone(),
         )));
+        tasks.push(tokio::spawn(unload_idle_groups(
+            shared.clone(),
+            shutdown_rx.clone(),
+        )));
         tracing::info!(node = config.node_id, %client_addr, %peer_addr, groups = config.groups, "holdfast server started");
         Ok(Node {
             shared,
@@ -548,6 +554,7 @@ impl NodeShared {
                     .and_then(|l| self.client_endpoint(l))
                     .unwrap_or_default();
                 let s = g.state.read().expect("state lock");
+                let f = s.figures();
                 pb::GroupStatus {
                     group: g.id,
                     role: role(m.state).into(),
@@ -559,15 +566,16 @@ impl NodeShared {
                     applied_index: s.last_applied.map_or(0, |l| l.index),
                     snapshot_index: m.snapshot.map_or(0, |l| l.index),
                     purged_index: m.purged.map_or(0, |l| l.index),
-                    sessions: s.table.session_count() as u64,
-                    locks: s.table.lock_count() as u64,
-                    waiters: s.table.waiter_count(),
-                    digest: if with_digest { s.table.digest() } else { 0 },
+                    sessions: f.sessions,
+                    locks: f.locks,
+                    waiters: f.waiters,
+                    digest: if with_digest { s.digest() } else { 0 },
                     leader_confirmed: g.quorum_confirmed(),
-                    table_bytes: s.table.table_bytes(),
-                    table_budget: s.table.table_budget(),
+                    table_bytes: f.table_bytes,
+                    table_budget: f.table_budget,
                     voters: view.voters,
                     learners: view.learners,
+                    unloaded: s.unloaded.is_some(),
                 }
             })
             .collect();
@@ -872,6 +880,87 @@ async fn compact_pinning_groups(
             }
             last.insert(g, now);
             group.compact_log().await;
+        }
+    }
+}
+
+/// How often [`unload_idle_groups`] looks.
+const UNLOAD_CHECK: Duration = Duration::from_secs(1);
+
+/// Drops from memory the table of each group this server is not a voter of (it left the group, or is a
+/// learner) and does not lead, once nothing was appended to or applied in it for `unload_after_ms`:
+/// snapshots it at its applied state if no snapshot is there yet, then [`Unloader::unload`]s it. The
+/// next entry applied loads it back (`state_machine`), so this frees memory and forgets nothing.
+///
+/// Why only non-voters: a voter applies every entry of its group, so an unloaded voter would reload at
+/// the group's next write. A server that left a group, though, hears nothing more of it (openraft stops
+/// replicating to a removed member at once), and kept the whole table in memory before this.
+///
+/// [`Unloader::unload`]: crate::state_machine::Unloader::unload
+async fn unload_idle_groups(shared: Arc<NodeShared>, mut shutdown: watch::Receiver<bool>) {
+    let after = Duration::from_millis(shared.config.unload_after_ms);
+    if after.is_zero() {
+        return;
+    }
+    #[cfg(holdfast_sim)]
+    let voters_too = shared.config.sim_unload_voters;
+    #[cfg(not(holdfast_sim))]
+    let voters_too = false;
+    // Per group: (last log index, applied index), and since when they have not moved.
+    type Mark = (Option<u64>, Option<u64>);
+    let mut quiet: BTreeMap<u32, (Mark, tokio::time::Instant)> = BTreeMap::new();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(UNLOAD_CHECK) => {}
+            _ = shutdown.changed() => return,
+        }
+        let now = tokio::time::Instant::now();
+        for group in &shared.groups {
+            let m = group.raft_metrics();
+            let mark = (m.last_log_index, m.last_applied.as_ref().map(|l| l.index));
+            let since = quiet.entry(group.id).or_insert((mark, now));
+            if since.0 != mark {
+                *since = (mark, now);
+                continue;
+            }
+            let voter = m
+                .membership_config
+                .membership()
+                .get_joint_config()
+                .iter()
+                .any(|voters| voters.contains(&m.id));
+            if now - since.1 < after
+                || m.last_applied.is_none()
+                || m.state == ServerState::Leader
+                || (voter && !voters_too)
+                || group.unloader.is_unloaded()
+            {
+                continue;
+            }
+            if m.snapshot != m.last_applied {
+                // openraft ignores this while it builds one; the next look sees the snapshot.
+                if let Err(e) = group.raft.trigger().snapshot().await {
+                    tracing::warn!(group = group.id, %e, "cannot snapshot an idle group to unload it");
+                }
+                continue;
+            }
+            let unloader = group.unloader.clone();
+            let leads = group.clone();
+            let unloaded = crate::blocking(move || {
+                Ok(unloader.unload(|| leads.raft_metrics().state != ServerState::Leader))
+            })
+            .await;
+            match unloaded {
+                Ok(Ok(locks)) => tracing::info!(
+                    group = group.id,
+                    locks,
+                    applied = m.last_applied.map_or(0, |l| l.index),
+                    voter,
+                    "idle group unloaded: its table is on disk only until it is needed"
+                ),
+                Ok(Err(why)) => tracing::debug!(group = group.id, ?why, "not unloaded"),
+                Err(e) => tracing::warn!(group = group.id, %e, "unloading failed"),
+            }
         }
     }
 }

@@ -151,6 +151,8 @@ pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> 
         sim_fsync: Duration::from_micros(plan.fsync_us),
         sim_table_budget_bytes: plan.knobs.table_budget_bytes,
         sim_wal_batch_bytes: plan.knobs.wal_batch_bytes,
+        unload_after_ms: plan.knobs.unload_after_ms,
+        sim_unload_voters: plan.knobs.unload_voters,
         ..ServerConfig::default()
     }
 }

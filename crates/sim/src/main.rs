@@ -92,6 +92,7 @@ fn main() -> std::process::ExitCode {
         totals.table_full_refusals += outcome.table_full_refusals;
         totals.failpoint_crashes += outcome.failpoint_crashes;
         totals.stalls += outcome.stalls;
+        totals.table_reloads += outcome.table_reloads;
         totals.multi_group_seeds += u64::from(outcome.groups > 1);
         if json {
             let line = serde_json::json!({
@@ -117,6 +118,7 @@ fn main() -> std::process::ExitCode {
                 "table_full_refusals": outcome.table_full_refusals,
                 "failpoint_crashes": outcome.failpoint_crashes,
                 "stalls": outcome.stalls,
+                "table_reloads": outcome.table_reloads,
                 "groups": outcome.groups,
                 "violations": report.violations,
             });

@@ -46,6 +46,11 @@ pub struct Knobs {
     /// opened in each group, every server hosts every group in one WAL, and each group's log is
     /// checked on its own (`holdfast_checker::check_groups`).
     pub groups: u32,
+    /// Unload a group's table once it was idle this long on a server that does not lead it, voters
+    /// included (`sim_unload_voters`): a partitioned or lagging server's groups go to disk, and its next
+    /// apply loads them back, under every fault. 30 s (the default, for non-voters only) in half the seeds.
+    pub unload_after_ms: u64,
+    pub unload_voters: bool,
 }
 
 impl Knobs {
@@ -79,6 +84,8 @@ impl Knobs {
             workers_per_host: 2,
             wal_batch_bytes: None,
             groups: 1,
+            unload_after_ms: 30_000,
+            unload_voters: false,
         };
         // Drawn after the knobs above, so that adding these changed none of theirs.
         let budget_room_kib: Option<u64> = rng.pick(&[None, None, None, Some(4), Some(16)]);
@@ -90,6 +97,9 @@ impl Knobs {
             budget_room_kib.map(|room| (3 * knobs.workers_per_host as u64 + room) << 10);
         // Last, so that adding it changed none of the draws above.
         knobs.groups = rng.pick(&[1, 1, 2, 3]);
+        // Last again, for the same reason.
+        knobs.unload_after_ms = rng.pick(&[30_000, 30_000, 300, 1_000]);
+        knobs.unload_voters = knobs.unload_after_ms < 30_000;
         knobs
     }
 }

@@ -62,6 +62,8 @@ pub struct Outcome {
     /// Servers crashed at an armed failpoint (`Fault::Failpoint`), and servers stalled (`Fault::Stall`).
     pub failpoint_crashes: u64,
     pub stalls: u64,
+    /// Unloaded tables loaded back (`Knobs::unload_after_ms`), over every server of the seed.
+    pub table_reloads: u64,
 }
 
 /// The links a partition cuts: between the servers in `side` (with the client hosts `clients`) and the
@@ -532,6 +534,7 @@ impl Driver<'_> {
 pub fn run(seed: u64, options: &Options) -> Outcome {
     // Clocks and failpoints of an earlier seed run in this process are gone with its hosts.
     holdfast_server::skew::reset();
+    holdfast_server::state_machine::SIM_RELOADS.store(0, std::sync::atomic::Ordering::Relaxed);
     holdfast_wal::failpoint::sim_reset();
     let plan = Plan::new(seed, options.work_ms);
     let heal_ms = options.work_ms + 500;
@@ -718,6 +721,8 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         .iter()
         .filter(|l| l.contains(" start Stall ") && !l.contains("stalled: None"))
         .count() as u64;
+    let table_reloads =
+        holdfast_server::state_machine::SIM_RELOADS.load(std::sync::atomic::Ordering::Relaxed);
     let fault_log_len = trace.len();
     trace.extend(history.iter().map(|o| format!("{o:?}")));
     for (g, group) in audits.iter().enumerate() {
@@ -747,6 +752,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         table_full_refusals,
         failpoint_crashes,
         stalls,
+        table_reloads,
         trace,
         fault_log_len,
         sim_error,

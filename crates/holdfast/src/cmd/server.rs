@@ -63,6 +63,10 @@ pub struct ServerArgs {
     /// Also snapshot once a group's log grew by this many bytes (default 67108864; 0 = off).
     #[arg(long)]
     snapshot_every_bytes: Option<u64>,
+    /// Drop from memory the table of a group this server is not a voter of once idle this long
+    /// (default 30000; 0 = never); it is reloaded from its snapshot when needed.
+    #[arg(long)]
+    unload_after_ms: Option<u64>,
     /// Test hook: every WAL fsync after this many fails, as if the disk returned EIO.
     #[arg(long, hide = true)]
     fault_fsync_fail_after: Option<u64>,
@@ -157,6 +161,7 @@ impl ServerArgs {
             snapshot_every_entries,
             snapshot_keep_entries,
             snapshot_every_bytes,
+            unload_after_ms,
             cluster_token,
             default_ttl_ms,
             min_ttl_ms,

@@ -232,7 +232,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                         "snapshot_index": g.snapshot_index, "purged_index": g.purged_index, "lag": leader_last(g.group).map(|l| l.saturating_sub(g.applied_index)),
                         "sessions": g.sessions, "locks": g.locks, "waiters": g.waiters,
                         "table_bytes": g.table_bytes, "table_budget": g.table_budget,
-                        "voters": g.voters, "learners": g.learners,
+                        "voters": g.voters, "learners": g.learners, "unloaded": g.unloaded,
                     });
                     if args.digest {
                         v["digest"] = json!(format!("{:016x}", g.digest));

@@ -488,3 +488,109 @@ async fn groups_are_placed_on_three_of_seven_servers() {
         assert_eq!(info.token, guard.token(), "{name}");
     }
 }
+
+/// The value of a per-group metric of one server (`name{group="G"}`).
+async fn group_metric(c: &Cluster, id: u64, name: &str, group: u32) -> u64 {
+    let m = c.metrics(id).await;
+    let key = m
+        .keys()
+        .find(|k| k.starts_with(&format!("{name}{{")) && k.contains(&format!("group=\"{group}\"")))
+        .unwrap_or_else(|| panic!("node {id} has no {name} for group {group}"))
+        .clone();
+    m[&key]
+}
+
+/// A server removed from a group keeps running and hears nothing more of it: once the group has been
+/// idle there for `unload_after_ms`, its table goes to disk (a snapshot at the applied state) and out of
+/// memory, while status and metrics go on reporting what it held. Added back, the server loads the table
+/// from that snapshot before it applies the entries it missed, and ends with the same table as the
+/// others. The voters, idle at times too, never unload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_left_a_group_unloads_its_table_and_reloads_it_when_added_back() {
+    let c = Cluster::start(Options {
+        http: true,
+        server_args: vec!["--unload-after-ms=300".into()],
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let mut held = Vec::new();
+    for i in 0..30 {
+        held.push(session.acquire(&format!("unload/{i}")).await.unwrap());
+    }
+
+    member_ok(&c, &["remove", "5"]).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let out = loop {
+        let s = c.group_status(5, 0).await.expect("node 5 answers");
+        if s.unloaded {
+            break s;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node 5 never unloaded group 0: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    c.wait_for_log(5, "idle group unloaded", 1).await;
+    // What it held is still reported: the same table as the group's (its last entries changed the
+    // membership only, not the table).
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let at_leader = c.group_status(leader, 0).await.unwrap();
+    assert_eq!(out.locks, 30, "{out:?}");
+    assert_eq!(out.sessions, at_leader.sessions, "{out:?}");
+    assert_eq!(
+        out.digest, at_leader.digest,
+        "{out:?} against {at_leader:?}"
+    );
+    assert_eq!(group_metric(&c, 5, "holdfast_table_unloaded", 0).await, 1);
+    assert_eq!(group_metric(&c, 5, "holdfast_locks", 0).await, 30);
+
+    // The table changes while node 5 is out.
+    for guard in held.drain(..10) {
+        guard.release().await.unwrap();
+    }
+    for i in 30..35 {
+        held.push(session.acquire(&format!("unload/{i}")).await.unwrap());
+    }
+
+    member_ok(
+        &c,
+        &[
+            "add",
+            "5",
+            "--client",
+            &c.endpoint(5),
+            "--peer",
+            &c.peer_endpoint(5),
+        ],
+    )
+    .await;
+    // Back in: node 5 applies what it missed onto the reloaded table, and ends where the others are.
+    c.wait_for_log(5, "reloaded the table from its snapshot", 1)
+        .await;
+    c.wait_converged(0, Duration::from_secs(30)).await;
+    let back = c.group_status(5, 0).await.unwrap();
+    assert!(!back.unloaded, "{back:?}");
+    assert_eq!(back.locks, 25, "{back:?}");
+    assert_eq!(group_metric(&c, 5, "holdfast_table_reloads", 0).await, 1);
+    assert_eq!(group_metric(&c, 5, "holdfast_table_unloaded", 0).await, 0);
+    for id in 1..=4 {
+        assert_eq!(
+            group_metric(&c, id, "holdfast_table_unloads", 0).await,
+            0,
+            "voter {id} unloaded"
+        );
+    }
+    // And it serves the group again: its reads as leader see every lock.
+    c.holdfast_ok(&["leader", "transfer", "--group", "0", "--to", "5"])
+        .await;
+    let five = holdfast_client::Client::connect([c.endpoint(5)])
+        .await
+        .unwrap();
+    for guard in &held {
+        let info = five.describe(guard.name()).await.unwrap().expect("held");
+        assert_eq!(info.token, guard.token());
+    }
+}

@@ -61,6 +61,8 @@ pub struct Totals {
     pub stalls: u64,
     /// Seeds that ran several Raft groups (`Knobs::groups`).
     pub multi_group_seeds: u64,
+    /// Unloaded tables loaded back (`Knobs::unload_after_ms`).
+    pub table_reloads: u64,
 }
 
 impl Totals {
@@ -85,7 +87,7 @@ impl std::fmt::Display for Totals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table, {} crashes at failpoints, {} stalls, {} seeds with several groups",
+            "{} operations, {} grants, {} fenced writes, {} stale writes refused, {} expiries and {} reads checked, {} operations linearized ({} locks inconclusive), {} unacknowledged grants checked to end, {} watch events, {} lock-delays and {} shared or semaphore grants checked, {} damaged files refused, {} refusals for a full table, {} crashes at failpoints, {} stalls, {} seeds with several groups, {} unloaded tables loaded back",
             self.ops,
             self.ok_grants,
             self.ok_writes,
@@ -102,7 +104,8 @@ impl std::fmt::Display for Totals {
             self.table_full_refusals,
             self.failpoint_crashes,
             self.stalls,
-            self.multi_group_seeds
+            self.multi_group_seeds,
+            self.table_reloads
         )
     }
 }
