@@ -50,7 +50,14 @@ pub struct NodeShared {
     pub snapshot_streams: Arc<tokio::sync::Semaphore>,
     /// Open `Watch` streams (see `watch::Slots`).
     pub watches: Arc<crate::watch::Slots>,
+    /// Channels to other servers' client ports for status probes (readiness, the leader balancer's round
+    /// in a placed cluster), by node id and endpoint: each probe used to open, and close, a connection.
+    status_channels: std::sync::Mutex<BTreeMap<(u64, String), tonic::transport::Channel>>,
 }
+
+/// Most channels [`NodeShared::member_status`] keeps (it starts over past it): far more than a cluster
+/// has members, so only addresses that changed many times can reach it.
+const MAX_STATUS_CHANNELS: usize = 256;
 
 impl RaftLookup for NodeShared {
     fn raft(&self, group: u32) -> Option<&Raft> {
@@ -293,6 +300,7 @@ impl Node {
                 crate::service::MAX_SNAPSHOT_STREAMS,
             )),
             watches: Default::default(),
+            status_channels: Default::default(),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -689,7 +697,7 @@ impl NodeShared {
             if !asked.insert(id) {
                 continue;
             }
-            let Ok(s) = leader_status(&endpoint, id, self.tls.as_deref()).await else {
+            let Ok(s) = self.member_status(&endpoint, id).await else {
                 continue;
             };
             to_ask.extend(
@@ -748,7 +756,7 @@ impl NodeShared {
         for (leader, groups) in elsewhere {
             let endpoint = self.client_endpoint(leader);
             let answer = match &endpoint {
-                Some(ep) => leader_status(ep, leader, self.tls.as_deref()).await,
+                Some(ep) => self.member_status(ep, leader).await,
                 None => Err(format!("node {leader} is not a member")),
             };
             for g in groups {
@@ -773,23 +781,38 @@ impl NodeShared {
     }
 }
 
-/// Asks another server for its status (readiness probes), within a second.
-async fn leader_status(
-    endpoint: &str,
-    leader: u64,
-    tls: Option<&crate::tls::Tls>,
-) -> Result<pb::StatusResponse, String> {
-    const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
-        .map_err(|e| e.to_string())?
-        .connect_timeout(PROBE_TIMEOUT)
-        .timeout(PROBE_TIMEOUT);
-    let mut client =
-        pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(channel, leader, tls));
-    match tokio::time::timeout(PROBE_TIMEOUT, client.status(pb::StatusRequest::default())).await {
-        Ok(Ok(r)) => Ok(r.into_inner()),
-        Ok(Err(s)) => Err(s.message().to_string()),
-        Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+impl NodeShared {
+    /// Asks another server (node `id` at `endpoint`) for its status, within a second, on a channel kept
+    /// for the next probe.
+    async fn member_status(&self, endpoint: &str, id: u64) -> Result<pb::StatusResponse, String> {
+        const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+        let channel = {
+            let mut channels = self.status_channels.lock().expect("status channels lock");
+            let key = (id, endpoint.to_string());
+            match channels.get(&key) {
+                Some(channel) => channel.clone(),
+                None => {
+                    let endpoint =
+                        tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+                            .map_err(|e| e.to_string())?
+                            .connect_timeout(PROBE_TIMEOUT)
+                            .timeout(PROBE_TIMEOUT);
+                    let channel = crate::tls::client_channel(endpoint, id, self.tls.as_deref());
+                    if channels.len() >= MAX_STATUS_CHANNELS {
+                        channels.clear();
+                    }
+                    channels.insert(key, channel.clone());
+                    channel
+                }
+            }
+        };
+        let mut client = pb::holdfast_client::HoldfastClient::new(channel);
+        match tokio::time::timeout(PROBE_TIMEOUT, client.status(pb::StatusRequest::default())).await
+        {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(s.message().to_string()),
+            Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+        }
     }
 }
 
