@@ -83,6 +83,7 @@ def fake_client(servers: list[FakeServer], request_timeout: float = 2.0) -> Clie
     for i, s in enumerate(servers):
         srv = object.__new__(_Server)
         srv.endpoint, srv.channel, srv.stub = f"127.0.0.1:{9001 + i}", FakeChannel(), s
+        srv.failed = None
         c._servers.append(srv)
     import random
 
@@ -193,6 +194,22 @@ def test_a_not_leader_answer_is_followed_at_once() -> None:
     c.call(0, "Release", lock_pb2.ReleaseRequest(name="x", request_id=5))
     assert [r.request_id for r in leader.requests("Release")] == [5]
     assert c._leader_of(0) == 1
+
+
+def test_a_redirect_to_a_server_that_just_failed_is_not_followed() -> None:
+    # A server that left a group names the last leader it heard of, which is dead: following it would go
+    # dead, stale, dead, stale, ... and never reach the third server, which leads.
+    dead = FakeServer({"Release": down})
+    stale = FakeServer(
+        {"Release": lambda r: (_ for _ in ()).throw(
+            reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE, leader_endpoint="127.0.0.1:9001"))}
+    )
+    leader = FakeServer({"Release": lambda r: lock_pb2.ReleaseResponse()})
+    c = fake_client([dead, stale, leader])
+    c.call(0, "Release", lock_pb2.ReleaseRequest(name="x", request_id=5))
+    assert [r.request_id for r in leader.requests("Release")] == [5]
+    assert len(dead.requests("Release")) == 1, "the redirect back to the dead server was not followed"
+    assert c._leader_of(0) == 2
 
 
 def test_a_redirect_to_a_new_server_is_learned() -> None:

@@ -172,7 +172,26 @@ pub(crate) type Rpc = HoldfastClient<tonic::codegen::InterceptedService<Channel,
 struct Server {
     endpoint: String,
     channel: Channel,
+    /// When a call to it last failed (unreachable, no answer, or no leader to name): a redirect to it
+    /// soon after is not followed (see [`Client::redirect_target`]).
+    failed: Mutex<Option<Instant>>,
 }
+
+impl Server {
+    fn new(endpoint: &str, channel: Channel) -> Server {
+        Server {
+            endpoint: endpoint.to_string(),
+            channel,
+            failed: Mutex::new(None),
+        }
+    }
+}
+
+/// How long after a server failed a call a redirect to it is not followed. A server that left a group
+/// still names the last leader it heard of, which may be dead: a client that followed it would go
+/// dead server, stale server, dead server, and never reach the others (found by the placement test,
+/// whose clients lost their sessions that way). It only needs to outlast one pass over the servers.
+const REDIRECT_DISTRUST: Duration = Duration::from_secs(2);
 
 /// Most servers one client keeps channels to: members and redirect targets beyond this are not added
 /// (a cluster has 3 or 5; a misconfigured one could name endless addresses).
@@ -256,10 +275,7 @@ fn index_or_add(
         return None;
     }
     let channel = channel_to(endpoint, options).ok()?;
-    servers.push(Server {
-        endpoint: endpoint.to_string(),
-        channel,
-    });
+    servers.push(Server::new(endpoint, channel));
     Some(servers.len() - 1)
 }
 
@@ -285,12 +301,7 @@ impl Client {
         }
         let servers = endpoints
             .iter()
-            .map(|ep| {
-                Ok(Server {
-                    endpoint: ep.clone(),
-                    channel: channel_to(ep, &options)?,
-                })
-            })
+            .map(|ep| Ok(Server::new(ep, channel_to(ep, &options)?)))
             .collect::<Result<Vec<_>, Error>>()?;
         let auth = Auth::new(options.token.as_deref())?;
         let mut inner = Inner {
@@ -399,6 +410,25 @@ impl Client {
         })
     }
 
+    /// The server a redirect to `endpoint` should go to: its index, unless a call to it failed within
+    /// [`REDIRECT_DISTRUST`] (then the caller moves on to the next server instead).
+    pub(crate) fn redirect_target(&self, endpoint: &str) -> Option<usize> {
+        let i = self.server_index(endpoint)?;
+        let servers = self.inner.servers.read().expect("servers lock");
+        let failed = *servers[i].failed.lock().expect("server failure lock");
+        match failed {
+            Some(t) if t.elapsed() < REDIRECT_DISTRUST => None,
+            _ => Some(i),
+        }
+    }
+
+    /// Notes that a call to server `index` failed (see [`Client::redirect_target`]).
+    pub(crate) fn mark_failed(&self, index: usize) {
+        if let Some(s) = self.inner.servers.read().expect("servers lock").get(index) {
+            *s.failed.lock().expect("server failure lock") = Some(Instant::now());
+        }
+    }
+
     pub(crate) fn server_count(&self) -> usize {
         self.inner.servers.read().expect("servers lock").len()
     }
@@ -476,7 +506,7 @@ impl Client {
                     Disposition::Fail(e) => return Err(e),
                     // The leader's advertised endpoint, followed even if it was not among the ones this
                     // client was given.
-                    Disposition::Redirect(ep) => match self.server_index(&ep) {
+                    Disposition::Redirect(ep) => match self.redirect_target(&ep) {
                         Some(i) if redirects < 2 * self.server_count() => {
                             redirects += 1;
                             target = i;
@@ -484,19 +514,26 @@ impl Client {
                             continue;
                         }
                         Some(_) => format!("redirected too often (last to {ep})"),
+                        None if self.server_index(&ep).is_some() => {
+                            format!("redirected to {ep}, which failed a moment ago")
+                        }
                         None if !inner.options.discover => format!(
                             "redirected to {ep}, which is not among the endpoints (discovery is off)"
                         ),
                         None => format!("redirected to {ep:?}, which is not a usable endpoint"),
                     },
                     Disposition::Retry(msg) => {
+                        self.mark_failed(target);
                         format!("{}: {msg}", self.endpoint(target))
                     }
                 },
-                Err(_) => format!(
-                    "{} did not answer within {limit:?}",
-                    self.endpoint(target)
-                ),
+                Err(_) => {
+                    self.mark_failed(target);
+                    format!(
+                        "{} did not answer within {limit:?}",
+                        self.endpoint(target)
+                    )
+                }
             };
             let pause = jittered(&inner.jitter, backoff);
             if Instant::now() + pause > deadline {
@@ -754,10 +791,10 @@ impl Client {
         Client {
             inner: Arc::new(Inner {
                 registry: Default::default(),
-                servers: RwLock::new(vec![Server {
-                    endpoint: endpoint.into(),
-                    channel: channel_to(endpoint, &options).expect("a lazy channel"),
-                }]),
+                servers: RwLock::new(vec![Server::new(
+                    endpoint,
+                    channel_to(endpoint, &options).expect("a lazy channel"),
+                )]),
                 groups,
                 leaders: Mutex::new(vec![0; groups as usize]),
                 auth: Auth::new(None).expect("no token"),

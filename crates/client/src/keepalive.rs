@@ -362,6 +362,7 @@ async fn fan_in(
                             }
                             Some(d) => next_target(client, group, endpoint, d),
                             None => {
+                                client.mark_failed(endpoint);
                                 client.set_leader(group, (endpoint + 1) % client.server_count())
                             }
                         }
@@ -499,6 +500,7 @@ async fn round(
                         continue;
                     }
                     Err(_) => {
+                        client.mark_failed(endpoint);
                         client.set_leader(group, (endpoint + 1) % client.server_count());
                         continue;
                     }
@@ -532,6 +534,7 @@ async fn round(
             }
             Err(_) => {
                 streams.remove(&group);
+                client.mark_failed(endpoint);
                 client.set_leader(group, (endpoint + 1) % client.server_count());
                 return Err(format!("no keepalive answer within {timeout:?}"));
             }
@@ -540,12 +543,15 @@ async fn round(
     Err("no server renewed the sessions".into())
 }
 
-/// Where `group`'s next try goes after `endpoint` answered `disposition`: the leader it named, else the
-/// next server.
+/// Where `group`'s next try goes after `endpoint` answered `disposition`: the leader it named (unless
+/// that server failed a moment ago: `Client::redirect_target`), else the next server.
 fn next_target(client: &Client, group: u32, endpoint: usize, disposition: Disposition) {
     let next = match disposition {
-        Disposition::Redirect(ep) => client.server_index(&ep),
-        _ => None,
+        Disposition::Redirect(ep) => client.redirect_target(&ep),
+        _ => {
+            client.mark_failed(endpoint);
+            None
+        }
     };
     client.set_leader(
         group,

@@ -96,11 +96,19 @@ class Lazy:
         self.build = build
 
 
+# How long after a server failed a call a redirect to it is not followed: a server that left a group
+# still names the last leader it heard of, which may be dead, and following it would go dead server,
+# stale server, dead server, ... without ever trying the others (as the Rust client's REDIRECT_DISTRUST).
+REDIRECT_DISTRUST = 2.0
+
+
 class _Server:
     def __init__(self, endpoint: str, channel: grpc.Channel) -> None:
         self.endpoint = endpoint
         self.channel = channel
         self.stub = lock_pb2_grpc.HoldfastStub(channel)  # type: ignore[no-untyped-call]
+        # time.monotonic() of the last failed call to it (see REDIRECT_DISTRUST).
+        self.failed: Optional[float] = None
 
 
 class Client:
@@ -236,6 +244,20 @@ class Client:
         with self._lock:
             return self._leaders[group] if group < len(self._leaders) else 0
 
+    def _redirect_target(self, endpoint: str) -> Optional[int]:
+        """The server a redirect to ``endpoint`` should go to, unless it failed a call within
+        ``REDIRECT_DISTRUST`` seconds (then the caller moves on to the next server)."""
+        i = self._index_or_add(endpoint)
+        if i is None:
+            return None
+        failed = self._server(i).failed
+        if failed is not None and time.monotonic() - failed < REDIRECT_DISTRUST:
+            return None
+        return i
+
+    def _mark_failed(self, index: int) -> None:
+        self._server(index).failed = time.monotonic()
+
     def _set_leader(self, group: int, index: int) -> None:
         with self._lock:
             if group < len(self._leaders):
@@ -275,7 +297,7 @@ class Client:
             except grpc.RpcError as e:
                 outcome = errors.from_rpc_error(e)
             if isinstance(outcome, errors.Redirect):
-                i = self._index_or_add(outcome.endpoint)
+                i = self._redirect_target(outcome.endpoint)
                 if i is not None and redirects < 2 * count:
                     redirects += 1
                     target = i
@@ -284,9 +306,10 @@ class Client:
                 reason = (
                     f"redirected to {outcome.endpoint}, which is not among the endpoints (discovery is off)"
                     if i is None and not self.discover
-                    else f"redirected too often or to an unusable endpoint ({outcome.endpoint})"
+                    else f"redirected too often, or to an unusable endpoint or one that failed a moment ago ({outcome.endpoint})"
                 )
             elif isinstance(outcome, errors.Retry):
+                self._mark_failed(target)
                 reason = f"{server.endpoint}: {outcome}"
             else:
                 raise outcome

@@ -234,9 +234,10 @@ def _next_target(
     """Where group ``g``'s next try goes after ``target`` failed with ``outcome``: the leader it named,
     else the next server; or the group's outcome, if another server would fail the same way."""
     if isinstance(outcome, errors.Redirect):
-        i = client._index_or_add(outcome.endpoint)
+        i = client._redirect_target(outcome.endpoint)
         client._set_leader(g, i if i is not None else (target + 1) % len(client.endpoints))
     elif isinstance(outcome, errors.Retry):
+        client._mark_failed(target)
         client._set_leader(g, (target + 1) % len(client.endpoints))
     else:
         out[g] = str(outcome)

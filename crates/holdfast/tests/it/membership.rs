@@ -594,3 +594,37 @@ async fn a_server_that_left_a_group_unloads_its_table_and_reloads_it_when_added_
         assert_eq!(info.token, guard.token());
     }
 }
+
+/// A server removed from a group still names, in its redirects, the last leader it heard of, and that
+/// server may be dead. A client whose endpoints are that dead server and the removed one used to go
+/// dead, removed, dead, removed, ... until its request timed out, never trying the servers it learned
+/// of (the placement test's clients lost their sessions that way, now and then). A server that failed
+/// a moment ago is not followed now: the client moves on and finds the leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_redirect_to_a_dead_server_does_not_trap_a_client() {
+    let mut c = Cluster::start(Options::default()).await;
+    c.wait_for_leader(0, Duration::from_secs(30)).await;
+    // Node 1 leads; node 5 leaves the group and keeps running, still naming node 1 as the leader.
+    c.holdfast_ok(&["leader", "transfer", "--group", "0", "--to", "1"])
+        .await;
+    member_ok(&c, &["remove", "5"]).await;
+    let stale = c.group_status(5, 0).await.unwrap();
+    assert_eq!(stale.leader_id, 1, "{stale:?}");
+    // Leadership moves on without node 5 hearing of it; then node 1 dies.
+    c.holdfast_ok(&["leader", "transfer", "--group", "0", "--to", "2"])
+        .await;
+    c.kill(1).await;
+    assert_eq!(c.group_status(5, 0).await.unwrap().leader_id, 1);
+
+    let client = holdfast_client::Client::connect([c.endpoint(1), c.endpoint(5)])
+        .await
+        .unwrap();
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    session
+        .acquire("stale/lock")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
