@@ -172,8 +172,8 @@ pub(crate) type Rpc = HoldfastClient<tonic::codegen::InterceptedService<Channel,
 struct Server {
     endpoint: String,
     channel: Channel,
-    /// When a call to it last failed (unreachable, no answer, or no leader to name): a redirect to it
-    /// soon after is not followed (see [`Client::redirect_target`]).
+    /// When a call to it last failed without an answer from it (unreachable, reset, timed out): a
+    /// redirect to it soon after is not followed (see [`Client::redirect_target`]).
     failed: Mutex<Option<Instant>>,
 }
 
@@ -185,6 +185,12 @@ impl Server {
             failed: Mutex::new(None),
         }
     }
+}
+
+/// True if a Holdfast server sent this error: every error it sends carries an `ErrorDetail`. Anything
+/// else is the transport's (refused, reset, unreachable) or a proxy's.
+pub(crate) fn answered_by_a_server(status: &tonic::Status) -> bool {
+    !status.details().is_empty()
 }
 
 /// How long after a server failed a call a redirect to it is not followed. A server that left a group
@@ -422,7 +428,9 @@ impl Client {
         }
     }
 
-    /// Notes that a call to server `index` failed (see [`Client::redirect_target`]).
+    /// Notes that server `index` could not be reached or did not answer (see
+    /// [`Client::redirect_target`]). Not for an answer such as `NOT_LEADER` without a leader: that
+    /// server is up, and may be the next leader a moment later.
     pub(crate) fn mark_failed(&self, index: usize) {
         if let Some(s) = self.inner.servers.read().expect("servers lock").get(index) {
             *s.failed.lock().expect("server failure lock") = Some(Instant::now());
@@ -523,7 +531,9 @@ impl Client {
                         None => format!("redirected to {ep:?}, which is not a usable endpoint"),
                     },
                     Disposition::Retry(msg) => {
-                        self.mark_failed(target);
+                        if !answered_by_a_server(&status) {
+                            self.mark_failed(target);
+                        }
                         format!("{}: {msg}", self.endpoint(target))
                     }
                 },

@@ -17,7 +17,7 @@
 //! those earlier: a new session, a part opened in another group, which [`Registry::poke`]s it). With
 //! 100,000 sessions a look every tick cost a client about a third of a core.
 
-use crate::client::{Client, Inner};
+use crate::client::{answered_by_a_server, Client, Inner};
 use crate::error::{classify, Disposition};
 use crate::session::SessionInner;
 use holdfast_proto::v1 as pb;
@@ -360,7 +360,13 @@ async fn fan_in(
                             Some(Disposition::Fail(e)) => {
                                 out[group as usize] = Some(Err(e.to_string()))
                             }
-                            Some(d) => next_target(client, group, endpoint, d),
+                            Some(d) => next_target(
+                                client,
+                                group,
+                                endpoint,
+                                d,
+                                status.as_ref().is_some_and(answered_by_a_server),
+                            ),
                             None => {
                                 client.mark_failed(endpoint);
                                 client.set_leader(group, (endpoint + 1) % client.server_count())
@@ -406,7 +412,7 @@ async fn fan_in(
                     );
                     match classify(&status) {
                         Disposition::Fail(e) => out[group as usize] = Some(Err(e.to_string())),
-                        d => next_target(client, group, endpoint, d),
+                        d => next_target(client, group, endpoint, d, true),
                     }
                 }
             }
@@ -496,7 +502,13 @@ async fn round(
                         rx: resp.into_inner(),
                     }),
                     Ok(Err(status)) => {
-                        next_target(client, group, endpoint, classify(&status));
+                        next_target(
+                            client,
+                            group,
+                            endpoint,
+                            classify(&status),
+                            answered_by_a_server(&status),
+                        );
                         continue;
                     }
                     Err(_) => {
@@ -530,7 +542,13 @@ async fn round(
             }
             Ok(Err(status)) => {
                 streams.remove(&group);
-                next_target(client, group, endpoint, classify(&status));
+                next_target(
+                    client,
+                    group,
+                    endpoint,
+                    classify(&status),
+                    answered_by_a_server(&status),
+                );
             }
             Err(_) => {
                 streams.remove(&group);
@@ -543,13 +561,22 @@ async fn round(
     Err("no server renewed the sessions".into())
 }
 
-/// Where `group`'s next try goes after `endpoint` answered `disposition`: the leader it named (unless
-/// that server failed a moment ago: `Client::redirect_target`), else the next server.
-fn next_target(client: &Client, group: u32, endpoint: usize, disposition: Disposition) {
+/// Where `group`'s next try goes after `endpoint` failed with `disposition` (`answered`: the server
+/// itself said so): the leader it named (unless that server failed a moment ago:
+/// `Client::redirect_target`), else the next server.
+fn next_target(
+    client: &Client,
+    group: u32,
+    endpoint: usize,
+    disposition: Disposition,
+    answered: bool,
+) {
     let next = match disposition {
         Disposition::Redirect(ep) => client.redirect_target(&ep),
         _ => {
-            client.mark_failed(endpoint);
+            if !answered {
+                client.mark_failed(endpoint);
+            }
             None
         }
     };

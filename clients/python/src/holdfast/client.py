@@ -309,7 +309,8 @@ class Client:
                     else f"redirected too often, or to an unusable endpoint or one that failed a moment ago ({outcome.endpoint})"
                 )
             elif isinstance(outcome, errors.Retry):
-                self._mark_failed(target)
+                if not outcome.answered:
+                    self._mark_failed(target)
                 reason = f"{server.endpoint}: {outcome}"
             else:
                 raise outcome

@@ -153,7 +153,12 @@ class Redirect(Exception):
 
 
 class Retry(Exception):
-    """Internal: an attempt failed in a way another server (or a later try) may not."""
+    """Internal: an attempt failed in a way another server (or a later try) may not. ``answered``: a
+    Holdfast server said so (an error with its detail), rather than the transport or a proxy."""
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 _RETRY_CODES = {
@@ -218,7 +223,7 @@ def classify(code: grpc.StatusCode, message: str, d: Optional[object]) -> Except
     if reason == R.NOT_LEADER and d.leader_endpoint:  # type: ignore[attr-defined]
         return Redirect(d.leader_endpoint)  # type: ignore[attr-defined]
     if reason in (R.NOT_LEADER, R.UNAVAILABLE, R.REASON_UNSPECIFIED) or name == "REASON_UNSPECIFIED":
-        return Retry(message)
+        return Retry(message, answered=True)
     if reason == R.LOCK_HELD:
         return LockHeld(message, holder_session=d.holder_session_id, token=d.current_token)  # type: ignore[attr-defined]
     if reason == R.STALE_TOKEN:

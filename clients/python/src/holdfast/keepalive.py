@@ -237,7 +237,8 @@ def _next_target(
         i = client._redirect_target(outcome.endpoint)
         client._set_leader(g, i if i is not None else (target + 1) % len(client.endpoints))
     elif isinstance(outcome, errors.Retry):
-        client._mark_failed(target)
+        if not outcome.answered:
+            client._mark_failed(target)
         client._set_leader(g, (target + 1) % len(client.endpoints))
     else:
         out[g] = str(outcome)
