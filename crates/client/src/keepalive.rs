@@ -367,10 +367,7 @@ async fn fan_in(
                                 d,
                                 status.as_ref().is_some_and(answered_by_a_server),
                             ),
-                            None => {
-                                client.mark_failed(endpoint);
-                                client.set_leader(group, (endpoint + 1) % client.server_count())
-                            }
+                            None => no_answer(client, group, endpoint),
                         }
                     }
                     continue;
@@ -502,18 +499,11 @@ async fn round(
                         rx: resp.into_inner(),
                     }),
                     Ok(Err(status)) => {
-                        next_target(
-                            client,
-                            group,
-                            endpoint,
-                            classify(&status),
-                            answered_by_a_server(&status),
-                        );
+                        next_target_after(client, group, endpoint, &status);
                         continue;
                     }
                     Err(_) => {
-                        client.mark_failed(endpoint);
-                        client.set_leader(group, (endpoint + 1) % client.server_count());
+                        no_answer(client, group, endpoint);
                         continue;
                     }
                 }
@@ -542,18 +532,11 @@ async fn round(
             }
             Ok(Err(status)) => {
                 streams.remove(&group);
-                next_target(
-                    client,
-                    group,
-                    endpoint,
-                    classify(&status),
-                    answered_by_a_server(&status),
-                );
+                next_target_after(client, group, endpoint, &status);
             }
             Err(_) => {
                 streams.remove(&group);
-                client.mark_failed(endpoint);
-                client.set_leader(group, (endpoint + 1) % client.server_count());
+                no_answer(client, group, endpoint);
                 return Err(format!("no keepalive answer within {timeout:?}"));
             }
         }
@@ -573,17 +556,31 @@ fn next_target(
 ) {
     let next = match disposition {
         Disposition::Redirect(ep) => client.redirect_target(&ep),
-        _ => {
-            if !answered {
-                client.mark_failed(endpoint);
-            }
-            None
-        }
+        _ if !answered => return no_answer(client, group, endpoint),
+        _ => None,
     };
     client.set_leader(
         group,
         next.unwrap_or((endpoint + 1) % client.server_count()),
     );
+}
+
+/// [`next_target`] after `endpoint` failed with `status`.
+fn next_target_after(client: &Client, group: u32, endpoint: usize, status: &tonic::Status) {
+    next_target(
+        client,
+        group,
+        endpoint,
+        classify(status),
+        answered_by_a_server(status),
+    );
+}
+
+/// After `endpoint` did not answer (unreachable, reset, timed out): it is marked failed
+/// (`Client::mark_failed`) and `group`'s next try goes to the next server.
+fn no_answer(client: &Client, group: u32, endpoint: usize) {
+    client.mark_failed(endpoint);
+    client.set_leader(group, (endpoint + 1) % client.server_count());
 }
 
 fn tokio_stream_from(

@@ -232,6 +232,16 @@ fn still_becoming_leader(
     f.reason == ForwardReason::LeaseExpired && f.leader_id.is_none() && Instant::now() < give_up
 }
 
+/// True if this server is a voter of the newest configuration it has of the group (of either half,
+/// during a joint change).
+pub fn a_voter(m: &RaftMetrics<TypeConfig>) -> bool {
+    m.membership_config
+        .membership()
+        .get_joint_config()
+        .iter()
+        .any(|voters| voters.contains(&m.id))
+}
+
 /// The state-machine event sink for a group: follows the log into the leases and the waiting acquires.
 pub fn event_sink(leases: Arc<Leases>, waiters: Arc<Waiters>) -> crate::state_machine::EventSink {
     Arc::new(move |_state: &SmState, events: Vec<Event>| {
@@ -707,12 +717,7 @@ impl Group {
             // batch of entries.)
             let eligible = {
                 let m = rx.borrow_watched();
-                let membership = m.membership_config.membership();
-                membership.nodes().next().is_none()
-                    || membership
-                        .get_joint_config()
-                        .iter()
-                        .any(|voters| voters.contains(&m.id))
+                m.membership_config.membership().nodes().next().is_none() || a_voter(&m)
             };
             if eligible_before != Some(eligible) {
                 self.raft.runtime_config().elect(eligible);

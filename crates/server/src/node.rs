@@ -946,12 +946,7 @@ async fn unload_idle_groups(shared: Arc<NodeShared>, mut shutdown: watch::Receiv
                 *since = (mark, now);
                 continue;
             }
-            let voter = m
-                .membership_config
-                .membership()
-                .get_joint_config()
-                .iter()
-                .any(|voters| voters.contains(&m.id));
+            let voter = crate::group::a_voter(&m);
             if now - since.1 < after
                 || m.last_applied.is_none()
                 || m.state == ServerState::Leader
