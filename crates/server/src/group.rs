@@ -234,12 +234,12 @@ fn still_becoming_leader(
 
 /// True if this server is a voter of the newest configuration it has of the group (of either half,
 /// during a joint change).
-pub fn a_voter(m: &RaftMetrics<TypeConfig>) -> bool {
-    m.membership_config
+pub fn a_voter(id: u64, membership: &openraft::alias::StoredMembershipOf<TypeConfig>) -> bool {
+    membership
         .membership()
         .get_joint_config()
         .iter()
-        .any(|voters| voters.contains(&m.id))
+        .any(|voters| voters.contains(&id))
 }
 
 /// The state-machine event sink for a group: follows the log into the leases and the waiting acquires.
@@ -696,13 +696,17 @@ impl Group {
     /// linearizable barrier, so every entry of earlier terms is applied) when it becomes leader, and
     /// dropping them when it stops leading.
     pub async fn run_leadership(self: Arc<Self>) {
-        let mut rx = self.raft.metrics();
+        // The server metrics (role, vote, leader, membership), not `Raft::metrics`: openraft publishes
+        // the full metrics on every turn of its core loop (each message, I/O completion and 10 ms
+        // tick), while these change only when one of those does. Woken by the full metrics, this task
+        // ran ~6 times per log entry and ~100 times a second idle, for nothing.
+        let mut rx = self.raft.server_metrics();
         let mut last_leader = None;
         let mut eligible_before = None;
         loop {
             let (state, term, leader) = {
                 let m = rx.borrow_watched();
-                (m.state, m.current_term, m.current_leader)
+                (m.state, m.vote.leader_id().term, m.current_leader)
             };
             if leader != last_leader {
                 self.metrics.leader_changes.inc();
@@ -717,7 +721,8 @@ impl Group {
             // batch of entries.)
             let eligible = {
                 let m = rx.borrow_watched();
-                m.membership_config.membership().nodes().next().is_none() || a_voter(&m)
+                m.membership_config.membership().nodes().next().is_none()
+                    || a_voter(m.id, &m.membership_config)
             };
             if eligible_before != Some(eligible) {
                 self.raft.runtime_config().elect(eligible);
@@ -754,7 +759,7 @@ impl Group {
                         let s = self.state.read().expect("state machine lock poisoned");
                         let still = rx.borrow_watched();
                         if still.state == ServerState::Leader
-                            && still.current_term == term
+                            && still.vote.leader_id().term == term
                             // False if a hand-over began while the barrier ran.
                             && self.leases.start_leading(
                                 term,

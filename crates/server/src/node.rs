@@ -477,16 +477,19 @@ impl Node {
     pub async fn fatal(&self) -> String {
         let mut waits = Vec::new();
         for g in &self.shared.groups {
-            let mut rx = g.raft.metrics();
+            // Waits for openraft's core to end, which drops the senders of its metrics channels. Not
+            // by watching `Raft::metrics` for the error: those are published on every turn of the core
+            // loop (each message, I/O completion and 10 ms tick), and this future runs on the main
+            // thread (`block_on`), so each publication was a thread wake-up, ~5 per log entry. The
+            // server metrics change only with the role, vote, leader or membership.
+            let mut server = g.raft.server_metrics();
+            let all = g.raft.metrics();
             waits.push(Box::pin(async move {
                 use openraft::async_runtime::WatchReceiver;
-                loop {
-                    if let Err(e) = &rx.borrow_watched().running_state {
-                        return format!("group {}: {e}", g.id);
-                    }
-                    if rx.changed().await.is_err() {
-                        return format!("group {}: raft stopped", g.id);
-                    }
+                while server.changed().await.is_ok() {}
+                match &all.borrow_watched().running_state {
+                    Err(e) => format!("group {}: {e}", g.id),
+                    Ok(()) => format!("group {}: raft stopped", g.id),
                 }
             }));
         }
@@ -946,7 +949,7 @@ async fn unload_idle_groups(shared: Arc<NodeShared>, mut shutdown: watch::Receiv
                 *since = (mark, now);
                 continue;
             }
-            let voter = crate::group::a_voter(&m);
+            let voter = crate::group::a_voter(m.id, &m.membership_config);
             if now - since.1 < after
                 || m.last_applied.is_none()
                 || m.state == ServerState::Leader
