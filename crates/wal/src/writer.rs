@@ -62,14 +62,21 @@ impl Default for WalOptions {
 
 enum Op {
     Append(Vec<Record>, Done),
-    /// Records nobody waits for (see [`Wal::append_lazy`]).
-    Lazy(Vec<Record>),
     Release(u32, u64),
 }
+
+/// Lazy records ([`Wal::append_lazy`]), each stamped with the number of appends sent before it. They
+/// wait here, beside the queue, so that queuing one wakes no thread: it is written in the first frame
+/// whose batch holds the append its stamp counts, after that append's records (so in the order the
+/// calls were made), or at close.
+type LazyQueue = Arc<Mutex<VecDeque<(u64, Vec<Record>)>>>;
 
 /// A handle to the log. Cheap to share behind an `Arc`; all writes go through one writer thread.
 pub struct Wal {
     tx: Mutex<Option<mpsc::Sender<Op>>>,
+    /// Appends sent, counted under the `tx` lock (so in queue order): the stamp of a lazy record.
+    sent: AtomicU64,
+    lazy: LazyQueue,
     /// Groups whose unreleased records keep the oldest closed segment on disk (see [`Wal::pinning_groups`]).
     pinning: Arc<Mutex<Vec<u32>>>,
     rotations: Arc<Rotations>,
@@ -106,7 +113,8 @@ impl Wal {
             standby,
             next_seq,
             sticky,
-            lazy: Vec::new(),
+            lazy: LazyQueue::default(),
+            received: 0,
             released: BTreeMap::new(),
             poisoned: None,
             pinning: Arc::default(),
@@ -114,6 +122,7 @@ impl Wal {
         };
         let pinning = writer.pinning.clone();
         let rotations = writer.rotations.clone();
+        let lazy = writer.lazy.clone();
         writer.rotate()?;
         // `rotate` made the first segment of this run durable (a reused standby: its pre-creation
         // synced it and its directory, and the rotation its cleared state and sticky records), so a
@@ -136,6 +145,8 @@ impl Wal {
         Ok((
             Wal {
                 tx: Mutex::new(Some(tx)),
+                sent: AtomicU64::new(0),
+                lazy,
                 pinning,
                 rotations,
                 thread: Mutex::new(thread),
@@ -157,13 +168,13 @@ impl Wal {
         }
         let tx = self.tx.lock().expect("wal sender lock");
         match tx.as_ref() {
-            Some(tx) => {
-                if let Err(mpsc::SendError(Op::Append(_, done))) =
-                    tx.send(Op::Append(records, done))
-                {
-                    done(Err(WalError::Closed));
+            Some(tx) => match tx.send(Op::Append(records, done)) {
+                Ok(()) => {
+                    self.sent.fetch_add(1, Ordering::Relaxed);
                 }
-            }
+                Err(mpsc::SendError(Op::Append(_, done))) => done(Err(WalError::Closed)),
+                Err(_) => {}
+            },
             None => done(Err(WalError::Closed)),
         }
         #[cfg(holdfast_sim)]
@@ -173,13 +184,20 @@ impl Wal {
     /// Queues `records` to be written with the next append that is waited for (or when the log closes),
     /// never on their own: for hints whose loss in a crash costs nothing, such as the committed index,
     /// which would otherwise cost a write and an `fdatasync` of its own after every commit. They keep
-    /// their place in order after everything queued before them.
+    /// their place in order after everything queued before them. Queuing them wakes no thread (they
+    /// wait beside the queue, see [`LazyQueue`]): one a commit, that wake-up was half of all the
+    /// writer thread's.
     pub fn append_lazy(&self, records: Vec<Record>) {
         if records.iter().any(|r| r.payload.len() > MAX_RECORD_BYTES) {
             return;
         }
-        if let Some(tx) = self.tx.lock().expect("wal sender lock").as_ref() {
-            let _ = tx.send(Op::Lazy(records));
+        let tx = self.tx.lock().expect("wal sender lock");
+        if tx.is_some() {
+            let stamp = self.sent.load(Ordering::Relaxed);
+            self.lazy
+                .lock()
+                .expect("wal lazy queue lock")
+                .push_back((stamp, records));
         }
     }
 
@@ -320,8 +338,10 @@ struct Writer {
     next_seq: u64,
     /// The latest sticky record per (group, kind), rewritten at the head of each new segment.
     sticky: BTreeMap<(u32, u8), Record>,
-    /// Lazy records waiting for the next frame ([`Wal::append_lazy`]).
-    lazy: Vec<Record>,
+    /// Lazy records waiting for the frame of the append they follow ([`Wal::append_lazy`]).
+    lazy: LazyQueue,
+    /// Appends taken from the queue so far (compared with the lazy records' stamps).
+    received: u64,
     released: BTreeMap<u32, u64>,
     poisoned: Option<String>,
     pinning: Arc<Mutex<Vec<u32>>>,
@@ -398,30 +418,45 @@ impl Writer {
 
     /// Writes the lazy records still waiting, as the log closes (best effort: they are hints).
     fn flush_lazy(&mut self) {
-        if !self.lazy.is_empty() && self.poisoned.is_none() {
+        let waiting = !self.lazy.lock().expect("wal lazy queue lock").is_empty();
+        if waiting && self.poisoned.is_none() {
             let batch = self.write(vec![Op::Append(Vec::new(), Box::new(|_| {}))]);
             self.sync(batch);
         }
     }
 
     /// First half of a group commit: encodes the batch and writes it (not yet durable). Lazy records
-    /// wait for a batch with an append someone waits for; they are written first, being older.
+    /// wait for a batch with an append someone waits for, and go in after the appends sent before them.
     fn write(&mut self, ops: Vec<Op>) -> Batch {
-        let mut records = std::mem::take(&mut self.lazy);
         let mut b = Batch::default();
-        for op in ops {
-            match op {
-                Op::Append(rs, done) => {
-                    records.extend(rs);
-                    b.dones.push(done);
+        if !ops.iter().any(|op| matches!(op, Op::Append(..))) {
+            for op in ops {
+                if let Op::Release(group, index) = op {
+                    b.releases.push((group, index));
                 }
-                Op::Lazy(rs) => records.extend(rs),
-                Op::Release(group, index) => b.releases.push((group, index)),
             }
-        }
-        if b.dones.is_empty() {
-            self.lazy = records;
             return b;
+        }
+        let mut records = Vec::new();
+        {
+            let mut lazy = self.lazy.lock().expect("wal lazy queue lock");
+            let mut sent_after = |received: u64, records: &mut Vec<Record>| {
+                while let Some((_, rs)) = lazy.pop_front_if(|(stamp, _)| *stamp <= received) {
+                    records.extend(rs);
+                }
+            };
+            for op in ops {
+                match op {
+                    Op::Append(rs, done) => {
+                        sent_after(self.received, &mut records);
+                        records.extend(rs);
+                        self.received += 1;
+                        b.dones.push(done);
+                    }
+                    Op::Release(group, index) => b.releases.push((group, index)),
+                }
+            }
+            sent_after(self.received, &mut records);
         }
         let mut body = Vec::new();
         for r in &records {
