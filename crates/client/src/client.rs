@@ -793,18 +793,24 @@ impl Client {
     /// A client of `groups` groups that has talked to no server (its one endpoint is never dialled
     /// unless a call is made): for unit tests of client-side state.
     pub(crate) fn unconnected(groups: u32) -> Client {
+        Client::unconnected_to(&["127.0.0.1:9"], groups)
+    }
+
+    /// [`Client::unconnected`] with these endpoints.
+    pub(crate) fn unconnected_to(endpoints: &[&str], groups: u32) -> Client {
         let options = ClientOptions {
             batched_keepalives: false,
             ..ClientOptions::default()
         };
-        let endpoint = "127.0.0.1:9";
         Client {
             inner: Arc::new(Inner {
                 registry: Default::default(),
-                servers: RwLock::new(vec![Server::new(
-                    endpoint,
-                    channel_to(endpoint, &options).expect("a lazy channel"),
-                )]),
+                servers: RwLock::new(
+                    endpoints
+                        .iter()
+                        .map(|e| Server::new(e, channel_to(e, &options).expect("a lazy channel")))
+                        .collect(),
+                ),
                 groups,
                 leaders: Mutex::new(vec![0; groups as usize]),
                 auth: Auth::new(None).expect("no token"),

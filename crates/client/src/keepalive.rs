@@ -588,3 +588,54 @@ fn tokio_stream_from(
 ) -> impl tokio_stream::Stream<Item = pb::KeepAliveRequest> + Send + 'static {
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{next_target_after, Client};
+    use holdfast_proto::v1::{ErrorDetail, Reason};
+
+    /// `NOT_LEADER` naming `leader`, as a server sends it.
+    fn redirect_to(leader: &str) -> tonic::Status {
+        let detail = ErrorDetail {
+            reason: Reason::NotLeader as i32,
+            leader_endpoint: leader.to_string(),
+            ..Default::default()
+        };
+        tonic::Status::with_details(
+            tonic::Code::FailedPrecondition,
+            "not the leader",
+            prost::Message::encode_to_vec(&detail).into(),
+        )
+    }
+
+    /// The keepalive's side of the stale-redirect fix: after the dead server failed to answer, a
+    /// stale server's redirect back to it is not followed; the next server is tried instead. Without
+    /// the failure, the same redirect is followed.
+    #[tokio::test]
+    async fn a_keepalive_does_not_follow_a_redirect_to_a_server_that_just_failed() {
+        let (dead, stale, live) = ("127.0.0.1:9", "127.0.0.1:10", "127.0.0.1:11");
+        let client = Client::unconnected_to(&[dead, stale, live], 1);
+        next_target_after(
+            &client,
+            0,
+            0,
+            &tonic::Status::unavailable("tcp connect error"),
+        );
+        assert_eq!(client.leader_of(0), 1, "after no answer, the next server");
+        next_target_after(&client, 0, 1, &redirect_to(dead));
+        assert_eq!(
+            client.leader_of(0),
+            2,
+            "the redirect to the server that just failed was followed"
+        );
+
+        let fresh = Client::unconnected_to(&[dead, stale, live], 1);
+        fresh.set_leader(0, 1);
+        next_target_after(&fresh, 0, 1, &redirect_to(dead));
+        assert_eq!(
+            fresh.leader_of(0),
+            0,
+            "a redirect to a server that did not fail is followed"
+        );
+    }
+}
