@@ -70,6 +70,17 @@ fn main() -> std::process::ExitCode {
     ) {
         cmd::default_sigpipe();
     }
+    // The client commands log only when asked: `HOLDFAST_LOG=holdfast_client=debug` shows each retry on
+    // another server and why. (`server` sets up its own logging; `dev` passes the variable on to its
+    // servers.)
+    if !matches!(cli.command, Cmd::Server(_) | Cmd::Dev(_)) {
+        if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("HOLDFAST_LOG") {
+            tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .init();
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
