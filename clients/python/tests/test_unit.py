@@ -212,6 +212,34 @@ def test_a_redirect_to_a_server_that_just_failed_is_not_followed() -> None:
     assert c._leader_of(0) == 2
 
 
+def test_a_server_that_answers_again_is_trusted_again() -> None:
+    # Killed (no answer), then restarted: its NOT_LEADER is an answer, so when its peers name it as the
+    # new leader the redirect is followed at once.
+    calls = {"n": 0}
+
+    def restarted(r: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            down(r)
+        if calls["n"] == 2:
+            raise reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE)
+        return lock_pb2.ReleaseResponse()
+
+    back = FakeServer({"Release": restarted})
+    follower = FakeServer(
+        {"Release": lambda r: (_ for _ in ()).throw(
+            reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE, leader_endpoint="127.0.0.1:9001"))}
+    )
+    other = FakeServer(
+        {"Release": lambda r: (_ for _ in ()).throw(reason(R.NOT_LEADER, grpc.StatusCode.UNAVAILABLE))}
+    )
+    c = fake_client([back, follower, other])
+    c.call(0, "Release", lock_pb2.ReleaseRequest(name="x", request_id=5))
+    assert calls["n"] == 3
+    assert len(other.requests("Release")) == 1, "the redirect to the server that answered again was not followed"
+    assert c._leader_of(0) == 0
+
+
 def test_a_redirect_to_a_new_server_is_learned() -> None:
     follower = FakeServer(
         {"Describe": lambda r: (_ for _ in ()).throw(

@@ -433,7 +433,20 @@ impl Client {
     /// server is up, and may be the next leader a moment later.
     pub(crate) fn mark_failed(&self, index: usize) {
         if let Some(s) = self.inner.servers.read().expect("servers lock").get(index) {
+            tracing::debug!(endpoint = %s.endpoint, "no answer: redirects to it not followed for 2 s");
             *s.failed.lock().expect("server failure lock") = Some(Instant::now());
+        }
+    }
+
+    /// Notes that server `index` answered (anything a server sends, an error included): a failure
+    /// marked before no longer holds. A restarted server (killed earlier, so marked) may be the leader
+    /// its peers redirect to a moment later.
+    pub(crate) fn mark_answered(&self, index: usize) {
+        if let Some(s) = self.inner.servers.read().expect("servers lock").get(index) {
+            let mut failed = s.failed.lock().expect("server failure lock");
+            if failed.is_some() {
+                *failed = None;
+            }
         }
     }
 
@@ -507,10 +520,15 @@ impl Client {
             let attempt = tokio::time::timeout(limit, f(client)).await;
             let reason = match attempt {
                 Ok(Ok(resp)) => {
+                    self.mark_answered(target);
                     self.set_leader(group, target);
                     return Ok(resp.into_inner());
                 }
-                Ok(Err(status)) => match classify(&status) {
+                Ok(Err(status)) => {
+                    if answered_by_a_server(&status) {
+                        self.mark_answered(target);
+                    }
+                    match classify(&status) {
                     Disposition::Fail(e) => return Err(e),
                     // The leader's advertised endpoint, followed even if it was not among the ones this
                     // client was given.
@@ -536,13 +554,11 @@ impl Client {
                         }
                         format!("{}: {msg}", self.endpoint(target))
                     }
-                },
+                    }
+                }
                 Err(_) => {
                     self.mark_failed(target);
-                    format!(
-                        "{} did not answer within {limit:?}",
-                        self.endpoint(target)
-                    )
+                    format!("{} did not answer within {limit:?}", self.endpoint(target))
                 }
             };
             let pause = jittered(&inner.jitter, backoff);

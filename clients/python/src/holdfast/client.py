@@ -258,6 +258,11 @@ class Client:
     def _mark_failed(self, index: int) -> None:
         self._server(index).failed = time.monotonic()
 
+    def _mark_answered(self, index: int) -> None:
+        """Server ``index`` answered (an error it sent included): a failure marked before no longer
+        holds. A restarted server may be the leader its peers redirect to a moment later."""
+        self._server(index).failed = None
+
     def _set_leader(self, group: int, index: int) -> None:
         with self._lock:
             if group < len(self._leaders):
@@ -292,10 +297,13 @@ class Client:
                 response = getattr(server.stub, method)(
                     message, timeout=limit, metadata=self._metadata
                 )
+                self._mark_answered(target)
                 self._set_leader(group, target)
                 return response
             except grpc.RpcError as e:
                 outcome = errors.from_rpc_error(e)
+            if isinstance(outcome, errors.Redirect) or (isinstance(outcome, errors.Retry) and outcome.answered):
+                self._mark_answered(target)
             if isinstance(outcome, errors.Redirect):
                 i = self._redirect_target(outcome.endpoint)
                 if i is not None and redirects < 2 * count:
