@@ -175,6 +175,8 @@ struct Server {
     /// When a call to it last failed without an answer from it (unreachable, reset, timed out): a
     /// redirect to it soon after is not followed (see [`Client::redirect_target`]).
     failed: Mutex<Option<Instant>>,
+    /// `failed` is set: every answered call checks this, and takes the lock only when it is.
+    marked: std::sync::atomic::AtomicBool,
 }
 
 impl Server {
@@ -183,6 +185,7 @@ impl Server {
             endpoint: endpoint.to_string(),
             channel,
             failed: Mutex::new(None),
+            marked: false.into(),
         }
     }
 }
@@ -435,6 +438,7 @@ impl Client {
         if let Some(s) = self.inner.servers.read().expect("servers lock").get(index) {
             tracing::debug!(endpoint = %s.endpoint, "no answer: redirects to it not followed for 2 s");
             *s.failed.lock().expect("server failure lock") = Some(Instant::now());
+            s.marked.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -443,9 +447,8 @@ impl Client {
     /// its peers redirect to a moment later.
     pub(crate) fn mark_answered(&self, index: usize) {
         if let Some(s) = self.inner.servers.read().expect("servers lock").get(index) {
-            let mut failed = s.failed.lock().expect("server failure lock");
-            if failed.is_some() {
-                *failed = None;
+            if s.marked.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                *s.failed.lock().expect("server failure lock") = None;
             }
         }
     }
