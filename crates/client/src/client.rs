@@ -521,17 +521,18 @@ impl Client {
             let limit = (inner.options.attempt_timeout + extra)
                 .min(deadline.saturating_duration_since(Instant::now()));
             let attempt = tokio::time::timeout(limit, f(client)).await;
+            if let Ok(Err(status)) = &attempt {
+                if answered_by_a_server(status) {
+                    self.mark_answered(target);
+                }
+            }
             let reason = match attempt {
                 Ok(Ok(resp)) => {
                     self.mark_answered(target);
                     self.set_leader(group, target);
                     return Ok(resp.into_inner());
                 }
-                Ok(Err(status)) => {
-                    if answered_by_a_server(&status) {
-                        self.mark_answered(target);
-                    }
-                    match classify(&status) {
+                Ok(Err(status)) => match classify(&status) {
                     Disposition::Fail(e) => return Err(e),
                     // The leader's advertised endpoint, followed even if it was not among the ones this
                     // client was given.
@@ -557,8 +558,7 @@ impl Client {
                         }
                         format!("{}: {msg}", self.endpoint(target))
                     }
-                    }
-                }
+                },
                 Err(_) => {
                     self.mark_failed(target);
                     format!("{} did not answer within {limit:?}", self.endpoint(target))

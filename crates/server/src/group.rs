@@ -717,8 +717,8 @@ impl Group {
             // configuration does, which a server removed from the group (and told so, see
             // `remove_member`) may keep for good, since nothing reaches it afterwards. Not standing
             // cannot break safety (it still votes), nor liveness: the configuration that leaves it out
-            // has the voters to elect a leader without it. (No allocation: metrics change with every
-            // batch of entries.)
+            // has the voters to elect a leader without it. (No allocation: this runs on every change
+            // of the server metrics.)
             let eligible = {
                 let m = rx.borrow_watched();
                 m.membership_config.membership().nodes().next().is_none()
