@@ -302,7 +302,7 @@ class Client:
                 return response
             except grpc.RpcError as e:
                 outcome = errors.from_rpc_error(e)
-            if isinstance(outcome, errors.Redirect) or (isinstance(outcome, errors.Retry) and outcome.answered):
+            if errors.answered(outcome):
                 self._mark_answered(target)
             if isinstance(outcome, errors.Redirect):
                 i = self._redirect_target(outcome.endpoint)

@@ -161,6 +161,11 @@ class Retry(Exception):
         self.answered = answered
 
 
+def answered(outcome: Exception) -> bool:
+    """True if a Holdfast server sent ``outcome`` (a redirect, or a retry with its detail): the server is up."""
+    return isinstance(outcome, Redirect) or (isinstance(outcome, Retry) and outcome.answered)
+
+
 _RETRY_CODES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN,

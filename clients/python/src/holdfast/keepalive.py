@@ -233,7 +233,7 @@ def _next_target(
 ) -> None:
     """Where group ``g``'s next try goes after ``target`` failed with ``outcome``: the leader it named,
     else the next server; or the group's outcome, if another server would fail the same way."""
-    if isinstance(outcome, errors.Redirect) or (isinstance(outcome, errors.Retry) and outcome.answered):
+    if errors.answered(outcome):
         client._mark_answered(target)
     if isinstance(outcome, errors.Redirect):
         i = client._redirect_target(outcome.endpoint)
