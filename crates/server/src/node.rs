@@ -53,7 +53,31 @@ pub struct NodeShared {
     /// Channels to other servers' client ports for status probes (readiness, the leader balancer's round
     /// in a placed cluster), by node id and endpoint: each probe used to open, and close, a connection.
     status_channels: std::sync::Mutex<BTreeMap<(u64, String), tonic::transport::Channel>>,
+    /// The members learned from the others in a placed cluster (see [`Directory`]).
+    directory: std::sync::Mutex<Directory>,
 }
+
+/// The members this server learned from the other members' status the last time it asked
+/// ([`NodeShared::leaders_everywhere`], every [`DIRECTORY_EVERY`] while it is not a voter of every group).
+/// A server knows the members of its own groups, of the groups it was in (as they were when it left)
+/// and of its configuration. With groups placed on some servers only, the voters a group gained after
+/// this server left it are known only to others; once the servers that knew them are gone, a client
+/// given only this server would never find that group. So this server asks the members it knows, and
+/// the members those name, and reports what it learned in `Status.members` (and uses it for the
+/// endpoints of leaders it redirects to).
+#[derive(Default)]
+struct Directory {
+    /// Each server that answered, as it describes itself, and each server that a voter of some group
+    /// names as a voter of that group (it may be down for now: it is still a member). Replaced by each
+    /// round that reached anyone, so a server that left the cluster drops out once no group names it.
+    members: BTreeMap<u64, pb::Member>,
+    /// When a round last reached anyone.
+    refreshed: Option<tokio::time::Instant>,
+}
+
+/// How often a server that is not a voter of every group asks the others what they know
+/// (`learn_members`): the leader balancer's period, whose rounds count too.
+const DIRECTORY_EVERY: Duration = Duration::from_secs(2);
 
 /// Most channels [`NodeShared::member_status`] keeps (it starts over past it): far more than a cluster
 /// has members, so only addresses that changed many times can reach it.
@@ -301,6 +325,7 @@ impl Node {
             )),
             watches: Default::default(),
             status_channels: Default::default(),
+            directory: Default::default(),
         });
         crate::abandon::resume(&shared);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -445,6 +470,10 @@ impl Node {
             tasks.push(tokio::spawn(group.clone().run_leadership()));
             tasks.push(tokio::spawn(group.clone().run_expiry(shutdown_rx.clone())));
         }
+        tasks.push(tokio::spawn(learn_members(
+            shared.clone(),
+            shutdown_rx.clone(),
+        )));
         if config.balance_leaders && shared.groups.len() > 1 {
             tasks.push(tokio::spawn(balance_leaders(
                 shared.clone(),
@@ -605,20 +634,31 @@ impl NodeShared {
         if let Some(m) = self.config.member(id) {
             return Some(m.client.clone());
         }
-        self.groups.iter().find_map(|g| {
-            g.raft_metrics()
-                .membership_config
-                .membership()
-                .get_node(&id)
-                .map(|n| n.client.clone())
-                .filter(|c| !c.is_empty())
-        })
+        self.groups
+            .iter()
+            .find_map(|g| {
+                g.raft_metrics()
+                    .membership_config
+                    .membership()
+                    .get_node(&id)
+                    .map(|n| n.client.clone())
+                    .filter(|c| !c.is_empty())
+            })
+            .or_else(|| {
+                let directory = self.directory.lock().expect("directory lock");
+                directory
+                    .members
+                    .get(&id)
+                    .map(|m| m.client_endpoint.clone())
+                    .filter(|c| !c.is_empty())
+            })
     }
 
     /// Every group's members (voters of any group, then learners of some group only), then configured
     /// servers in no group. A cluster of more than five servers places each group on some of them, so
     /// no one group names them all. `voter_of` counts only the groups this server is a voter of: its
-    /// view of a group it left, or was never in, may be stale.
+    /// view of a group it left, or was never in, may be stale. Members that only others know of come
+    /// from the [`Directory`], as they describe themselves.
     fn members(&self) -> Vec<pb::Member> {
         let me = self.config.node_id;
         let mut known: BTreeMap<u64, (crate::raft_types::MemberNode, Vec<u32>, bool)> =
@@ -657,6 +697,14 @@ impl NodeShared {
                 }
             })
             .collect();
+        {
+            let directory = self.directory.lock().expect("directory lock");
+            for m in directory.members.values() {
+                if !out.iter().any(|o| o.node_id == m.node_id) {
+                    out.push(m.clone());
+                }
+            }
+        }
         out.sort_by_key(|m| (m.role != "voter", m.node_id));
         for m in &self.config.members {
             if !out.iter().any(|o| o.node_id == m.id) {
@@ -675,7 +723,7 @@ impl NodeShared {
     /// Every group's leader and every group's voters, in a cluster whose groups are placed on some
     /// servers only: this server's view of its own groups, and what each other member says it leads
     /// (with a quorum's confirmation), asked for its status within a second each. A group no answer
-    /// accounts for has no leader here.
+    /// accounts for has no leader here. What the answers say of the members goes to the [`Directory`].
     async fn leaders_everywhere(&self) -> (Vec<Option<u64>>, std::collections::BTreeSet<u64>) {
         let me = self.config.node_id;
         let mut leaders = vec![None; self.groups.len()];
@@ -696,6 +744,8 @@ impl NodeShared {
             .map(|m| (m.node_id, m.client_endpoint))
             .collect();
         let mut asked = std::collections::BTreeSet::from([me]);
+        let mut learned: BTreeMap<u64, pb::Member> = BTreeMap::new();
+        let mut reached = false;
         while let Some((id, endpoint)) = to_ask.pop() {
             if !asked.insert(id) {
                 continue;
@@ -703,6 +753,8 @@ impl NodeShared {
             let Ok(s) = self.member_status(&endpoint, id).await else {
                 continue;
             };
+            reached = true;
+            learn_from(&s, &mut learned);
             to_ask.extend(
                 s.members
                     .iter()
@@ -719,6 +771,12 @@ impl NodeShared {
                     voters.extend(g.voters.iter().copied());
                 }
             }
+        }
+        if reached {
+            learned.remove(&me);
+            let mut directory = self.directory.lock().expect("directory lock");
+            directory.members = learned;
+            directory.refreshed = Some(tokio::time::Instant::now());
         }
         (leaders, voters)
     }
@@ -1026,6 +1084,59 @@ fn lock_data_dir(config: &ServerConfig) -> anyhow::Result<Option<std::fs::File>>
     }
 }
 
+/// What the [`Directory`] takes from one server's status: its word on itself, then on its fellow voters
+/// of the groups it is a voter of. Not the members it only learned of from others (their groups are
+/// none of its own): two servers would otherwise keep naming a departed server to each other for ever.
+fn learn_from(s: &pb::StatusResponse, learned: &mut BTreeMap<u64, pb::Member>) {
+    let own = s.members.iter().find(|m| m.node_id == s.node_id);
+    let its_groups = own.map_or(&[][..], |m| &m.voter_of[..]);
+    for m in s
+        .members
+        .iter()
+        .filter(|m| m.voter_of.iter().any(|g| its_groups.contains(g)))
+    {
+        learned.entry(m.node_id).or_insert_with(|| m.clone());
+    }
+    if let Some(own) = own.filter(|m| m.role != "configured") {
+        learned.insert(s.node_id, own.clone());
+    }
+}
+
+/// Keeps the [`Directory`] of a server that is not a voter of every group: every [`DIRECTORY_EVERY`], a
+/// round of [`NodeShared::leaders_everywhere`] unless the leader balancer ran one since. A server that
+/// is a voter of every group knows every member from its own groups and forgets what it learned.
+async fn learn_members(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool>) {
+    let me = node.config.node_id;
+    let mut tick = tokio::time::interval(DIRECTORY_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let everywhere = node
+            .groups
+            .iter()
+            .all(|g| g.membership_view().voters.contains(&me));
+        if everywhere {
+            *node.directory.lock().expect("directory lock") = Directory::default();
+            continue;
+        }
+        let fresh = node
+            .directory
+            .lock()
+            .expect("directory lock")
+            .refreshed
+            .is_some_and(|t| t.elapsed() < DIRECTORY_EVERY / 2);
+        if !fresh {
+            node.leaders_everywhere().await;
+        }
+    }
+}
+
 /// How often a server checks whether it leads more than its share of the groups.
 const BALANCE_EVERY: Duration = Duration::from_secs(2);
 /// After a move that failed, how long a server leaves leaderships where they are.
@@ -1162,5 +1273,62 @@ async fn balance_leaders(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bo
                 quiet_until = tokio::time::Instant::now() + BALANCE_BACKOFF;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: u64, role: &str, voter_of: &[u32]) -> pb::Member {
+        pb::Member {
+            node_id: id,
+            client_endpoint: format!("127.0.0.1:{}", 7000 + id),
+            peer_endpoint: format!("127.0.0.1:{}", 8000 + id),
+            role: role.into(),
+            voter_of: voter_of.to_vec(),
+        }
+    }
+
+    /// Node 2 is a voter of group 0 with nodes 3 and 4; it names node 9 only from what it learned of
+    /// others (a voter of group 1, which node 2 is not in), and node 5 from a group it left.
+    #[test]
+    fn a_server_is_believed_on_itself_and_its_fellow_voters_only() {
+        let status = pb::StatusResponse {
+            node_id: 2,
+            members: vec![
+                member(2, "voter", &[0]),
+                member(3, "voter", &[0]),
+                member(4, "voter", &[0]),
+                member(5, "voter", &[]),
+                member(9, "voter", &[1]),
+                member(6, "configured", &[]),
+            ],
+            ..Default::default()
+        };
+        let mut learned = BTreeMap::new();
+        // Node 3 described itself earlier in the round: its own word stands.
+        learned.insert(3, member(3, "voter", &[0, 2]));
+        learn_from(&status, &mut learned);
+        assert_eq!(learned.keys().copied().collect::<Vec<_>>(), [2, 3, 4]);
+        assert_eq!(learned[&3].voter_of, [0, 2]);
+
+        // A server's word on itself replaces what others said of it.
+        let own = pb::StatusResponse {
+            node_id: 4,
+            members: vec![member(4, "voter", &[0, 3])],
+            ..Default::default()
+        };
+        learn_from(&own, &mut learned);
+        assert_eq!(learned[&4].voter_of, [0, 3]);
+
+        // A server in no group is not a member to name.
+        let joining = pb::StatusResponse {
+            node_id: 6,
+            members: vec![member(6, "configured", &[])],
+            ..Default::default()
+        };
+        learn_from(&joining, &mut learned);
+        assert!(!learned.contains_key(&6));
     }
 }

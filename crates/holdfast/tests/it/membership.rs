@@ -628,3 +628,80 @@ async fn a_stale_redirect_to_a_dead_server_does_not_trap_a_client() {
         .await
         .unwrap();
 }
+
+/// A group that moved twice, whose first voters are gone: the servers that left it before its present
+/// voters joined (and are voters of nothing here, as servers of other groups would be) never heard of
+/// those voters from the group itself. They learn them from the other members' status, and name them
+/// to clients, so a client given only such a server still finds the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_finds_a_group_whose_voters_joined_after_its_only_server_left() {
+    let mut c = Cluster::start(Options::default()).await;
+    c.wait_for_leader(0, Duration::from_secs(30)).await;
+    // The group goes onto three of the five servers; two leave it.
+    member_ok(&c, &["place", "--replicas", "3"]).await;
+    let first = voters_of(&c, 0).await;
+    let left: Vec<u64> = (1..=5).filter(|id| !first.contains(id)).collect();
+    assert_eq!(left.len(), 2, "{first:?}");
+    // Three servers join, and the group moves onto them, off its first voters.
+    let mut args = vec!["place".to_string(), "--replicas".into(), "3".into()];
+    let mut joined = Vec::new();
+    for _ in 0..3 {
+        let id = c.add_server(&[]).await;
+        c.start_server(id);
+        joined.push(id);
+        args.extend([
+            "--with".into(),
+            format!("{id}={}/{}", c.endpoint(id), c.peer_endpoint(id)),
+        ]);
+    }
+    for id in &first {
+        args.extend(["--without".into(), id.to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    member_ok(&c, &args).await;
+    assert_eq!(voters_of(&c, 0).await, joined);
+    // What a server that left first knows of the group is from before the move: none of its voters.
+    let lone = left[0];
+    let stale = c.group_status(lone, 0).await.unwrap();
+    assert!(
+        stale.voters.iter().all(|v| !joined.contains(v)),
+        "{stale:?}"
+    );
+
+    // It learns the new voters from the servers it knows (the first voters, who saw them join).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c
+            .raw(lone)
+            .await
+            .status(holdfast_proto::v1::StatusRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let named = |id: &u64| {
+            s.members
+                .iter()
+                .any(|m| m.node_id == *id && m.client_endpoint == c.endpoint(*id))
+        };
+        if joined.iter().all(named) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node {lone} never named the new voters: {:?}",
+            s.members
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The first voters are decommissioned; only the servers that left first and the new voters run.
+    for id in &first {
+        c.kill(*id).await;
+    }
+    let client = holdfast_client::Client::connect([c.endpoint(lone)])
+        .await
+        .unwrap();
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let guard = session.acquire("moved/twice").await.unwrap();
+    assert!(guard.token() > 0);
+    guard.release().await.unwrap();
+}
