@@ -1117,10 +1117,12 @@ async fn learn_members(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool
         if *shutdown.borrow() {
             return;
         }
-        let everywhere = node
-            .groups
-            .iter()
-            .all(|g| g.membership_view().voters.contains(&me));
+        // A group with no voters known yet (a server starting, or waiting to be added) says
+        // nothing: a round then would only copy what this server is about to know itself.
+        let everywhere = node.groups.iter().all(|g| {
+            let voters = g.membership_view().voters;
+            voters.is_empty() || voters.contains(&me)
+        });
         if everywhere {
             *node.directory.lock().expect("directory lock") = Directory::default();
             continue;

@@ -147,7 +147,8 @@ struct ClusterView {
     groups: BTreeMap<u32, holdfast_proto::v1::GroupStatus>,
     /// What the servers that did not answer said.
     unreachable: Vec<String>,
-    /// The roles the servers reported, for the nodes no leader names (e.g. "configured").
+    /// The roles the servers reported, for the nodes no leader names: "configured" if any server's
+    /// configuration lists the node, else the first other role reported.
     reported: BTreeMap<u64, String>,
 }
 
@@ -171,7 +172,13 @@ impl ClusterView {
                 view.addresses
                     .entry(m.node_id)
                     .or_insert((m.client_endpoint.clone(), m.peer_endpoint.clone()));
-                view.reported.entry(m.node_id).or_insert(m.role.clone());
+                // A server whose configuration lists the node says "configured"; that stands over
+                // what another (lagging behind a removal, say) still calls it.
+                if m.role == "configured" {
+                    view.reported.insert(m.node_id, m.role.clone());
+                } else {
+                    view.reported.entry(m.node_id).or_insert(m.role.clone());
+                }
             }
             for g in s.groups {
                 if g.role == "leader"
