@@ -215,6 +215,9 @@ pub struct Group {
     expiring: tokio::sync::Mutex<()>,
     /// Drops the table of an idle group this server is not a voter of (see `node::unload_idle_groups`).
     pub unloader: crate::state_machine::Unloader,
+    /// The group's leader as the other members said it last (0: none), in a placed cluster where this
+    /// server is not a voter of every group (see `node::Directory`, [`Group::leader_hint`]).
+    learned_leader: std::sync::atomic::AtomicU64,
 }
 
 /// How long the expiry task waits, once something came due, before it looks: every session that comes
@@ -294,6 +297,7 @@ impl Group {
             metrics_rx,
             renew_guard,
             handing_over: Default::default(),
+            learned_leader: Default::default(),
             hand_over_ended: Default::default(),
             log_bytes,
             table_budget: config.group_table_budget(),
@@ -404,6 +408,31 @@ impl Group {
         self.metrics_rx.borrow_watched().current_leader
     }
 
+    /// The leader to send a client to, given this server's own idea of it (`own`): that, unless this
+    /// server is not a voter of the group (it left it, so its idea is the leader of then, perhaps long
+    /// dead) and the members it asks named the group's leader ([`Group::learn_leader`]).
+    pub fn leader_hint(&self, own: Option<u64>) -> Option<u64> {
+        let learned = self
+            .learned_leader
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if learned == 0
+            || self
+                .membership_view()
+                .voters
+                .contains(&self.raft_metrics().id)
+        {
+            own
+        } else {
+            Some(learned)
+        }
+    }
+
+    /// Notes the leader the other members named (`None`: none did, or this server no longer asks).
+    pub fn learn_leader(&self, leader: Option<u64>) {
+        self.learned_leader
+            .store(leader.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// True if this server may acknowledge keepalives now: it leads, has started timing sessions for this
     /// term, and heard from a quorum recently enough that no newer leader can exist.
     pub fn can_renew(&self) -> bool {
@@ -473,7 +502,7 @@ impl Group {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
-                    return Err(ProposeError::NotLeader(f.leader_id));
+                    return Err(ProposeError::NotLeader(self.leader_hint(f.leader_id)));
                 }
                 Err(RaftError::APIError(ClientWriteError::LogEntryDiscarded(_))) => {
                     return Err(ProposeError::Unknown(
@@ -512,7 +541,7 @@ impl Group {
             Ok(())
         } else {
             Err(ProposeError::NotLeader(
-                m.current_leader.filter(|&l| l != m.id),
+                self.leader_hint(m.current_leader.filter(|&l| l != m.id)),
             ))
         }
     }
@@ -676,7 +705,7 @@ impl Group {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
-                    return Err(ProposeError::NotLeader(f.leader_id));
+                    return Err(ProposeError::NotLeader(self.leader_hint(f.leader_id)));
                 }
                 Err(RaftError::APIError(LinearizableReadError::QuorumNotEnough(q))) => {
                     if Instant::now() < give_up {

@@ -63,8 +63,8 @@ pub struct NodeShared {
 /// and of its configuration. With groups placed on some servers only, the voters a group gained after
 /// this server left it are known only to others; once the servers that knew them are gone, a client
 /// given only this server would never find that group. So this server asks the members it knows, and
-/// the members those name, and reports what it learned in `Status.members` (and uses it for the
-/// endpoints of leaders it redirects to).
+/// the members those name, and reports what it learned in `Status.members`; the leaders they name are
+/// where it redirects clients of the groups it is not a voter of ([`Group::leader_hint`]).
 #[derive(Default)]
 struct Directory {
     /// Each server that answered, as it describes itself, and each server that a voter of some group
@@ -772,6 +772,9 @@ impl NodeShared {
                 }
             }
         }
+        for (g, leader) in self.groups.iter().zip(&leaders) {
+            g.learn_leader(*leader);
+        }
         if reached {
             learned.remove(&me);
             let mut directory = self.directory.lock().expect("directory lock");
@@ -1125,6 +1128,9 @@ async fn learn_members(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool
         });
         if everywhere {
             *node.directory.lock().expect("directory lock") = Directory::default();
+            for g in &node.groups {
+                g.learn_leader(None);
+            }
             continue;
         }
         let fresh = node

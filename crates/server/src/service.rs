@@ -255,9 +255,11 @@ impl ClientService {
         let group = self.group(group)?;
         if !group.can_renew() {
             return Err(self.not_leader(
-                group
-                    .current_leader()
-                    .filter(|&l| l != self.node.config.node_id),
+                group.leader_hint(
+                    group
+                        .current_leader()
+                        .filter(|&l| l != self.node.config.node_id),
+                ),
             ));
         }
         if !session_secrets.is_empty() && session_secrets.len() != session_ids.len() {
@@ -278,7 +280,7 @@ impl ClientService {
         {
             Ok(()) => {}
             Err(KeepAliveRefused::NotLeading) => {
-                return Err(self.not_leader(group.current_leader()))
+                return Err(self.not_leader(group.leader_hint(group.current_leader())))
             }
             Err(KeepAliveRefused::WrongSecret(session)) => {
                 return Err(errors::permission_denied(session.0))
@@ -866,9 +868,11 @@ impl Holdfast for ClientService {
         let group = self.group(r.group)?;
         if group.raft_metrics().state != openraft::ServerState::Leader {
             return Err(self.not_leader(
-                group
-                    .current_leader()
-                    .filter(|&l| l != self.node.config.node_id),
+                group.leader_hint(
+                    group
+                        .current_leader()
+                        .filter(|&l| l != self.node.config.node_id),
+                ),
             ));
         }
         let to = (r.to != 0).then_some(r.to);
@@ -1124,9 +1128,11 @@ impl Holdfast for ClientService {
             }
             // Sends this server's leader hint: the client resumes on the leader from its position.
             let not_leading = |group: &Group| {
-                let leader = group
-                    .current_leader()
-                    .filter(|id| *id != node.config.node_id);
+                let leader = group.leader_hint(
+                    group
+                        .current_leader()
+                        .filter(|id| *id != node.config.node_id),
+                );
                 let endpoint = leader.and_then(|id| node.client_endpoint(id));
                 Err(not_leader(leader, endpoint.as_deref()))
             };

@@ -697,6 +697,51 @@ async fn a_client_finds_a_group_whose_voters_joined_after_its_only_server_left()
     for id in &first {
         c.kill(*id).await;
     }
+    // Asked for the group, that server sends the client to its leader, not to the leader of when it
+    // left (`stale.leader_id`, now dead): the one the others named.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let leader = loop {
+        let mut leading = None;
+        for id in &joined {
+            if let Some(g) = c.group_status(*id, 0).await {
+                if g.role == "leader" && g.leader_confirmed {
+                    leading = Some(*id);
+                }
+            }
+        }
+        if let Some(id) = leading {
+            break id;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "group 0 has no leader"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    loop {
+        let err = c
+            .raw(lone)
+            .await
+            .describe(holdfast_proto::v1::DescribeRequest {
+                group: 0,
+                name: "moved/twice".into(),
+            })
+            .await
+            .unwrap_err();
+        let detail =
+            <holdfast_proto::v1::ErrorDetail as prost::Message>::decode(err.details()).unwrap();
+        if detail.leader_id == leader {
+            assert_eq!(detail.leader_endpoint, c.endpoint(leader), "{err:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node {lone} redirects to node {} (stale: {})",
+            detail.leader_id,
+            stale.leader_id
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let client = holdfast_client::Client::connect([c.endpoint(lone)])
         .await
         .unwrap();
