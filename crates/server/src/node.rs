@@ -1112,6 +1112,8 @@ async fn learn_members(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool
     let me = node.config.node_id;
     let mut tick = tokio::time::interval(DIRECTORY_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When this task's own last round that reached anyone ended.
+    let mut own_round = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -1133,14 +1135,15 @@ async fn learn_members(node: Arc<NodeShared>, mut shutdown: watch::Receiver<bool
             }
             continue;
         }
-        let fresh = node
-            .directory
-            .lock()
-            .expect("directory lock")
-            .refreshed
-            .is_some_and(|t| t.elapsed() < DIRECTORY_EVERY / 2);
-        if !fresh {
+        // The balancer's rounds come every DIRECTORY_EVERY too, at another phase: one of its rounds a
+        // little older than a period still counts, so the two do not both ask every member.
+        let refreshed = node.directory.lock().expect("directory lock").refreshed;
+        let by_balancer = refreshed.is_some_and(|t| {
+            Some(t) != own_round && t.elapsed() < DIRECTORY_EVERY + DIRECTORY_EVERY / 4
+        });
+        if !by_balancer {
             node.leaders_everywhere().await;
+            own_round = node.directory.lock().expect("directory lock").refreshed;
         }
     }
 }
