@@ -415,12 +415,11 @@ impl Group {
         let learned = self
             .learned_leader
             .load(std::sync::atomic::Ordering::Relaxed);
-        if learned == 0
-            || self
-                .membership_view()
-                .voters
-                .contains(&self.raft_metrics().id)
-        {
+        if learned == 0 {
+            return own;
+        }
+        let m = self.metrics_rx.borrow_watched();
+        if a_voter(m.id, &m.membership_config) {
             own
         } else {
             Some(learned)
