@@ -63,10 +63,6 @@ impl Timer {
         self.ttl_and_flags & TTL_BITS
     }
 
-    fn ttl(&self) -> Duration {
-        Duration::from_millis(u64::from(self.ttl_ms()))
-    }
-
     fn expiring(&self) -> bool {
         self.ttl_and_flags & EXPIRING != 0
     }
@@ -290,6 +286,16 @@ impl Leases {
         }
     }
 
+    /// [`Leases::span`] of a TTL in milliseconds, rounded up to whole milliseconds.
+    fn span_ms(&self, ttl_ms: u32) -> u32 {
+        if self.rate_ppm == 0 {
+            return ttl_ms;
+        }
+        let d = self.span(Duration::from_millis(u64::from(ttl_ms)));
+        let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
+        u32::try_from(ms).unwrap_or(u32::MAX)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("lease lock poisoned")
     }
@@ -377,6 +383,9 @@ impl Leases {
         // where it began). A wrong secret is rare; a second lookup per session for it was not.
         let start = out.len();
         s.now_ms(now); // moves the epoch if it must, before any deadline is taken from it
+                       // `now` rounded up, once per message; each renewal adds its TTL's span, also rounded up, so a
+                       // deadline is never earlier than the exact one, without a division per session.
+        let base = s.deadline_ms(now);
         let mut before: Vec<u32> = Vec::with_capacity(ids.len());
         for (i, &id) in ids.iter().enumerate() {
             let shown = split(secrets.get(i).copied().unwrap_or(0));
@@ -396,7 +405,7 @@ impl Leases {
                     // Never earlier: two keepalives may take the lock in the other order than they
                     // read the clock, and the heap entry must stay at or before the deadline.
                     before.push(t.deadline);
-                    let renewed = deadline_ms(s.epoch, now + self.span(t.ttl()));
+                    let renewed = base.saturating_add(self.span_ms(t.ttl_ms()));
                     t.deadline = t.deadline.max(renewed);
                     out.push(KeepAlive::Alive {
                         ttl_ms: u64::from(t.ttl_ms()),
@@ -597,6 +606,17 @@ mod tests {
         assert_eq!(
             slow.take_due(t0 + Duration::from_millis(10_527)),
             vec![SessionId(2)]
+        );
+        // A keepalive on the fast clock renews for the same 9.524 s.
+        fast.start_leading(2, [(SessionId(1), 10_000, 0)].into_iter(), Vec::new(), t0);
+        let renewed = t0 + Duration::from_secs(1);
+        assert!(alive(&fast, 1, renewed).is_some());
+        assert!(fast
+            .take_due(renewed + Duration::from_millis(9_523))
+            .is_empty());
+        assert_eq!(
+            fast.take_due(renewed + Duration::from_millis(9_524)),
+            vec![SessionId(1)]
         );
     }
 
