@@ -105,7 +105,11 @@ impl Due {
 
 /// `at` in milliseconds from `epoch`, rounded up (see [`State::deadline_ms`]).
 fn deadline_ms(epoch: Instant, at: Instant) -> u32 {
-    let d = at.saturating_duration_since(epoch);
+    ceil_ms(at.saturating_duration_since(epoch))
+}
+
+/// `d` in whole milliseconds, rounded up (`u32::MAX` past 49 days: later, never earlier).
+fn ceil_ms(d: Duration) -> u32 {
     let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
     u32::try_from(ms).unwrap_or(u32::MAX)
 }
@@ -292,9 +296,7 @@ impl Leases {
         if self.rate_ppm == 0 {
             return ttl_ms;
         }
-        let d = self.span(Duration::from_millis(u64::from(ttl_ms)));
-        let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
-        u32::try_from(ms).unwrap_or(u32::MAX)
+        ceil_ms(self.span(Duration::from_millis(u64::from(ttl_ms))))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
