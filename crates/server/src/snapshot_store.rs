@@ -39,6 +39,8 @@ pub struct SnapshotFile {
     /// Of everything written so far (the file's trailing checksum).
     crc: crc32fast::Hasher,
     len: u64,
+    /// Written back as it goes, so the final sync is small and WAL syncs do not queue behind it.
+    behind: fs::WriteBehind,
 }
 
 impl SnapshotFile {
@@ -46,7 +48,13 @@ impl SnapshotFile {
     pub fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.crc.update(bytes);
         self.len += bytes.len() as u64;
-        self.file.write_all(bytes)
+        self.file.write_all(bytes)?;
+        if self.len >= self.behind.next_step() {
+            // What the buffer holds is not the kernel's yet: hand everything over first.
+            self.file.flush()?;
+            self.behind.written(self.file.get_ref(), self.len)?;
+        }
+        Ok(())
     }
 
     /// Appends the checksum, syncs the file, has `verify` read it (still under its temporary name),
@@ -64,6 +72,7 @@ impl SnapshotFile {
             path,
             crc,
             len,
+            behind: _,
         } = self;
         let written = (|| {
             let mut file = file.into_inner().map_err(|e| e.into_error())?;
@@ -166,7 +175,13 @@ impl SnapshotStore {
         holdfast_wal::failpoint::hit_then("snapshot.write", || {
             let _ = file.write_all(&bytes[..bytes.len() / 2]);
         })?;
-        file.write_all(bytes)?;
+        let mut behind = fs::WriteBehind::default();
+        let mut written = 0;
+        for piece in bytes.chunks(fs::WriteBehind::STEP as usize) {
+            file.write_all(piece)?;
+            written += piece.len() as u64;
+            behind.written(&file, written)?;
+        }
         file.sync_all()?;
         self.install(&tmp, &path)
     }
@@ -199,6 +214,7 @@ impl SnapshotStore {
             path,
             crc: crc32fast::Hasher::new(),
             len: 0,
+            behind: fs::WriteBehind::default(),
         };
         let started = holdfast_wal::failpoint::hit_then("snapshot.write", || {
             let _ = file.file.write_all(&header[..header.len() / 2]);
