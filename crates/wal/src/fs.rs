@@ -63,6 +63,8 @@ impl WriteBehind {
 
 /// `sync_file_range`: starts write-back of the range, and with `wait`, waits for any write-back of it in
 /// progress before and until it is written after. No durability promise (that is what `fsync` is for).
+/// Its errors are returned, not ignored as a hint's might be: waiting reports (and so consumes) a
+/// write-back error of the file, which the final `fsync` would then no longer see.
 #[cfg(all(not(holdfast_sim), target_os = "linux"))]
 #[allow(
     unsafe_code,
