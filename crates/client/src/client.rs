@@ -44,6 +44,11 @@ pub struct ClientOptions {
     /// retry after a broken connection may then find its acquire abandoned and fail with
     /// `Error::Abandoned`); the simulation uses it on some hosts so both paths run under faults.
     pub client_cancels: bool,
+    /// Send acquires and releases as messages on one `Calls` stream per server (the default), instead
+    /// of a unary call each: less HTTP/2 work per call on both sides (docs/performance.md, "One stream
+    /// for calls"). Both mean the same; a server without the stream gets unary calls anyway. `false`
+    /// is for comparing the two.
+    pub call_streams: bool,
     /// Connect over TLS (see [`crate::ClientTls`]). None, the default: plaintext.
     pub tls: Option<crate::ClientTls>,
     /// A bearer token sent with every request (`authorization: Bearer TOKEN`): the principal the
@@ -62,6 +67,7 @@ impl std::fmt::Debug for ClientOptions {
             .field("nonce_seed", &self.nonce_seed.map(|_| "<set>"))
             .field("discover", &self.discover)
             .field("client_cancels", &self.client_cancels)
+            .field("call_streams", &self.call_streams)
             .field("tls", &self.tls)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .finish()
@@ -78,6 +84,7 @@ impl Default for ClientOptions {
             nonce_seed: None,
             discover: true,
             client_cancels: true,
+            call_streams: true,
             tls: None,
             token: None,
         }
@@ -166,12 +173,49 @@ impl tonic::service::Interceptor for Auth {
     }
 }
 
+/// Where one attempt of an acquire or release goes: the server's `Calls` stream if this client uses
+/// them ([`ClientOptions::call_streams`]), else a unary call.
+pub(crate) struct Via {
+    pub(crate) rpc: Rpc,
+    calls: Option<Arc<crate::calls::Calls>>,
+}
+
+impl Via {
+    pub(crate) async fn acquire(
+        self,
+        req: pb::AcquireRequest,
+    ) -> Result<tonic::Response<pb::AcquireResponse>, tonic::Status> {
+        match self.calls {
+            Some(calls) => calls.acquire(self.rpc, req).await,
+            None => {
+                let mut rpc = self.rpc;
+                rpc.acquire(req).await
+            }
+        }
+    }
+
+    pub(crate) async fn release(
+        self,
+        req: pb::ReleaseRequest,
+    ) -> Result<tonic::Response<pb::ReleaseResponse>, tonic::Status> {
+        match self.calls {
+            Some(calls) => calls.release(self.rpc, req).await,
+            None => {
+                let mut rpc = self.rpc;
+                rpc.release(req).await
+            }
+        }
+    }
+}
+
 /// A gRPC client on one server's channel, with this client's credentials.
 pub(crate) type Rpc = HoldfastClient<tonic::codegen::InterceptedService<Channel, Auth>>;
 
 struct Server {
     endpoint: String,
     channel: Channel,
+    /// Acquires and releases to this server go on one stream ([`crate::calls`]).
+    calls: Arc<crate::calls::Calls>,
     /// When a call to it last failed without an answer from it (unreachable, reset, timed out): a
     /// redirect to it soon after is not followed (see [`Client::redirect_target`]).
     failed: Mutex<Option<Instant>>,
@@ -184,6 +228,7 @@ impl Server {
         Server {
             endpoint: endpoint.to_string(),
             channel,
+            calls: Default::default(),
             failed: Mutex::new(None),
             marked: false.into(),
         }
@@ -512,15 +557,49 @@ impl Client {
         F: Fn(Rpc) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
+        self.call_via_until(group, deadline, extra, |via| f(via.rpc))
+            .await
+    }
+
+    /// [`Client::call`] for acquires and releases, which may go on the server's `Calls` stream
+    /// ([`Via`]).
+    pub(crate) async fn call_via<T, F, Fut>(
+        &self,
+        group: u32,
+        extra: Duration,
+        f: F,
+    ) -> Result<T, Error>
+    where
+        F: Fn(Via) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let deadline = Instant::now() + self.inner.options.request_timeout + extra;
+        self.call_via_until(group, deadline, extra, f).await
+    }
+
+    async fn call_via_until<T, F, Fut>(
+        &self,
+        group: u32,
+        deadline: Instant,
+        extra: Duration,
+        f: F,
+    ) -> Result<T, Error>
+    where
+        F: Fn(Via) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
         let inner = &self.inner;
         let mut target = self.leader_of(group);
         let mut backoff = Duration::from_millis(20);
         let mut redirects = 0;
         loop {
-            let client = self.rpc(target);
+            let via = Via {
+                rpc: self.rpc(target),
+                calls: inner.options.call_streams.then(|| self.calls(target)),
+            };
             let limit = (inner.options.attempt_timeout + extra)
                 .min(deadline.saturating_duration_since(Instant::now()));
-            let attempt = tokio::time::timeout(limit, f(client)).await;
+            let attempt = tokio::time::timeout(limit, f(via)).await;
             if let Ok(Err(status)) = &attempt {
                 if answered_by_a_server(status) {
                     self.mark_answered(target);
@@ -587,6 +666,12 @@ impl Client {
     /// A gRPC client to server `index` that sends this client's credentials.
     pub(crate) fn rpc(&self, index: usize) -> Rpc {
         HoldfastClient::with_interceptor(self.channel(index), self.inner.auth.clone())
+    }
+
+    fn calls(&self, index: usize) -> Arc<crate::calls::Calls> {
+        self.inner.servers.read().expect("servers lock")[index]
+            .calls
+            .clone()
     }
 
     pub(crate) fn channel(&self, index: usize) -> Channel {

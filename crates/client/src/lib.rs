@@ -20,6 +20,7 @@
 //! request id otherwise) that the server deduplicates, so a retried acquire never creates a second grant
 //! or waiter and a retried release never releases someone else's lock.
 
+mod calls;
 pub mod client;
 pub mod election;
 pub mod error;

@@ -660,7 +660,7 @@ impl Session {
         let r = self
             .inner
             .client
-            .call(group, wait, |mut c| {
+            .call_via(group, wait, |c| {
                 // A retry waits only for what is left of the caller's wait; the server's dedup keeps its
                 // place in the queue.
                 let left = wait_ms.saturating_sub(started.elapsed().as_millis() as u64);
@@ -745,7 +745,7 @@ impl Session {
         let n = name.to_string();
         self.inner
             .client
-            .call(group, Duration::ZERO, |mut c| {
+            .call_via(group, Duration::ZERO, |c| {
                 let req = pb::ReleaseRequest {
                     group,
                     session_id,

@@ -81,6 +81,10 @@ pub struct ServerConfig {
     /// a test can check that leaders fall back to one AppendEntries call at a time. Hidden flag only.
     #[serde(skip)]
     pub compat_no_append_stream: bool,
+    /// Compatibility test hook: answer `Calls` UNIMPLEMENTED, as a server older than it does, so a test
+    /// can check that clients fall back to unary acquires and releases. Hidden flag only.
+    #[serde(skip)]
+    pub compat_no_call_streams: bool,
     /// Test hook: answer as a server older than `Command::ExpireSessions` (report no features, and
     /// expire one session an entry). Hidden flag only.
     #[serde(skip)]
@@ -167,6 +171,7 @@ impl Default for ServerConfig {
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
             compat_no_append_stream: false,
+            compat_no_call_streams: false,
             compat_no_expire_sessions: false,
             wal_segment_bytes: None,
             audit_log: false,

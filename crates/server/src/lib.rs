@@ -23,6 +23,7 @@
 pub mod abandon;
 pub mod access;
 pub mod backup;
+pub mod calls;
 pub mod config;
 pub mod errors;
 pub mod formats;

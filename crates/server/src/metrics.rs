@@ -45,6 +45,7 @@ pub struct ServerMetrics {
     pub keepalive_messages: Counter,
     /// `KeepAliveStream` calls in progress.
     pub keepalive_streams: Arc<AtomicU64>,
+    pub call_streams: Arc<AtomicU64>,
     /// Client connections closed at accept because `max_client_connections` were open.
     pub client_connections_refused: Arc<AtomicU64>,
     /// Peer connections closed at accept because [`crate::node::MAX_PEER_CONNECTIONS`] were open.
@@ -69,6 +70,7 @@ impl Default for ServerMetrics {
             keepalives: Counter::default(),
             keepalive_messages: Counter::default(),
             keepalive_streams: Default::default(),
+            call_streams: Default::default(),
             client_connections_refused: Default::default(),
             peer_connections_refused: Default::default(),
             http_connections_refused: Counter::default(),
@@ -237,6 +239,12 @@ impl Collector for NodeCollector {
             "holdfast_keepalive_streams",
             "KeepAliveStream calls in progress (at most max_streams_per_connection per connection).",
             one(m.keepalive_streams.load(Relaxed)),
+        )?;
+        gauges(
+            &mut e,
+            "holdfast_call_streams",
+            "Calls streams (acquires and releases on one stream) open now.",
+            one(m.call_streams.load(Relaxed)),
         )?;
         gauges(
             &mut e,

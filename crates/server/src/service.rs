@@ -67,7 +67,7 @@ const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 impl ClientService {
     /// What the access policy says about this request (everything is allowed without one).
-    fn allow<T>(&self, r: &Request<T>, need: Need<'_>) -> Result<(), Status> {
+    pub(crate) fn allow<T>(&self, r: &Request<T>, need: Need<'_>) -> Result<(), Status> {
         match &self.node.access {
             None => Ok(()),
             Some(access) => access.check(r, need),
@@ -790,6 +790,15 @@ impl Holdfast for ClientService {
             Outcome::Refused(r) => Err(refusal(r, session.0, name.as_str())),
             other => Err(unexpected(other)),
         }
+    }
+
+    type CallsStream = crate::calls::CallReplies;
+
+    async fn calls(
+        &self,
+        r: Request<tonic::Streaming<pb::CallRequest>>,
+    ) -> Result<Response<Self::CallsStream>, Status> {
+        self.open_calls(r).map(Response::new)
     }
 
     async fn describe(

@@ -28,6 +28,10 @@ pub struct BenchArgs {
     /// Print the result as one JSON object.
     #[arg(long, global = true)]
     json: bool,
+    /// Send every acquire and release as a unary call instead of on the client's `Calls` stream to
+    /// each server (the default), to compare the two.
+    #[arg(long, global = true)]
+    unary_calls: bool,
     #[command(flatten)]
     tls: super::TlsArgs,
 }
@@ -95,6 +99,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let base = ClientOptions {
         tls: args.tls.client_tls()?,
         token: args.tls.auth_token.clone(),
+        call_streams: !args.unary_calls,
         ..ClientOptions::default()
     };
     match args.mode {

@@ -76,6 +76,9 @@ pub struct ServerArgs {
     /// Test hook: answer AppendStream as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_append_stream: bool,
+    /// Test hook: answer Calls as a server older than it (UNIMPLEMENTED).
+    #[arg(long, hide = true)]
+    compat_no_call_streams: bool,
     /// Test hook: answer as a server older than batched expiries (report no features, expire one
     /// session an entry).
     #[arg(long, hide = true)]
@@ -184,6 +187,9 @@ impl ServerArgs {
         }
         if self.compat_no_append_stream {
             c.compat_no_append_stream = true;
+        }
+        if self.compat_no_call_streams {
+            c.compat_no_call_streams = true;
         }
         if self.compat_no_expire_sessions {
             c.compat_no_expire_sessions = true;

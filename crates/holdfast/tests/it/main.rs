@@ -7,6 +7,7 @@ mod abandon;
 mod access;
 mod backup;
 mod bad_input;
+mod calls;
 mod cli;
 mod client;
 mod cluster;

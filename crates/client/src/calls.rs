@@ -1,0 +1,292 @@
+//! The client's side of the `Calls` stream: acquires and releases sent to one server as messages on
+//! one long-lived gRPC stream, instead of a unary call (a new HTTP/2 request) each.
+//!
+//! One stream per server, shared by every session of the client, opened at the first acquire or
+//! release sent there and reopened at the next one after it ends. A call on it means what the unary
+//! call means, and fails the same way: a reply carries the status the unary call would have returned,
+//! and a stream that breaks fails every call in flight on it with the transport's error (no Holdfast
+//! detail), so [`crate::Client`]'s retries treat it as an unreachable server and retry with the same
+//! request id. A call whose caller gives up (a timeout, a dropped future) is cancelled on the stream,
+//! which on the server is a unary call going away. A server older than the stream answers
+//! UNIMPLEMENTED; the client then uses unary calls to it from then on. So does a call past
+//! [`MAX_IN_FLIGHT`] calls in flight on one stream (the server's limit).
+
+use crate::client::Rpc;
+use holdfast_proto::v1 as pb;
+use pb::call_reply::Reply;
+use pb::call_request::Call;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, oneshot};
+
+/// The server's `max_calls_per_stream`: a call beyond this many in flight goes as a unary call.
+pub(crate) const MAX_IN_FLIGHT: usize = 1024;
+
+type Pending = BTreeMap<u64, oneshot::Sender<Result<Reply, tonic::Status>>>;
+
+/// The `Calls` stream to one server, if open.
+#[derive(Default)]
+pub(crate) struct Calls {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Closed,
+    Open(Arc<Stream>),
+    /// The server answered UNIMPLEMENTED: unary calls only.
+    Unsupported,
+}
+
+struct Stream {
+    tx: mpsc::UnboundedSender<pb::CallRequest>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// The calls awaiting a reply; `None` once the stream ended (a call then opens a new one).
+    pending: Mutex<Option<Pending>>,
+    next_id: AtomicU64,
+    /// The server answered the stream's opening: it serves `Calls`.
+    confirmed: AtomicBool,
+}
+
+/// A call sent and not answered yet: dropped before its reply, it cancels the call on the stream.
+struct InFlight<'a> {
+    stream: &'a Stream,
+    id: u64,
+    answered: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let was_pending = self
+            .stream
+            .shared
+            .pending
+            .lock()
+            .expect("calls lock")
+            .as_mut()
+            .is_some_and(|p| p.remove(&self.id).is_some());
+        if was_pending {
+            // Unbounded, so a cancel is never lost to a full queue: the in-flight limit bounds it.
+            let _ = self.stream.tx.send(pb::CallRequest {
+                id: self.id,
+                call: Some(Call::Cancel(pb::CallCancel {})),
+            });
+        }
+    }
+}
+
+impl Calls {
+    /// An acquire on the stream (or unary, see the module docs).
+    pub(crate) async fn acquire(
+        &self,
+        rpc: Rpc,
+        req: pb::AcquireRequest,
+    ) -> Result<tonic::Response<pb::AcquireResponse>, tonic::Status> {
+        match self.call(&rpc, Call::Acquire(req)).await {
+            Ok(Reply::Acquire(r)) => Ok(tonic::Response::new(r)),
+            Ok(_) => Err(mismatched()),
+            Err(Fallback::Unary(Call::Acquire(req))) => rpc.clone().acquire(req).await,
+            Err(Fallback::Unary(_)) => unreachable!("the call given back is the one sent"),
+            Err(Fallback::Failed(status)) => Err(status),
+        }
+    }
+
+    /// A release on the stream (or unary, see the module docs).
+    pub(crate) async fn release(
+        &self,
+        rpc: Rpc,
+        req: pb::ReleaseRequest,
+    ) -> Result<tonic::Response<pb::ReleaseResponse>, tonic::Status> {
+        match self.call(&rpc, Call::Release(req)).await {
+            Ok(Reply::Release(r)) => Ok(tonic::Response::new(r)),
+            Ok(_) => Err(mismatched()),
+            Err(Fallback::Unary(Call::Release(req))) => rpc.clone().release(req).await,
+            Err(Fallback::Unary(_)) => unreachable!("the call given back is the one sent"),
+            Err(Fallback::Failed(status)) => Err(status),
+        }
+    }
+
+    /// Sends `call` on the stream and waits for its reply, or gives it back to be sent unary.
+    async fn call(&self, rpc: &Rpc, call: Call) -> Result<Reply, Fallback> {
+        // At most two streams: one found ended when used is replaced once.
+        let mut call = Some(call);
+        for _ in 0..2 {
+            let Some(stream) = self.stream(rpc) else {
+                return Err(Fallback::Unary(call.take().expect("call")));
+            };
+            let id = stream.shared.next_id.fetch_add(1, Relaxed);
+            let rx = {
+                let mut pending = stream.shared.pending.lock().expect("calls lock");
+                match pending.as_mut() {
+                    None => {
+                        drop(pending);
+                        self.ended(&stream);
+                        continue;
+                    }
+                    Some(p) if p.len() >= MAX_IN_FLIGHT => {
+                        return Err(Fallback::Unary(call.take().expect("call")))
+                    }
+                    Some(p) => {
+                        let (tx, rx) = oneshot::channel();
+                        p.insert(id, tx);
+                        rx
+                    }
+                }
+            };
+            // Until the server has shown it serves the stream, keep a copy to resend unary.
+            let copy =
+                (!stream.shared.confirmed.load(Relaxed)).then(|| call.clone().expect("call"));
+            let mut in_flight = InFlight {
+                stream: &stream,
+                id,
+                answered: false,
+            };
+            let sent = stream.tx.send(pb::CallRequest {
+                id,
+                call: call.take(),
+            });
+            if let Err(mpsc::error::SendError(m)) = sent {
+                // The stream's request side is gone (its call ended): nothing was sent.
+                in_flight.answered = true;
+                if let Some(p) = stream.shared.pending.lock().expect("calls lock").as_mut() {
+                    p.remove(&id);
+                }
+                self.ended(&stream);
+                call = m.call;
+                continue;
+            }
+            let reply = rx.await;
+            in_flight.answered = true;
+            return match reply {
+                Ok(Ok(reply)) => Ok(reply),
+                // The server does not serve the stream (it did nothing with the call): unary from now on.
+                Ok(Err(status))
+                    if status.code() == tonic::Code::Unimplemented
+                        && status.details().is_empty()
+                        && copy.is_some() =>
+                {
+                    self.unsupported();
+                    Err(Fallback::Unary(copy.expect("checked")))
+                }
+                Ok(Err(status)) => Err(Fallback::Failed(status)),
+                Err(_) => Err(Fallback::Failed(tonic::Status::unavailable(
+                    "the Calls stream ended without answering the call",
+                ))),
+            };
+        }
+        Err(Fallback::Failed(tonic::Status::unavailable(
+            "the Calls stream to this server ended twice in a row",
+        )))
+    }
+
+    /// The open stream, opening one if there is none; `None` if the server has none to offer.
+    fn stream(&self, rpc: &Rpc) -> Option<Arc<Stream>> {
+        let mut state = self.state.lock().expect("calls lock");
+        match &*state {
+            State::Open(s) => Some(s.clone()),
+            State::Unsupported => None,
+            State::Closed => {
+                let s = Arc::new(open(rpc.clone()));
+                *state = State::Open(s.clone());
+                Some(s)
+            }
+        }
+    }
+
+    /// Forgets `stream` if it is still the open one, so the next call opens another.
+    fn ended(&self, stream: &Arc<Stream>) {
+        let mut state = self.state.lock().expect("calls lock");
+        if matches!(&*state, State::Open(s) if Arc::ptr_eq(s, stream)) {
+            *state = State::Closed;
+        }
+    }
+
+    fn unsupported(&self) {
+        *self.state.lock().expect("calls lock") = State::Unsupported;
+    }
+}
+
+enum Fallback {
+    /// Not sent on a stream: send it as a unary call.
+    Unary(Call),
+    Failed(tonic::Status),
+}
+
+fn mismatched() -> tonic::Status {
+    tonic::Status::internal(
+        "the server answered a call on the Calls stream with another call's reply",
+    )
+}
+
+/// Opens a `Calls` stream: the request side is fed from the returned sender; a task reads the replies
+/// and hands each to its caller, and when the stream ends fails every call still in flight.
+fn open(rpc: Rpc) -> Stream {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        pending: Mutex::new(Some(BTreeMap::new())),
+        next_id: AtomicU64::new(1),
+        confirmed: AtomicBool::new(false),
+    });
+    let reader = shared.clone();
+    tokio::spawn(async move {
+        let mut rpc = rpc;
+        let end = match rpc
+            .calls(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+        {
+            Err(status) => status,
+            Ok(replies) => {
+                reader.confirmed.store(true, Relaxed);
+                let mut replies = replies.into_inner();
+                loop {
+                    match replies.message().await {
+                        Ok(Some(reply)) => {
+                            let waiter = reader
+                                .pending
+                                .lock()
+                                .expect("calls lock")
+                                .as_mut()
+                                .and_then(|p| p.remove(&reply.id));
+                            // No waiter: the call was cancelled meanwhile.
+                            if let Some(waiter) = waiter {
+                                let _ = waiter.send(answer(reply.reply));
+                            }
+                        }
+                        Ok(None) => {
+                            break tonic::Status::unavailable("the server ended the Calls stream")
+                        }
+                        Err(status) => break status,
+                    }
+                }
+            }
+        };
+        let pending = reader.pending.lock().expect("calls lock").take();
+        for (_, waiter) in pending.into_iter().flatten() {
+            let _ = waiter.send(Err(end.clone()));
+        }
+    });
+    Stream { tx, shared }
+}
+
+/// A reply as the unary call's result.
+fn answer(reply: Option<Reply>) -> Result<Reply, tonic::Status> {
+    match reply {
+        Some(Reply::Error(e)) => Err(tonic::Status::with_details(
+            tonic::Code::from(e.code),
+            e.message,
+            e.details.into(),
+        )),
+        Some(reply) => Ok(reply),
+        None => Err(tonic::Status::internal(
+            "an empty reply on the Calls stream",
+        )),
+    }
+}

@@ -1,0 +1,279 @@
+//! The `Calls` stream from outside, with a raw gRPC client: a call on it means what the unary call
+//! means (replies in the order calls finish, errors as the unary status), a cancel or the stream's end
+//! is a call going away (the server abandons the wait), and bad or excess calls are refused alone.
+
+use crate::client::until;
+use crate::harness::{Cluster, Options};
+use holdfast_proto::v1 as pb;
+use pb::call_reply::Reply;
+use pb::call_request::Call;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tonic::codegen::tokio_stream::wrappers::UnboundedReceiverStream;
+
+fn three() -> Options {
+    Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    }
+}
+
+struct RawStream {
+    tx: mpsc::UnboundedSender<pb::CallRequest>,
+    replies: tonic::Streaming<pb::CallReply>,
+}
+
+impl RawStream {
+    async fn open(
+        raw: &mut pb::holdfast_client::HoldfastClient<tonic::transport::Channel>,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let replies = raw
+            .calls(UnboundedReceiverStream::new(rx))
+            .await
+            .expect("the leader serves Calls")
+            .into_inner();
+        RawStream { tx, replies }
+    }
+
+    fn send(&self, id: u64, call: Option<Call>) {
+        self.tx.send(pb::CallRequest { id, call }).unwrap();
+    }
+
+    async fn next(&mut self) -> pb::CallReply {
+        tokio::time::timeout(Duration::from_secs(10), self.replies.message())
+            .await
+            .expect("a reply within 10 s")
+            .expect("the stream is healthy")
+            .expect("the stream is open")
+    }
+}
+
+fn acquire(session: u64, secret: &[u8], request_id: u64, name: &str, wait_ms: u64) -> Call {
+    Call::Acquire(pb::AcquireRequest {
+        group: 0,
+        session_id: session,
+        request_id,
+        name: name.into(),
+        wait_timeout_ms: wait_ms,
+        value: vec![],
+        client_cancels: false,
+        session_secret: secret.to_vec(),
+        lock_delay_ms: 0,
+        shared: false,
+        permits: 0,
+    })
+}
+
+fn release(session: u64, secret: &[u8], request_id: u64, name: &str, token: u64) -> Call {
+    Call::Release(pb::ReleaseRequest {
+        group: 0,
+        session_id: session,
+        request_id,
+        name: name.into(),
+        token,
+        session_secret: secret.to_vec(),
+    })
+}
+
+/// The error a reply carries, with its reason.
+fn error(reply: &pb::CallReply) -> (i32, pb::Reason) {
+    use prost::Message;
+    match &reply.reply {
+        Some(Reply::Error(e)) => {
+            let detail = pb::ErrorDetail::decode(e.details.as_slice()).expect("an ErrorDetail");
+            (e.code, pb::Reason::try_from(detail.reason).unwrap())
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+async fn raw_session(
+    raw: &mut pb::holdfast_client::HoldfastClient<tonic::transport::Channel>,
+    nonce: u64,
+) -> (u64, Vec<u8>) {
+    let opened = raw
+        .open_session(pb::OpenSessionRequest {
+            group: 0,
+            ttl_ms: 120_000,
+            nonce_hi: nonce,
+            nonce_lo: nonce,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (opened.session_id, opened.session_secret)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_a_stream_answer_as_unary_calls_and_a_cancel_abandons_a_wait() {
+    let c = Cluster::start(three()).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let a = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let held = a.try_acquire("y").await.unwrap();
+    let mut raw = c.raw(leader).await;
+    let (b, secret) = raw_session(&mut raw, 11).await;
+    let mut s = RawStream::open(&mut raw).await;
+
+    // A grant, then a wait that stays in flight while a later call is answered first.
+    s.send(1, Some(acquire(b, &secret, 1, "x", 0)));
+    let first = s.next().await;
+    assert_eq!(first.id, 1);
+    let Some(Reply::Acquire(granted)) = first.reply else {
+        panic!("expected a grant: {first:?}")
+    };
+    assert!(granted.token > 0);
+    s.send(2, Some(acquire(b, &secret, 2, "y", 60_000)));
+    until(&client, "y", "waited for by B", |l| {
+        l.is_some_and(|l| l.waiters.len() == 1)
+    })
+    .await;
+    s.send(3, Some(release(b, &secret, 3, "x", granted.token)));
+    let third = s.next().await;
+    assert_eq!(
+        third.id, 3,
+        "the release is answered while the wait goes on"
+    );
+    assert!(matches!(third.reply, Some(Reply::Release(_))), "{third:?}");
+    until(&client, "x", "released", |l| l.is_none()).await;
+
+    // Errors come back as the unary call's status, one call at a time.
+    s.send(4, Some(release(b, &secret, 4, "x", granted.token)));
+    let (code, reason) = error(&s.next().await);
+    assert_eq!(code, tonic::Code::FailedPrecondition as i32);
+    assert_eq!(reason, pb::Reason::NotHolder);
+    s.send(5, None);
+    let reply = s.next().await;
+    assert_eq!(reply.id, 5);
+    assert_eq!(error(&reply).1, pb::Reason::InvalidArgument);
+    s.send(2, Some(acquire(b, &secret, 6, "z", 0)));
+    let reply = s.next().await;
+    assert_eq!(
+        reply.id, 2,
+        "a second call under an id in flight is refused"
+    );
+    assert_eq!(error(&reply).1, pb::Reason::InvalidArgument);
+    until(&client, "z", "left alone by the refused call", |l| {
+        l.is_none()
+    })
+    .await;
+
+    // Cancelling the wait is its call going away: the server abandons it, and it is never answered.
+    s.send(2, Some(Call::Cancel(pb::CallCancel {})));
+    until(&client, "y", "rid of the cancelled wait", |l| {
+        l.is_some_and(|l| l.waiters.is_empty())
+    })
+    .await;
+    let m = c.metrics(leader).await;
+    assert_eq!(
+        m.get("holdfast_acquires_abandoned_total{group=\"0\"}"),
+        Some(&1),
+        "{m:?}"
+    );
+    // This one and the client library's (A's acquire went on it).
+    assert_eq!(m.get("holdfast_call_streams"), Some(&2), "{m:?}");
+    s.send(7, Some(release(b, &secret, 7, "y", 1)));
+    let reply = s.next().await;
+    assert_eq!(reply.id, 7, "no reply for the cancelled call");
+    held.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_stream_that_ends_abandons_its_waits_and_caps_its_calls_in_flight() {
+    let c = Cluster::start(three()).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let a = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let mut raw = c.raw(leader).await;
+    // 64 sessions with 16 calls in flight each: no more than a session's dedup window.
+    let mut waiters = Vec::new();
+    for n in 0..64 {
+        waiters.push(raw_session(&mut raw, 100 + n).await);
+    }
+    let max = holdfast_server::calls::MAX_CALLS_PER_STREAM as u64;
+
+    // Fill the stream with waits: one per lock, each lock held by A.
+    let mut held = Vec::new();
+    for i in 0..max {
+        held.push(a.try_acquire(&format!("q/{i}")).await.unwrap());
+    }
+    let streams_before = c
+        .metrics(leader)
+        .await
+        .get("holdfast_call_streams")
+        .copied();
+    let mut s = RawStream::open(&mut raw).await;
+    for i in 0..max {
+        let (b, secret) = &waiters[(i % 64) as usize];
+        let name = format!("q/{i}");
+        s.send(i + 1, Some(acquire(*b, secret, i / 64 + 1, &name, 60_000)));
+    }
+    until(&client, &format!("q/{}", max - 1), "waited for", |l| {
+        l.is_some_and(|l| l.waiters.len() == 1)
+    })
+    .await;
+    let (b, secret) = &waiters[0];
+    s.send(max + 1, Some(acquire(*b, secret, 17, "free", 0)));
+    let reply = s.next().await;
+    assert_eq!(reply.id, max + 1, "{reply:?}");
+    let (code, reason) = error(&reply);
+    assert_eq!(code, tonic::Code::ResourceExhausted as i32);
+    assert_eq!(reason, pb::Reason::LimitExceeded);
+    until(&client, "free", "left alone by the refused call", |l| {
+        l.is_none()
+    })
+    .await;
+
+    // The client goes away: every wait in flight is abandoned by the server.
+    drop(s);
+    for i in [0, max / 2, max - 1] {
+        until(&client, &format!("q/{i}"), "rid of the wait", |l| {
+            l.is_some_and(|l| l.waiters.is_empty())
+        })
+        .await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = c.metrics(leader).await;
+        if m.get("holdfast_acquires_abandoned_total{group=\"0\"}") == Some(&max)
+            && m.get("holdfast_call_streams").copied() == streams_before
+        {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{m:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Against servers older than the stream (hidden flag `--compat-no-call-streams`: `Calls` answers
+/// UNIMPLEMENTED), the client sends its acquires and releases as unary calls, and nothing is lost or
+/// done twice on the way: the first acquire, sent on the stream before the client knew, is resent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_falls_back_to_unary_calls_against_servers_without_the_stream() {
+    let c = Cluster::start(Options {
+        server_args: vec!["--compat-no-call-streams".into()],
+        ..three()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let proposals = "holdfast_proposals_total{group=\"0\"}";
+    let before = c.metrics(leader).await[proposals];
+    let mut last = 0;
+    for i in 0..20 {
+        let g = s.acquire(&format!("old/{}", i % 3)).await.unwrap();
+        assert!(g.token() > last, "tokens increase");
+        last = g.token();
+        g.release().await.unwrap();
+    }
+    for i in 0..3 {
+        until(&client, &format!("old/{i}"), "free", |l| l.is_none()).await;
+    }
+    let m = c.metrics(leader).await;
+    assert_eq!(m.get("holdfast_call_streams"), Some(&0), "{m:?}");
+    // 20 acquires and 20 releases, each proposed once.
+    assert_eq!(m[proposals] - before, 40, "{m:?}");
+}

@@ -1,0 +1,235 @@
+//! The `Calls` stream: Acquire and Release calls multiplexed on one long-lived gRPC stream.
+//!
+//! Why: at 64 clients the leader spent a third of its time in the client connections' HTTP/2 work and a
+//! fifth in the request handlers' setup (docs/performance.md, "At 64 clients"), most of it paid once per
+//! unary call: headers encoded and decoded, an HTTP/2 stream opened and closed, a server task spawned.
+//! On a stream a call is one DATA frame each way.
+//!
+//! A call here *is* the unary call: each message becomes a `tonic::Request` carrying the stream's
+//! metadata and extensions (so the access policy and quotas see the same caller) and is handed to the
+//! same handler ([`ClientService::acquire`], [`ClientService::release`]). Its future runs inside this
+//! stream's task; dropping it is what a unary call going away is, so a `cancel` message, or the stream
+//! ending or breaking, abandons an acquire exactly as before (`server::abandon`). Replies go out in the
+//! order the calls finish.
+//!
+//! Limits: at most [`MAX_CALLS_PER_STREAM`] calls in flight on one stream (one more is refused at once
+//! and changes nothing); a message is at most `MAX_REQUEST_BYTES`, as a unary request.
+
+use crate::access::Need;
+use crate::errors::{invalid, limit};
+use crate::service::ClientService;
+use futures::stream::{FuturesUnordered, StreamExt};
+use holdfast_proto::v1 as pb;
+use holdfast_proto::v1::holdfast_server::Holdfast;
+use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tokio::sync::oneshot;
+use tokio_stream::Stream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Status, Streaming};
+
+/// Most calls in flight on one `Calls` stream. A client with more uses more streams or unary calls.
+pub const MAX_CALLS_PER_STREAM: usize = 1024;
+
+/// Inbound messages taken in one poll before the replies get a turn (then the task wakes itself).
+const INBOUND_PER_POLL: usize = 64;
+
+type Running =
+    Pin<Box<dyn Future<Output = (u64, Option<Result<pb::call_reply::Reply, Status>>)> + Send>>;
+
+/// The reply stream of one `Calls` RPC; it also drives the calls' futures.
+pub struct CallReplies {
+    service: ClientService,
+    /// None once the client ended its side (the calls in flight still finish and are answered).
+    inbound: Option<Streaming<pb::CallRequest>>,
+    metadata: MetadataMap,
+    extensions: tonic::codegen::http::Extensions,
+    running: FuturesUnordered<Running>,
+    /// The calls in flight: dropping one's sender drops its future (a cancel).
+    cancels: BTreeMap<u64, oneshot::Sender<()>>,
+    /// Replies decided without running anything (refusals).
+    ready: VecDeque<pb::CallReply>,
+    _open: Open,
+}
+
+/// Counts the streams open (the `holdfast_call_streams` gauge).
+struct Open(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn error_reply(id: u64, status: Status) -> pb::CallReply {
+    pb::CallReply {
+        id,
+        reply: Some(pb::call_reply::Reply::Error(pb::CallError {
+            code: status.code() as i32,
+            message: status.message().to_string(),
+            details: status.details().to_vec(),
+        })),
+    }
+}
+
+impl CallReplies {
+    pub fn new(service: ClientService, r: Request<Streaming<pb::CallRequest>>) -> CallReplies {
+        let streams = service.node.metrics.call_streams.clone();
+        streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Each call gets what the access policy reads of its caller (`access::Caller::of`): the bearer
+        // token and the TLS peer. Nothing else, so that a call without them allocates no maps.
+        let (all_metadata, all_extensions, inbound) = r.into_parts();
+        let mut metadata = MetadataMap::new();
+        if let Some(token) = all_metadata.get("authorization") {
+            metadata.insert("authorization", token.clone());
+        }
+        let mut extensions = tonic::codegen::http::Extensions::new();
+        if let Some(tls) = all_extensions.get::<holdfast_proto::tls::TlsConnectInfo>() {
+            extensions.insert(tls.clone());
+        }
+        CallReplies {
+            service,
+            inbound: Some(inbound),
+            metadata,
+            extensions,
+            running: FuturesUnordered::new(),
+            cancels: BTreeMap::new(),
+            ready: VecDeque::new(),
+            _open: Open(streams),
+        }
+    }
+
+    /// Starts, refuses or cancels the call one message carries.
+    fn take(&mut self, m: pb::CallRequest) {
+        let id = m.id;
+        let call = match m.call {
+            Some(pb::call_request::Call::Cancel(_)) => {
+                // Dropping the sender ends the call's future at its next poll; an id not in flight (it
+                // finished, or never was) is nothing to cancel.
+                self.cancels.remove(&id);
+                return;
+            }
+            None => {
+                self.ready.push_back(error_reply(
+                    id,
+                    invalid("a CallRequest must carry acquire, release or cancel"),
+                ));
+                return;
+            }
+            Some(call) => call,
+        };
+        if self.cancels.contains_key(&id) {
+            self.ready.push_back(error_reply(
+                id,
+                invalid(format!("call id {id} is already in flight on this stream")),
+            ));
+            return;
+        }
+        if self.cancels.len() >= MAX_CALLS_PER_STREAM {
+            self.ready.push_back(error_reply(
+                id,
+                limit(
+                    "max_calls_per_stream",
+                    MAX_CALLS_PER_STREAM as u64,
+                    format!(
+                        "{MAX_CALLS_PER_STREAM} calls are in flight on this stream already (max_calls_per_stream): wait for one, or open another stream"
+                    ),
+                ),
+            ));
+            return;
+        }
+        let (cancel, cancelled) = oneshot::channel::<()>();
+        self.cancels.insert(id, cancel);
+        let service = self.service.clone();
+        let (metadata, extensions) = (self.metadata.clone(), self.extensions.clone());
+        let reply = async move {
+            match call {
+                pb::call_request::Call::Acquire(r) => service
+                    .acquire(Request::from_parts(metadata, extensions, r))
+                    .await
+                    .map(|r| pb::call_reply::Reply::Acquire(r.into_inner())),
+                pb::call_request::Call::Release(r) => service
+                    .release(Request::from_parts(metadata, extensions, r))
+                    .await
+                    .map(|r| pb::call_reply::Reply::Release(r.into_inner())),
+                pb::call_request::Call::Cancel(_) => unreachable!("handled above"),
+            }
+        };
+        self.running.push(Box::pin(async move {
+            // Cancelled first: a call cancelled is never answered, even if its reply is ready too.
+            tokio::select! {
+                biased;
+                _ = cancelled => (id, None),
+                reply = reply => (id, Some(reply)),
+            }
+        }));
+    }
+}
+
+impl Stream for CallReplies {
+    type Item = Result<pb::CallReply, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let mut taken = 0;
+        while let Some(inbound) = this.inbound.as_mut() {
+            // Refusals wait in `ready`: a client that sends and does not read stops being read.
+            if taken == INBOUND_PER_POLL || this.ready.len() >= INBOUND_PER_POLL {
+                cx.waker().wake_by_ref();
+                break;
+            }
+            match Pin::new(inbound).poll_next(cx) {
+                Poll::Ready(Some(Ok(m))) => {
+                    taken += 1;
+                    this.take(m);
+                }
+                // The client ended its side: answer what is in flight, then end.
+                Poll::Ready(None) => this.inbound = None,
+                // A malformed message or a broken stream: end it (dropping the calls in flight, which
+                // is what a broken unary call is).
+                Poll::Ready(Some(Err(status))) => return Poll::Ready(Some(Err(status))),
+                Poll::Pending => break,
+            }
+        }
+        if let Some(reply) = this.ready.pop_front() {
+            return Poll::Ready(Some(Ok(reply)));
+        }
+        loop {
+            match this.running.poll_next_unpin(cx) {
+                Poll::Ready(Some((id, Some(reply)))) => {
+                    this.cancels.remove(&id);
+                    let reply = match reply {
+                        Ok(reply) => pb::CallReply {
+                            id,
+                            reply: Some(reply),
+                        },
+                        Err(status) => error_reply(id, status),
+                    };
+                    return Poll::Ready(Some(Ok(reply)));
+                }
+                // Cancelled: its id was removed when the cancel arrived.
+                Poll::Ready(Some((_, None))) => continue,
+                Poll::Ready(None) if this.inbound.is_none() => return Poll::Ready(None),
+                Poll::Ready(None) | Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+impl ClientService {
+    /// Opens a `Calls` stream (see the module docs).
+    pub fn open_calls(
+        &self,
+        r: Request<Streaming<pb::CallRequest>>,
+    ) -> Result<CallReplies, Status> {
+        if self.node.config.compat_no_call_streams {
+            return Err(Status::unimplemented(
+                "Calls is not served (--compat-no-call-streams)",
+            ));
+        }
+        self.allow(&r, Need::LockAny)?;
+        Ok(CallReplies::new(self.clone(), r))
+    }
+}
