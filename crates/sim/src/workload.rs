@@ -110,6 +110,9 @@ pub async fn client_host(
         // The first host lets the servers abandon its calls that go away too, as they do for every
         // client that does not say it cancels by itself.
         client_cancels: host != 0,
+        // The last host sends unary acquires and releases; the others use the Calls stream (the first
+        // with the servers in charge of abandoning what goes away on it).
+        call_streams: host != 2,
         ..ClientOptions::default()
     };
     let client = Client::connect_with(client_endpoints(), options).await?;
