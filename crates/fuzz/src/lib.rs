@@ -220,12 +220,20 @@ pub fn client_request(bytes: &[u8]) {
     let Some((&kind, body)) = bytes.split_first() else {
         return;
     };
-    let name = match kind % 4 {
+    let name = match kind % 5 {
         0 => pb::AcquireRequest::decode(body).map(|r| r.name).ok(),
         1 => pb::ReleaseRequest::decode(body).map(|r| r.name).ok(),
         2 => pb::DescribeRequest::decode(body).map(|r| r.name).ok(),
-        _ => pb::KeepAliveRequest::decode(body)
+        3 => pb::KeepAliveRequest::decode(body)
             .map(|_| String::new())
+            .ok(),
+        // A message of a `Calls` stream.
+        _ => pb::CallRequest::decode(body)
+            .map(|r| match r.call {
+                Some(pb::call_request::Call::Acquire(a)) => a.name,
+                Some(pb::call_request::Call::Release(r)) => r.name,
+                Some(pb::call_request::Call::Cancel(_)) | None => String::new(),
+            })
             .ok(),
     };
     if let Some(name) = name {

@@ -216,6 +216,15 @@ fn write_corpus() {
         "release",
         &[&[1u8][..], &rel.encode_to_vec()].concat(),
     );
+    let call = holdfast_proto::v1::CallRequest {
+        id: 1,
+        call: Some(holdfast_proto::v1::call_request::Call::Acquire(req.clone())),
+    };
+    write(
+        "client_request",
+        "calls",
+        &[&[4u8][..], &call.encode_to_vec()].concat(),
+    );
     let ka = holdfast_proto::v1::KeepAliveRequest {
         group: 0,
         session_ids: vec![1, 2, 3],

@@ -6,7 +6,7 @@
 //! On a stream a call is one DATA frame each way.
 //!
 //! A call here *is* the unary call: each message becomes a `tonic::Request` carrying the stream's
-//! metadata and extensions (so the access policy and quotas see the same caller) and is handed to the
+//! bearer token and TLS peer (so the access policy and quotas see the same caller) and is handed to the
 //! same handler ([`ClientService::acquire`], [`ClientService::release`]). Its future runs inside this
 //! stream's task; dropping it is what a unary call going away is, so a `cancel` message, or the stream
 //! ending or breaking, abandons an acquire exactly as before (`server::abandon`). Replies go out in the
