@@ -46,6 +46,10 @@ pub struct WorkloadArgs {
     /// duration), so a run with long faults still checks enough operations.
     #[arg(long, default_value_t = 0)]
     min_ops: usize,
+    /// Send acquires and releases as unary calls instead of on each server's `Calls` stream (the fault
+    /// tests run one process each way).
+    #[arg(long)]
+    unary_calls: bool,
     #[command(flatten)]
     conn: Conn,
 }
@@ -128,6 +132,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
         request_timeout: Duration::from_secs(5),
         tls: args.conn.tls.client_tls()?,
         token: args.conn.tls.auth_token.clone(),
+        call_streams: !args.unary_calls,
         ..ClientOptions::default()
     };
     let client = holdfast_client::Client::connect_with(args.conn.endpoint_list()?, options).await?;

@@ -90,6 +90,8 @@ async fn run(nemesis: Nemesis, seed: u64) {
             ])
             .arg("--history")
             .arg(work.join(format!("history-{p}.jsonl")))
+            // One process sends its acquires and releases on the Calls streams, the other unary.
+            .args((p == 1).then_some("--unary-calls"))
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
@@ -177,7 +179,10 @@ async fn run(nemesis: Nemesis, seed: u64) {
         }
     }
     for mut client in clients {
-        let out = tokio::time::timeout(Duration::from_secs(60), client.wait())
+        // A workload keeps going up to three times its duration (`--min-ops`), and a rolling restart
+        // ends long before the workload does: wait for that, and a minute more.
+        let limit = Duration::from_secs(secs * 3 + 60).saturating_sub(started.elapsed());
+        let out = tokio::time::timeout(limit, client.wait())
             .await
             .expect("workload ended")
             .unwrap();
