@@ -541,8 +541,7 @@ impl Client {
         F: Fn(Rpc) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let deadline = Instant::now() + self.inner.options.request_timeout + extra;
-        self.call_until(group, deadline, extra, f).await
+        self.call_via(group, extra, |via| f(via.rpc)).await
     }
 
     /// [`Client::call`] with an explicit overall deadline.

@@ -16,7 +16,7 @@ fn three() -> Options {
 }
 
 /// Opens a session in group 0 with a raw gRPC client (no keepalives: the TTL must outlive the test).
-async fn raw_session(
+pub(crate) async fn raw_session(
     raw: &mut holdfast_proto::v1::holdfast_client::HoldfastClient<tonic::transport::Channel>,
     ttl_ms: u64,
     nonce: u64,

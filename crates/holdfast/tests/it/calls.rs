@@ -2,6 +2,7 @@
 //! means (replies in the order calls finish, errors as the unary status), a cancel or the stream's end
 //! is a call going away (the server abandons the wait), and bad or excess calls are refused alone.
 
+use crate::abandon::raw_session;
 use crate::client::until;
 use crate::harness::{Cluster, Options};
 use holdfast_proto::v1 as pb;
@@ -89,23 +90,6 @@ fn error(reply: &pb::CallReply) -> (i32, pb::Reason) {
     }
 }
 
-async fn raw_session(
-    raw: &mut pb::holdfast_client::HoldfastClient<tonic::transport::Channel>,
-    nonce: u64,
-) -> (u64, Vec<u8>) {
-    let opened = raw
-        .open_session(pb::OpenSessionRequest {
-            group: 0,
-            ttl_ms: 120_000,
-            nonce_hi: nonce,
-            nonce_lo: nonce,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    (opened.session_id, opened.session_secret)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_on_a_stream_answer_as_unary_calls_and_a_cancel_abandons_a_wait() {
     let c = Cluster::start(three()).await;
@@ -114,7 +98,7 @@ async fn calls_on_a_stream_answer_as_unary_calls_and_a_cancel_abandons_a_wait() 
     let a = client.open_session(Duration::from_secs(10)).await.unwrap();
     let held = a.try_acquire("y").await.unwrap();
     let mut raw = c.raw(leader).await;
-    let (b, secret) = raw_session(&mut raw, 11).await;
+    let (b, secret) = raw_session(&mut raw, 120_000, 11).await;
     let mut s = RawStream::open(&mut raw).await;
 
     // A grant, then a wait that stays in flight while a later call is answered first.
@@ -190,7 +174,7 @@ async fn a_calls_stream_that_ends_abandons_its_waits_and_caps_its_calls_in_fligh
     // 64 sessions with 16 calls in flight each: no more than a session's dedup window.
     let mut waiters = Vec::new();
     for n in 0..64 {
-        waiters.push(raw_session(&mut raw, 100 + n).await);
+        waiters.push(raw_session(&mut raw, 120_000, 100 + n).await);
     }
     let max = holdfast_server::calls::MAX_CALLS_PER_STREAM as u64;
 
