@@ -322,12 +322,18 @@ async fn acquire_release(
     let ops = total.len();
     let per_sec = ops as f64 / elapsed.as_secs_f64();
     let q = |p: f64| total.value_at_quantile(p) as f64 / 1000.0;
+    let calls = if options.call_streams {
+        "stream"
+    } else {
+        "unary"
+    };
     if json {
         let us = |p: f64| ms(total.value_at_quantile(p) as f64);
         let out = serde_json::json!({
             "mode": "acquire-release",
             "clients": clients,
             "connections": connections,
+            "calls": calls,
             "names": names,
             "seconds": elapsed.as_secs_f64(),
             "ops": ops,
@@ -341,7 +347,7 @@ async fn acquire_release(
         println!("{out}");
     } else {
         println!(
-            "acquire+release: {clients} clients on {connections} connection(s), {names} names, {:.1} s",
+            "acquire+release: {clients} clients on {connections} connection(s), {calls} calls, {names} names, {:.1} s",
             elapsed.as_secs_f64()
         );
         println!(

@@ -238,38 +238,43 @@ async fn inspection_commands_print_tables_and_json() {
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
 }
 
+/// Both ways of sending acquires and releases: on the `Calls` streams (the default) and unary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_reports_json() {
     let c = Cluster::start(three()).await;
-    let out = c
-        .holdfast()
-        .args([
-            "bench",
-            "acquire-release",
-            "--clients",
-            "4",
-            "--connections",
-            "2",
-            "--duration",
-            "1s",
-            "--json",
-        ])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(v["ops"].as_u64().unwrap() > 0);
-    assert_eq!(v["errors"], 0);
-    assert_eq!(
-        (v["clients"].as_u64(), v["connections"].as_u64()),
-        (Some(4), Some(2))
-    );
-    assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+    for (flag, calls) in [(None, "stream"), (Some("--unary-calls"), "unary")] {
+        let out = c
+            .holdfast()
+            .args([
+                "bench",
+                "acquire-release",
+                "--clients",
+                "4",
+                "--connections",
+                "2",
+                "--duration",
+                "1s",
+                "--json",
+            ])
+            .args(flag)
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["ops"].as_u64().unwrap() > 0);
+        assert_eq!(v["errors"], 0);
+        assert_eq!(
+            (v["clients"].as_u64(), v["connections"].as_u64()),
+            (Some(4), Some(2))
+        );
+        assert_eq!(v["calls"], calls);
+        assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+    }
 }
 
 /// `--clients 1,3` measures each count in turn (one JSON line each) and `--plot` draws them; a hold's
