@@ -26,18 +26,16 @@ pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 type Pending = BTreeMap<u64, oneshot::Sender<Result<Reply, tonic::Status>>>;
 
 /// The `Calls` stream to one server, if open.
-#[derive(Default)]
 pub(crate) struct Calls {
     state: Mutex<State>,
 }
 
-#[derive(Default)]
 enum State {
-    #[default]
     Closed,
     Open(Arc<Stream>),
-    /// The server answered UNIMPLEMENTED: unary calls only.
-    Unsupported,
+    /// Unary calls only: the server answered UNIMPLEMENTED, or this client does not use the stream
+    /// ([`crate::ClientOptions::call_streams`]).
+    Unary,
 }
 
 struct Stream {
@@ -84,6 +82,13 @@ impl Drop for InFlight<'_> {
 }
 
 impl Calls {
+    /// `streams`: use the stream (else every call is unary).
+    pub(crate) fn new(streams: bool) -> Calls {
+        Calls {
+            state: Mutex::new(if streams { State::Closed } else { State::Unary }),
+        }
+    }
+
     /// An acquire on the stream (or unary, see the module docs).
     pub(crate) async fn acquire(
         &self,
@@ -192,7 +197,7 @@ impl Calls {
         let mut state = self.state.lock().expect("calls lock");
         match &*state {
             State::Open(s) => Some(s.clone()),
-            State::Unsupported => None,
+            State::Unary => None,
             State::Closed => {
                 let s = Arc::new(open(rpc.clone()));
                 *state = State::Open(s.clone());
@@ -210,7 +215,7 @@ impl Calls {
     }
 
     fn unsupported(&self) {
-        *self.state.lock().expect("calls lock") = State::Unsupported;
+        *self.state.lock().expect("calls lock") = State::Unary;
     }
 }
 

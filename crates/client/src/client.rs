@@ -173,11 +173,11 @@ impl tonic::service::Interceptor for Auth {
     }
 }
 
-/// Where one attempt of an acquire or release goes: the server's `Calls` stream if this client uses
-/// them ([`ClientOptions::call_streams`]), else a unary call.
+/// Where one attempt of an acquire or release goes: the server's `Calls` stream, or a unary call when
+/// the client does not use the stream or the server does not serve it ([`crate::calls`]).
 pub(crate) struct Via {
     pub(crate) rpc: Rpc,
-    calls: Option<Arc<crate::calls::Calls>>,
+    calls: Arc<crate::calls::Calls>,
 }
 
 impl Via {
@@ -185,26 +185,14 @@ impl Via {
         self,
         req: pb::AcquireRequest,
     ) -> Result<tonic::Response<pb::AcquireResponse>, tonic::Status> {
-        match self.calls {
-            Some(calls) => calls.acquire(self.rpc, req).await,
-            None => {
-                let mut rpc = self.rpc;
-                rpc.acquire(req).await
-            }
-        }
+        self.calls.acquire(self.rpc, req).await
     }
 
     pub(crate) async fn release(
         self,
         req: pb::ReleaseRequest,
     ) -> Result<tonic::Response<pb::ReleaseResponse>, tonic::Status> {
-        match self.calls {
-            Some(calls) => calls.release(self.rpc, req).await,
-            None => {
-                let mut rpc = self.rpc;
-                rpc.release(req).await
-            }
-        }
+        self.calls.release(self.rpc, req).await
     }
 }
 
@@ -224,11 +212,11 @@ struct Server {
 }
 
 impl Server {
-    fn new(endpoint: &str, channel: Channel) -> Server {
+    fn new(endpoint: &str, channel: Channel, options: &ClientOptions) -> Server {
         Server {
             endpoint: endpoint.to_string(),
             channel,
-            calls: Default::default(),
+            calls: Arc::new(crate::calls::Calls::new(options.call_streams)),
             failed: Mutex::new(None),
             marked: false.into(),
         }
@@ -329,7 +317,7 @@ fn index_or_add(
         return None;
     }
     let channel = channel_to(endpoint, options).ok()?;
-    servers.push(Server::new(endpoint, channel));
+    servers.push(Server::new(endpoint, channel, options));
     Some(servers.len() - 1)
 }
 
@@ -355,7 +343,7 @@ impl Client {
         }
         let servers = endpoints
             .iter()
-            .map(|ep| Ok(Server::new(ep, channel_to(ep, &options)?)))
+            .map(|ep| Ok(Server::new(ep, channel_to(ep, &options)?, &options)))
             .collect::<Result<Vec<_>, Error>>()?;
         let auth = Auth::new(options.token.as_deref())?;
         let mut inner = Inner {
@@ -594,7 +582,7 @@ impl Client {
         loop {
             let via = Via {
                 rpc: self.rpc(target),
-                calls: inner.options.call_streams.then(|| self.calls(target)),
+                calls: self.calls(target),
             };
             let limit = (inner.options.attempt_timeout + extra)
                 .min(deadline.saturating_duration_since(Instant::now()));
@@ -911,7 +899,13 @@ impl Client {
                 servers: RwLock::new(
                     endpoints
                         .iter()
-                        .map(|e| Server::new(e, channel_to(e, &options).expect("a lazy channel")))
+                        .map(|e| {
+                            Server::new(
+                                e,
+                                channel_to(e, &options).expect("a lazy channel"),
+                                &options,
+                            )
+                        })
                         .collect(),
                 ),
                 groups,
