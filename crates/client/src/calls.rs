@@ -154,6 +154,7 @@ impl Calls {
                 id,
                 answered: false,
             };
+            tracing::trace!(target: "holdfast::hop", id, "call sent");
             let sent = stream.tx.send(pb::CallRequest {
                 id,
                 call: call.take(),
@@ -169,6 +170,7 @@ impl Calls {
                 continue;
             }
             let reply = rx.await;
+            tracing::trace!(target: "holdfast::hop", id, "call returned");
             in_flight.answered = true;
             return match reply {
                 Ok(Ok(reply)) => Ok(reply),
@@ -254,6 +256,7 @@ fn open(rpc: Rpc) -> Stream {
                 loop {
                     match replies.message().await {
                         Ok(Some(reply)) => {
+                            tracing::trace!(target: "holdfast::hop", id = reply.id, "call reply");
                             let waiter = reader
                                 .pending
                                 .lock()

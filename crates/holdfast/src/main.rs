@@ -78,6 +78,8 @@ fn main() -> std::process::ExitCode {
             tracing_subscriber::fmt()
                 .with_env_filter(filter)
                 .with_writer(std::io::stderr)
+                // No colour codes in a log redirected to a file.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();
         }
     }

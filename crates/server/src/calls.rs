@@ -140,6 +140,7 @@ impl CallReplies {
             ));
             return;
         }
+        tracing::trace!(target: "holdfast::hop", id, "call received");
         let (cancel, cancelled) = oneshot::channel::<()>();
         self.cancels.insert(id, cancel);
         let service = self.service.clone();
@@ -199,6 +200,7 @@ impl Stream for CallReplies {
         loop {
             match this.running.poll_next_unpin(cx) {
                 Poll::Ready(Some((id, Some(reply)))) => {
+                    tracing::trace!(target: "holdfast::hop", id, "call answered");
                     this.cancels.remove(&id);
                     let reply = match reply {
                         Ok(reply) => pb::CallReply {

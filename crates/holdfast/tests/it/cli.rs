@@ -361,3 +361,18 @@ fn assert_three_lines_with(svg: &str, texts: &[&str]) {
         assert_eq!(svg.matches(&line).count(), 2, "{color} in {svg}");
     }
 }
+
+/// A client command's log (`HOLDFAST_LOG`) written to a file or pipe has no terminal colour codes in it.
+#[test]
+fn a_client_commands_log_into_a_pipe_has_no_colour_codes() {
+    // Port 1 on loopback: nothing listens, so the status call fails at once, after logging its attempt.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+        .args(["status", "--endpoints", "127.0.0.1:1"])
+        .env("HOLDFAST_LOG", "trace")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("TRACE"), "no log lines: {log}");
+    assert!(!log.contains('\x1b'), "colour codes in the log: {log}");
+}
