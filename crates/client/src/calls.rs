@@ -4,12 +4,13 @@
 //! One stream per server, shared by every session of the client, opened at the first acquire or
 //! release sent there and reopened at the next one after it ends. A call on it means what the unary
 //! call means, and fails the same way: a reply carries the status the unary call would have returned,
-//! and a stream that breaks fails every call in flight on it with the transport's error (no Holdfast
-//! detail), so [`crate::Client`]'s retries treat it as an unreachable server and retry with the same
-//! request id. A call whose caller gives up (a timeout, a dropped future) is cancelled on the stream,
-//! which on the server is a unary call going away. A server older than the stream answers
-//! UNIMPLEMENTED; the client then uses unary calls to it from then on. So does a call past
-//! [`MAX_IN_FLIGHT`] calls in flight on one stream (the server's limit).
+//! and a stream that ends or breaks fails every call in flight on it as `UNAVAILABLE` without a
+//! Holdfast detail, whatever ended it, so [`crate::Client`]'s retries treat it as an unreachable server
+//! and retry with the same request id. A call whose caller gives up (a timeout, a dropped future) is
+//! cancelled on the stream, which on the server is a unary call going away. A server older than the
+//! stream answers UNIMPLEMENTED; the client then uses unary calls to it from then on. A call past
+//! [`MAX_IN_FLIGHT`] calls in flight on one stream (the server's limit), or too big for one message,
+//! goes as a unary call too (on the stream, an oversized message would end it and fail every call).
 
 use crate::client::Rpc;
 use holdfast_proto::v1 as pb;
@@ -22,6 +23,10 @@ use tokio::sync::{mpsc, oneshot};
 
 /// The server's `max_calls_per_stream`: a call beyond this many in flight goes as a unary call.
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
+
+/// The largest message the server decodes (its `MAX_REQUEST_BYTES`). A bigger call goes as a unary
+/// call, so that only it fails: on the stream the server would end the stream, and every call on it.
+const MAX_MESSAGE_BYTES: usize = 512 << 10;
 
 type Pending = BTreeMap<u64, oneshot::Sender<Result<Reply, tonic::Status>>>;
 
@@ -63,16 +68,14 @@ impl Drop for InFlight<'_> {
         if self.answered {
             return;
         }
-        let was_pending = self
-            .stream
-            .shared
-            .pending
-            .lock()
-            .expect("calls lock")
+        let mut pending = self.stream.shared.pending.lock().expect("calls lock");
+        if pending
             .as_mut()
-            .is_some_and(|p| p.remove(&self.id).is_some());
-        if was_pending {
-            // Unbounded, so a cancel is never lost to a full queue: the in-flight limit bounds it.
+            .is_some_and(|p| p.remove(&self.id).is_some())
+        {
+            // Sent under the lock, so a call that takes this one's place in `pending` is sent after
+            // the cancel: the server never counts both against its limit. Unbounded, so a cancel is
+            // never lost to a full queue (the in-flight limit bounds it) and sending never blocks.
             let _ = self.stream.tx.send(pb::CallRequest {
                 id: self.id,
                 call: Some(Call::Cancel(pb::CallCancel {})),
@@ -121,6 +124,15 @@ impl Calls {
 
     /// Sends `call` on the stream and waits for its reply, or gives it back to be sent unary.
     async fn call(&self, rpc: &Rpc, call: Call) -> Result<Reply, Fallback> {
+        let size = match &call {
+            Call::Acquire(r) => prost::Message::encoded_len(r),
+            Call::Release(r) => prost::Message::encoded_len(r),
+            Call::Cancel(_) => 0,
+        };
+        // The call's own bytes, and room for its id and the tags and lengths around it.
+        if size + 32 > MAX_MESSAGE_BYTES {
+            return Err(Fallback::Unary(call));
+        }
         // At most two streams: one found ended when used is replaced once.
         let mut call = Some(call);
         for _ in 0..2 {
@@ -271,7 +283,17 @@ fn open(rpc: Rpc) -> Stream {
                         Ok(None) => {
                             break tonic::Status::unavailable("the server ended the Calls stream")
                         }
-                        Err(status) => break status,
+                        // Whatever ended the stream (a broken connection, or the server refusing
+                        // one message by ending it), it is not the answer to the calls in flight,
+                        // whose outcome is unknown: they are retried with their request ids. So no
+                        // Holdfast detail of the stream's status passes to them.
+                        Err(status) => {
+                            break tonic::Status::unavailable(format!(
+                                "the Calls stream ended: {}: {}",
+                                status.code(),
+                                status.message()
+                            ))
+                        }
                     }
                 }
             }

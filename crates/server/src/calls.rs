@@ -9,11 +9,17 @@
 //! bearer token and TLS peer (so the access policy and quotas see the same caller) and is handed to the
 //! same handler ([`ClientService::acquire`], [`ClientService::release`]). Its future runs inside this
 //! stream's task; dropping it is what a unary call going away is, so a `cancel` message, or the stream
-//! ending or breaking, abandons an acquire exactly as before (`server::abandon`). Replies go out in the
-//! order the calls finish.
+//! breaking or being reset, abandons an acquire exactly as before (`server::abandon`). A client that
+//! ends its side still gets the answers of the calls in flight. Replies go out in the order the calls
+//! finish.
 //!
-//! Limits: at most [`MAX_CALLS_PER_STREAM`] calls in flight on one stream (one more is refused at once
-//! and changes nothing); a message is at most `MAX_REQUEST_BYTES`, as a unary request.
+//! Limits: at most [`MAX_CALLS_PER_STREAM`] calls in flight on one stream, and at most
+//! [`MAX_CALLS_PER_CONNECTION`] on all the `Calls` streams of one client connection together (one more
+//! is refused at once and changes nothing); a message is at most `MAX_REQUEST_BYTES`, as a unary
+//! request. A message that reuses the id of a call in flight ends the stream (`INVALID_ARGUMENT`), and
+//! with it every call in flight: a refusal sent under that id could not be told from the first call's
+//! answer, and a client that took it for one would never learn of a grant made to the call it thinks
+//! refused.
 
 use crate::access::Need;
 use crate::errors::{invalid, limit};
@@ -33,6 +39,15 @@ use tonic::{Request, Status, Streaming};
 /// Most calls in flight on one `Calls` stream. A client with more uses more streams or unary calls.
 pub const MAX_CALLS_PER_STREAM: usize = 1024;
 
+/// Most calls in flight on all the `Calls` streams of one client connection together: without it, a
+/// connection could open `max_streams_per_connection` streams of [`MAX_CALLS_PER_STREAM`] calls each,
+/// a million handler futures, where unary calls stop at `max_streams_per_connection`.
+pub const MAX_CALLS_PER_CONNECTION: usize = 1024;
+
+/// Calls in flight on the `Calls` streams of each client connection, by its peer address (the key
+/// while the connection is open: the kernel does not reuse the address of an open connection).
+pub type ByConnection = std::sync::Arc<std::sync::Mutex<BTreeMap<std::net::SocketAddr, usize>>>;
+
 /// Inbound messages taken in one poll before the replies get a turn (then the task wakes itself).
 const INBOUND_PER_POLL: usize = 64;
 
@@ -51,7 +66,17 @@ pub struct CallReplies {
     cancels: BTreeMap<u64, oneshot::Sender<()>>,
     /// Replies decided without running anything (refusals).
     ready: VecDeque<pb::CallReply>,
+    /// This stream's connection and the count its calls in flight take part in (none in the
+    /// simulation, whose connections have no address: the per-stream limit applies alone there).
+    connection: Option<(std::net::SocketAddr, ByConnection)>,
     _open: Open,
+}
+
+impl Drop for CallReplies {
+    fn drop(&mut self) {
+        // The calls still running end with the stream.
+        self.ended(self.running.len());
+    }
 }
 
 /// Counts the streams open (the `holdfast_call_streams` gauge).
@@ -86,9 +111,14 @@ impl CallReplies {
             metadata.insert("authorization", token.clone());
         }
         let mut extensions = tonic::codegen::http::Extensions::new();
+        let mut peer = all_extensions
+            .get::<tonic::transport::server::TcpConnectInfo>()
+            .and_then(|c| c.remote_addr());
         if let Some(tls) = all_extensions.get::<holdfast_proto::tls::TlsConnectInfo>() {
+            peer = peer.or(tls.remote_addr);
             extensions.insert(tls.clone());
         }
+        let connection = peer.map(|addr| (addr, service.node.calls_by_connection.clone()));
         CallReplies {
             service,
             inbound: Some(inbound),
@@ -97,36 +127,54 @@ impl CallReplies {
             running: FuturesUnordered::new(),
             cancels: BTreeMap::new(),
             ready: VecDeque::new(),
+            connection,
             _open: Open(streams),
         }
     }
 
-    /// Starts, refuses or cancels the call one message carries.
-    fn take(&mut self, m: pb::CallRequest) {
+    /// `n` calls of this stream ended: they leave the connection's count.
+    fn ended(&self, n: usize) {
+        let Some((addr, by)) = &self.connection else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        let mut by = by.lock().expect("calls by connection lock");
+        if let Some(count) = by.get_mut(addr) {
+            *count = count.saturating_sub(n);
+            if *count == 0 {
+                by.remove(addr);
+            }
+        }
+    }
+
+    /// Starts, refuses or cancels the call one message carries; an error ends the stream.
+    fn take(&mut self, m: pb::CallRequest) -> Result<(), Status> {
         let id = m.id;
+        if self.cancels.contains_key(&id)
+            && !matches!(m.call, Some(pb::call_request::Call::Cancel(_)))
+        {
+            return Err(invalid(format!(
+                "call id {id} is already in flight on this stream: the stream is ended, and its calls in flight with it (a call's id must be unique among the calls in flight)"
+            )));
+        }
         let call = match m.call {
             Some(pb::call_request::Call::Cancel(_)) => {
                 // Dropping the sender ends the call's future at its next poll; an id not in flight (it
                 // finished, or never was) is nothing to cancel.
                 self.cancels.remove(&id);
-                return;
+                return Ok(());
             }
             None => {
                 self.ready.push_back(error_reply(
                     id,
                     invalid("a CallRequest must carry acquire, release or cancel"),
                 ));
-                return;
+                return Ok(());
             }
             Some(call) => call,
         };
-        if self.cancels.contains_key(&id) {
-            self.ready.push_back(error_reply(
-                id,
-                invalid(format!("call id {id} is already in flight on this stream")),
-            ));
-            return;
-        }
         if self.cancels.len() >= MAX_CALLS_PER_STREAM {
             self.ready.push_back(error_reply(
                 id,
@@ -138,7 +186,26 @@ impl CallReplies {
                     ),
                 ),
             ));
-            return;
+            return Ok(());
+        }
+        if let Some((addr, by)) = &self.connection {
+            let mut by = by.lock().expect("calls by connection lock");
+            let count = by.entry(*addr).or_default();
+            if *count >= MAX_CALLS_PER_CONNECTION {
+                drop(by);
+                self.ready.push_back(error_reply(
+                    id,
+                    limit(
+                        "max_calls_per_connection",
+                        MAX_CALLS_PER_CONNECTION as u64,
+                        format!(
+                            "{MAX_CALLS_PER_CONNECTION} calls are in flight on this connection's Calls streams already (max_calls_per_connection): wait for one"
+                        ),
+                    ),
+                ));
+                return Ok(());
+            }
+            *count += 1;
         }
         tracing::trace!(target: "holdfast::hop", id, "call received");
         let (cancel, cancelled) = oneshot::channel::<()>();
@@ -166,6 +233,7 @@ impl CallReplies {
                 reply = reply => (id, Some(reply)),
             }
         }));
+        Ok(())
     }
 }
 
@@ -184,7 +252,9 @@ impl Stream for CallReplies {
             match Pin::new(inbound).poll_next(cx) {
                 Poll::Ready(Some(Ok(m))) => {
                     taken += 1;
-                    this.take(m);
+                    if let Err(status) = this.take(m) {
+                        return Poll::Ready(Some(Err(status)));
+                    }
                 }
                 // The client ended its side: answer what is in flight, then end.
                 Poll::Ready(None) => this.inbound = None,
@@ -201,6 +271,7 @@ impl Stream for CallReplies {
             match this.running.poll_next_unpin(cx) {
                 Poll::Ready(Some((id, Some(reply)))) => {
                     tracing::trace!(target: "holdfast::hop", id, "call answered");
+                    this.ended(1);
                     this.cancels.remove(&id);
                     let reply = match reply {
                         Ok(reply) => pb::CallReply {
@@ -212,7 +283,10 @@ impl Stream for CallReplies {
                     return Poll::Ready(Some(Ok(reply)));
                 }
                 // Cancelled: its id was removed when the cancel arrived.
-                Poll::Ready(Some((_, None))) => continue,
+                Poll::Ready(Some((_, None))) => {
+                    this.ended(1);
+                    continue;
+                }
                 Poll::Ready(None) if this.inbound.is_none() => return Poll::Ready(None),
                 Poll::Ready(None) | Poll::Pending => return Poll::Pending,
             }

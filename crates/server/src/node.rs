@@ -50,6 +50,8 @@ pub struct NodeShared {
     pub snapshot_streams: Arc<tokio::sync::Semaphore>,
     /// Open `Watch` streams (see `watch::Slots`).
     pub watches: Arc<crate::watch::Slots>,
+    /// Calls in flight on the `Calls` streams of each client connection (see `calls`).
+    pub calls_by_connection: crate::calls::ByConnection,
     /// Channels to other servers' client ports for status probes (readiness, the leader balancer's round
     /// in a placed cluster), by node id and endpoint: each probe used to open, and close, a connection.
     status_channels: std::sync::Mutex<BTreeMap<(u64, String), tonic::transport::Channel>>,
@@ -324,6 +326,7 @@ impl Node {
                 crate::service::MAX_SNAPSHOT_STREAMS,
             )),
             watches: Default::default(),
+            calls_by_connection: Default::default(),
             status_channels: Default::default(),
             directory: Default::default(),
         });

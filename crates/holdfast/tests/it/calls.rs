@@ -1,6 +1,7 @@
 //! The `Calls` stream from outside, with a raw gRPC client: a call on it means what the unary call
 //! means (replies in the order calls finish, errors as the unary status), a cancel or the stream's end
-//! is a call going away (the server abandons the wait), and bad or excess calls are refused alone.
+//! is a call going away (the server abandons the wait), bad or excess calls are refused alone, and a
+//! call that reuses an id in flight ends the stream.
 
 use crate::abandon::raw_session;
 use crate::client::until;
@@ -132,18 +133,6 @@ async fn calls_on_a_stream_answer_as_unary_calls_and_a_cancel_abandons_a_wait() 
     let reply = s.next().await;
     assert_eq!(reply.id, 5);
     assert_eq!(error(&reply).1, pb::Reason::InvalidArgument);
-    s.send(2, Some(acquire(b, &secret, 6, "z", 0)));
-    let reply = s.next().await;
-    assert_eq!(
-        reply.id, 2,
-        "a second call under an id in flight is refused"
-    );
-    assert_eq!(error(&reply).1, pb::Reason::InvalidArgument);
-    until(&client, "z", "left alone by the refused call", |l| {
-        l.is_none()
-    })
-    .await;
-
     // Cancelling the wait is its call going away: the server abandons it, and it is never answered.
     s.send(2, Some(Call::Cancel(pb::CallCancel {})));
     until(&client, "y", "rid of the cancelled wait", |l| {
@@ -161,6 +150,35 @@ async fn calls_on_a_stream_answer_as_unary_calls_and_a_cancel_abandons_a_wait() 
     s.send(7, Some(release(b, &secret, 7, "y", 1)));
     let reply = s.next().await;
     assert_eq!(reply.id, 7, "no reply for the cancelled call");
+
+    // A second call under the id of a call in flight ends the stream, and the call in flight with it
+    // (a refusal under that id could pass for the first call's answer): the wait is abandoned, and
+    // the second call changed nothing.
+    s.send(8, Some(acquire(b, &secret, 8, "y", 60_000)));
+    until(&client, "y", "waited for by B again", |l| {
+        l.is_some_and(|l| l.waiters.len() == 1)
+    })
+    .await;
+    s.send(8, Some(acquire(b, &secret, 9, "z", 0)));
+    let ended = tokio::time::timeout(Duration::from_secs(10), s.replies.message())
+        .await
+        .expect("the stream ends within 10 s")
+        .expect_err("the stream ends with an error");
+    assert_eq!(ended.code(), tonic::Code::InvalidArgument, "{ended:?}");
+    until(&client, "y", "rid of the ended stream's wait", |l| {
+        l.is_some_and(|l| l.waiters.is_empty())
+    })
+    .await;
+    until(&client, "z", "left alone by the second call", |l| {
+        l.is_none()
+    })
+    .await;
+    let m = c.metrics(leader).await;
+    assert_eq!(
+        m.get("holdfast_acquires_abandoned_total{group=\"0\"}"),
+        Some(&2),
+        "{m:?}"
+    );
     held.release().await.unwrap();
 }
 
@@ -210,6 +228,25 @@ async fn a_calls_stream_that_ends_abandons_its_waits_and_caps_its_calls_in_fligh
     })
     .await;
 
+    // Another stream on the same connection shares its count: no call goes in while the first
+    // holds the connection's 1,024.
+    assert_eq!(
+        holdfast_server::calls::MAX_CALLS_PER_CONNECTION as u64,
+        max,
+        "the first stream fills the connection's count too"
+    );
+    let mut s2 = RawStream::open(&mut raw).await;
+    s2.send(1, Some(acquire(*b, secret, 18, "free", 0)));
+    let reply = s2.next().await;
+    let (code, reason) = error(&reply);
+    assert_eq!(code, tonic::Code::ResourceExhausted as i32);
+    assert_eq!(reason, pb::Reason::LimitExceeded);
+    let Some(Reply::Error(e)) = &reply.reply else {
+        unreachable!("checked above")
+    };
+    let detail = <pb::ErrorDetail as prost::Message>::decode(e.details.as_slice()).unwrap();
+    assert_eq!(detail.limit, "max_calls_per_connection", "{detail:?}");
+
     // The client goes away: every wait in flight is abandoned by the server.
     drop(s);
     for i in [0, max / 2, max - 1] {
@@ -218,6 +255,11 @@ async fn a_calls_stream_that_ends_abandons_its_waits_and_caps_its_calls_in_fligh
         })
         .await;
     }
+    // Their count left the connection's with them: the other stream's calls go in again.
+    s2.send(2, Some(acquire(*b, secret, 19, "free", 0)));
+    let reply = s2.next().await;
+    assert!(matches!(reply.reply, Some(Reply::Acquire(_))), "{reply:?}");
+    drop(s2);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let m = c.metrics(leader).await;
