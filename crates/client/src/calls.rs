@@ -320,3 +320,50 @@ fn answer(reply: Option<Reply>) -> Result<Reply, tonic::Status> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn acquire_with_value(bytes: usize) -> Call {
+        Call::Acquire(pb::AcquireRequest {
+            value: vec![0; bytes],
+            ..Default::default()
+        })
+    }
+
+    /// A call too big for one message is given back, to go as a unary call, before any stream is
+    /// opened for it (on a stream the server would end the stream, and every call in flight on it);
+    /// one that fits opens the stream.
+    #[tokio::test]
+    async fn an_oversized_call_goes_unary_without_touching_the_stream() {
+        // Nothing listens on port 1: a stream opened to it fails at once.
+        let channel = tonic::transport::Channel::from_static("http://127.0.0.1:1").connect_lazy();
+        let rpc = pb::holdfast_client::HoldfastClient::with_interceptor(
+            channel,
+            crate::client::Auth::new(None).expect("no token"),
+        );
+        let calls = Calls::new(true);
+        match calls
+            .call(&rpc, acquire_with_value(MAX_MESSAGE_BYTES))
+            .await
+        {
+            Err(Fallback::Unary(Call::Acquire(r))) => assert_eq!(r.value.len(), MAX_MESSAGE_BYTES),
+            _ => panic!("the oversized call was not given back for a unary call"),
+        }
+        assert!(
+            matches!(*calls.state.lock().unwrap(), State::Closed),
+            "a stream was opened for it"
+        );
+        match calls.call(&rpc, acquire_with_value(1024)).await {
+            Err(Fallback::Failed(status)) => {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}")
+            }
+            _ => panic!("a call that fits was not sent on the stream"),
+        }
+        assert!(
+            matches!(*calls.state.lock().unwrap(), State::Open(_)),
+            "no stream was opened for a call that fits"
+        );
+    }
+}

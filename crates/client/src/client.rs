@@ -151,7 +151,7 @@ fn jitter_seed(options: &ClientOptions) -> u64 {
 pub(crate) struct Auth(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
 
 impl Auth {
-    fn new(token: Option<&str>) -> Result<Auth, Error> {
+    pub(crate) fn new(token: Option<&str>) -> Result<Auth, Error> {
         match token {
             None => Ok(Auth(None)),
             Some(t) => format!("Bearer {t}")
