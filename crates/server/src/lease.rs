@@ -169,6 +169,12 @@ struct State {
     delay_ends: HashMap<(LockName, FencingToken, u64), Instant>,
     /// A hand-over of leadership is under way ([`Leases::begin_hand_over`]): timing may not start.
     handing_over: bool,
+    /// The sessions whose expiry was proposed (or waited for a retry) when a hand-over stopped the
+    /// timers, and the term: if the hand-over fails and timing starts again in that term, they stay
+    /// expiring. An expiry proposed in this term may still commit after the restart's barrier (a
+    /// read barrier waits for what is committed, not for what this leader appended), so a session
+    /// renewed in between would be expired just after a keepalive was acknowledged.
+    expiring_at_hand_over: Option<(u64, Vec<SessionId>)>,
 }
 
 #[allow(clippy::disallowed_types)]
@@ -181,6 +187,7 @@ impl Default for State {
             heap: BinaryHeap::new(),
             delays: std::collections::BTreeMap::new(),
             delay_ends: HashMap::default(),
+            expiring_at_hand_over: None,
             handing_over: false,
         }
     }
@@ -332,6 +339,21 @@ impl Leases {
             s.timers.insert(id, Timer::new(ttl_ms, secret, deadline));
             s.heap.push(Reverse(Due::new(deadline, id)));
         }
+        // Timing again in the term of a hand-over that failed: the expiries proposed before it may
+        // still commit, so those sessions are never renewed, and their expiry is proposed again now.
+        if let Some((kept, ids)) = s.expiring_at_hand_over.take() {
+            if kept == term {
+                let at = s.deadline_ms(now);
+                for id in ids {
+                    if let Some(t) = s.timers.get_mut(&id) {
+                        t.set(EXPIRING, true);
+                        t.set(RETRY, true);
+                        t.deadline = at;
+                        s.heap.push(Reverse(Due::new(at, id)));
+                    }
+                }
+            }
+        }
         drop(s);
         self.wake.notify_one();
         true
@@ -342,8 +364,21 @@ impl Leases {
     /// cannot slip in after it (a transfer's target is elected without waiting out the vote lease).
     pub fn begin_hand_over(&self) {
         let mut s = self.lock();
+        let expiring = match s.leading {
+            Some(term) => Some((
+                term,
+                s.timers
+                    .iter()
+                    .filter(|(_, t)| t.expiring())
+                    .map(|(id, _)| *id)
+                    .collect(),
+            )),
+            // Not timing (a hand-over before this one failed and timing has not started again).
+            None => s.expiring_at_hand_over.take(),
+        };
         *s = State {
             handing_over: true,
+            expiring_at_hand_over: expiring,
             ..State::default()
         };
     }
@@ -357,6 +392,8 @@ impl Leases {
         let mut s = self.lock();
         *s = State {
             handing_over: s.handing_over,
+            // Kept for a restart in the same term (see `start_leading`); another term drops it.
+            expiring_at_hand_over: s.expiring_at_hand_over.take(),
             ..State::default()
         };
     }
@@ -513,8 +550,9 @@ impl Leases {
 
     /// Those of `ids` whose expiry this server may still propose: it still times sessions in `term`,
     /// and each is marked expiring (taken by [`Leases::take_due`]) and not waiting for a retry. A
-    /// session given a fresh TTL since (leadership lost and regained, or a hand-over that failed)
-    /// is not: it may have been renewed since.
+    /// session given a fresh TTL since (leadership lost and regained in a new term) is not: it may
+    /// have been renewed since. After a hand-over that failed, timing restarts in the same term with
+    /// such sessions still expiring (see `expiring_at_hand_over`).
     pub fn still_expiring(&self, term: u64, ids: &[SessionId]) -> Vec<SessionId> {
         let s = self.lock();
         if s.leading != Some(term) {
@@ -641,6 +679,54 @@ mod tests {
         leases.end_hand_over();
         assert!(leases.start_leading(2, sessions(), Vec::new(), t0));
         assert_eq!(leases.leading_term(), Some(2));
+    }
+
+    /// A hand-over that fails leaves this server timing sessions again in the same term. A session
+    /// whose expiry was proposed before it may still be expired by that proposal, so it must not be
+    /// renewed in between: it stays expiring and its expiry is proposed again. In a new term (whose
+    /// barrier settled every earlier proposal) it gets a fresh TTL like every other session.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_hand_over_does_not_revive_a_session_whose_expiry_was_proposed() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        let sessions = || [(SessionId(4), 10_000, 0), (SessionId(5), 10_000, 0)].into_iter();
+        assert!(leases.start_leading(1, sessions(), Vec::new(), t0));
+        // Session 5 is renewed; session 4 is not, and its expiry is proposed.
+        let later = t0 + Duration::from_secs(6);
+        assert!(alive(&leases, 5, later).is_some());
+        let due = t0 + Duration::from_secs(10);
+        assert_eq!(leases.take_due(due), vec![SessionId(4)]);
+        // A hand-over begins and fails twice; timing starts again in term 1.
+        leases.begin_hand_over();
+        leases.end_hand_over();
+        leases.stop_leading();
+        leases.begin_hand_over();
+        leases.end_hand_over();
+        let restart = due + Duration::from_millis(5);
+        assert!(leases.start_leading(1, sessions(), Vec::new(), restart));
+        assert_eq!(alive(&leases, 4, restart), Some(KeepAlive::Gone));
+        assert_eq!(
+            alive(&leases, 5, restart),
+            Some(KeepAlive::Alive { ttl_ms: 10_000 })
+        );
+        assert_eq!(
+            leases.take_due(restart),
+            vec![SessionId(4)],
+            "proposed again"
+        );
+        assert_eq!(
+            leases.still_expiring(1, &[SessionId(4)]),
+            vec![SessionId(4)]
+        );
+        // A new term: the proposal was settled by its barrier, and the session has a fresh TTL.
+        leases.begin_hand_over();
+        leases.end_hand_over();
+        assert!(leases.start_leading(2, sessions(), Vec::new(), restart));
+        assert_eq!(
+            alive(&leases, 4, restart),
+            Some(KeepAlive::Alive { ttl_ms: 10_000 })
+        );
+        assert!(leases.take_due(restart).is_empty());
     }
 
     #[tokio::test(start_paused = true)]
