@@ -161,10 +161,19 @@ impl GroupLog {
         for (index, bytes) in entries {
             log.push(index, &bytes, None);
         }
-        // The committed hint may run ahead of what this server has on disk; never point past the log.
+        // The hint is written after the appends of the entries it names (a lazy record rides in the
+        // frame of a later append), so it never runs past the log on disk. If it does (damage), it
+        // names nothing this server can trust: capping it at the last entry would call a suffix
+        // committed that may not be (a deposed leader's) and apply it. Fall back to the purge point,
+        // which a snapshot covers, and learn the rest from the leader.
         let last = log.last_log_id()?;
         if log.committed > last {
-            log.committed = last;
+            tracing::warn!(
+                hint = ?log.committed,
+                last = ?last,
+                "the committed-index hint names an entry past the log on disk; ignoring it"
+            );
+            log.committed = log.purged;
         }
         Ok(log)
     }
@@ -647,6 +656,36 @@ mod tests {
         ];
         let log = GroupLog::replay(records.iter()).unwrap();
         assert_eq!(log.indexes(), vec![6, 7]);
+    }
+
+    /// A committed-index hint past the log on disk (only damage makes one) names nothing to trust:
+    /// replay falls back to the purge point, and does not call the log's last entries committed
+    /// (they may be a deposed leader's, and would be applied).
+    #[test]
+    fn a_committed_hint_past_the_log_falls_back_to_the_purge_point() {
+        let log_id = |index: u8| legacy::log_id_record(&[1, 1, index]).unwrap();
+        let hint = |index: u8| {
+            record(
+                kind::COMMITTED,
+                0,
+                formats::to_bytes(&formats::log_id_to_pb(&log_id(index))),
+            )
+        };
+        let purged = record(
+            kind::PURGED,
+            0,
+            formats::to_bytes(&formats::log_id_to_pb(&log_id(4))),
+        );
+        let records = [purged.clone(), entry_record(5), entry_record(6), hint(9)];
+        let log = GroupLog::replay(records.iter()).unwrap();
+        assert_eq!(log.committed, Some(log_id(4)));
+        // A hint within the log stands.
+        let records = [purged, entry_record(5), entry_record(6), hint(5)];
+        let log = GroupLog::replay(records.iter()).unwrap();
+        assert_eq!(log.committed, Some(log_id(5)));
+        // With nothing purged, no entry is called committed.
+        let records = [entry_record(5), hint(7)];
+        assert_eq!(GroupLog::replay(records.iter()).unwrap().committed, None);
     }
 }
 
