@@ -47,6 +47,12 @@ pub const MAX_RECORD_BYTES: usize = 1 << 20;
 /// corrupt length field can make recovery allocate.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
+/// Most bytes one append may carry (its records' payloads and headers). A frame holds the appends one
+/// group commit gathers, up to `max_batch_bytes` (clamped to this too) plus the one that crosses it,
+/// and the small lazy and sticky records around them: under [`MAX_FRAME_BYTES`], which recovery
+/// refuses, so an acknowledged frame can always be read back.
+pub const MAX_APPEND_BYTES: usize = MAX_FRAME_BYTES / 4;
+
 /// One log record. `kind` and `index` mean whatever the owner says; the WAL uses `index` only to decide
 /// when a segment can be deleted (see [`crate::Wal::release`]).
 #[derive(Clone, Debug, PartialEq, Eq)]

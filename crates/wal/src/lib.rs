@@ -31,7 +31,7 @@ pub mod fs;
 mod recover;
 mod writer;
 
-pub use format::{Record, MAX_RECORD_BYTES};
+pub use format::{Record, MAX_APPEND_BYTES, MAX_RECORD_BYTES};
 pub use recover::{scan_segment, Recovered, Scan, TornTail};
 pub use writer::{SyncFault, SyncObserver, SyncStats, Wal, WalOptions};
 
@@ -55,6 +55,8 @@ pub enum WalError {
     Poisoned(String),
     #[error("wal record of {len} bytes is over the limit of {max} bytes (max_record_bytes)", max = MAX_RECORD_BYTES)]
     RecordTooLarge { len: usize },
+    #[error("wal append of {len} bytes is over the limit of {max} bytes (max_append_bytes)", max = MAX_APPEND_BYTES)]
+    AppendTooLarge { len: usize },
     #[error("wal writer has shut down")]
     Closed,
 }

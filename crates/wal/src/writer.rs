@@ -1,8 +1,8 @@
 //! The writer thread: group commit, segment rotation and deletion, fail-stop on I/O errors.
 
 use crate::format::{
-    encode_frame, encode_record, segment_header, segment_name, Place, Record, MAX_RECORD_BYTES,
-    SEGMENT_VERSION, STANDBY,
+    encode_frame, encode_record, segment_header, segment_name, Place, Record, MAX_APPEND_BYTES,
+    MAX_RECORD_BYTES, RECORD_HEADER_BYTES, SEGMENT_VERSION, STANDBY,
 };
 use crate::fs::{File, OpenOptions};
 use crate::recover::{io_err, recover, sync_dir, Recovered, SegmentInfo, Standby};
@@ -89,7 +89,9 @@ pub struct Wal {
 
 impl Wal {
     /// Recovers the log in `dir` (created if missing) and starts the writer on a fresh segment.
-    pub fn open(dir: &Path, options: WalOptions) -> Result<(Wal, Recovered), WalError> {
+    pub fn open(dir: &Path, mut options: WalOptions) -> Result<(Wal, Recovered), WalError> {
+        // A frame is a batch plus the append that crosses its limit: both bounded, below the frame limit.
+        options.max_batch_bytes = options.max_batch_bytes.min(MAX_APPEND_BYTES);
         crate::fs::create_dir_all(dir).map_err(io_err(dir))?;
         let (recovered, segments, standby) = recover(dir)?;
         let mut sticky = BTreeMap::new();
@@ -158,12 +160,21 @@ impl Wal {
     }
 
     /// Queues `records` to be written in order after everything queued before; `done` runs once they are
-    /// durable. Records over [`MAX_RECORD_BYTES`] fail the whole append without writing any of it.
+    /// durable. Records over [`MAX_RECORD_BYTES`], or more than [`MAX_APPEND_BYTES`] in all, fail the
+    /// whole append without writing any of it.
     pub fn append(&self, records: Vec<Record>, done: Done) {
         if let Some(r) = records.iter().find(|r| r.payload.len() > MAX_RECORD_BYTES) {
             done(Err(WalError::RecordTooLarge {
                 len: r.payload.len(),
             }));
+            return;
+        }
+        let len = records
+            .iter()
+            .map(|r| r.payload.len() + RECORD_HEADER_BYTES)
+            .sum::<usize>();
+        if len > MAX_APPEND_BYTES {
+            done(Err(WalError::AppendTooLarge { len }));
             return;
         }
         let tx = self.tx.lock().expect("wal sender lock");

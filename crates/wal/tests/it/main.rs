@@ -345,6 +345,32 @@ fn a_failed_fsync_stops_the_writer_for_good() {
     assert_eq!(calls.load(Ordering::Relaxed), 4);
 }
 
+/// An append too big for the frames recovery reads back is refused whole, before anything is written:
+/// acknowledged, it could not be recovered.
+#[test]
+fn oversized_appends_are_refused_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let most = vec![0u8; holdfast_wal::MAX_RECORD_BYTES];
+    let records = (0..=(holdfast_wal::MAX_APPEND_BYTES / most.len()) as u64)
+        .map(|i| rec(0, i + 1, &most))
+        .collect::<Vec<_>>();
+    let err = wal.append_blocking(records).unwrap_err();
+    assert!(
+        matches!(err, WalError::AppendTooLarge { len } if len > holdfast_wal::MAX_APPEND_BYTES),
+        "{err}"
+    );
+    // Just under the limit is written and comes back.
+    let records = (0..(holdfast_wal::MAX_APPEND_BYTES / (most.len() + 64)) as u64)
+        .map(|i| rec(0, i + 1, &most))
+        .collect::<Vec<_>>();
+    let n = records.len();
+    wal.append_blocking(records).unwrap();
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert_eq!(recovered.records.len(), n);
+}
+
 #[test]
 fn oversized_records_are_refused_whole() {
     let dir = tempfile::tempdir().unwrap();
