@@ -113,6 +113,15 @@ impl SnapshotStore {
                 fs::remove_file(&path)?;
             }
         }
+        // The directory (DATA_DIR/snapshots/gN) and its entries in its parents, durably: a snapshot
+        // synced into a directory whose own entry a crash loses is lost with it, after the log it
+        // covers was purged (or, restoring a backup, before the IDENTITY written after it).
+        fs::sync_dir(&dir)?;
+        for parent in dir.ancestors().skip(1).take(2) {
+            if !parent.as_os_str().is_empty() {
+                fs::sync_dir(parent)?;
+            }
+        }
         Ok(SnapshotStore { dir })
     }
 
@@ -175,14 +184,22 @@ impl SnapshotStore {
         holdfast_wal::failpoint::hit_then("snapshot.write", || {
             let _ = file.write_all(&bytes[..bytes.len() / 2]);
         })?;
-        let mut behind = fs::WriteBehind::default();
-        let mut written = 0;
-        for piece in bytes.chunks(fs::WriteBehind::STEP as usize) {
-            file.write_all(piece)?;
-            written += piece.len() as u64;
-            behind.written(&file, written)?;
+        let written = (|| {
+            let mut behind = fs::WriteBehind::default();
+            let mut written = 0;
+            for piece in bytes.chunks(fs::WriteBehind::STEP as usize) {
+                file.write_all(piece)?;
+                written += piece.len() as u64;
+                behind.written(&file, written)?;
+            }
+            file.sync_all()
+        })();
+        if let Err(e) = written {
+            // A full disk, say: the partial file would take the space until a restart removed it.
+            drop(file);
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
         }
-        file.sync_all()?;
         self.install(&tmp, &path)
     }
 

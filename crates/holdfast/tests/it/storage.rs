@@ -374,3 +374,23 @@ async fn a_log_that_grows_by_bytes_is_snapshotted() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// A snapshot written from a peer (`SnapshotStore::save`, an install) onto a disk that fills up fails
+/// with the disk's error and leaves no partial file behind taking the space, and the snapshot before
+/// it stays.
+#[test]
+fn a_snapshot_save_that_fills_the_disk_leaves_no_partial_file() {
+    use holdfast_server::snapshot_store::SnapshotStore;
+    let dir = tempfile::tempdir().unwrap();
+    let _disk = SmallDisk::mount(dir.path(), 1 << 20);
+    let store = SnapshotStore::open(dir.path().join("snapshots").join("g0")).unwrap();
+    store.save(1, &[7u8; 64 << 10]).unwrap();
+    let err = store.save(2, &vec![7u8; 2 << 20]).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(28), "ENOSPC: {err}");
+    let mut names: Vec<String> = std::fs::read_dir(dir.path().join("snapshots").join("g0"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec![format!("snap-{:020}.bin", 1)]);
+}
