@@ -74,8 +74,8 @@ pub struct CallReplies {
 
 impl Drop for CallReplies {
     fn drop(&mut self) {
-        // The calls still running end with the stream.
-        self.ended(self.running.len());
+        // The calls in flight end with the stream (cancelled ones left the count already).
+        self.ended(self.cancels.len());
     }
 }
 
@@ -162,8 +162,12 @@ impl CallReplies {
         let call = match m.call {
             Some(pb::call_request::Call::Cancel(_)) => {
                 // Dropping the sender ends the call's future at its next poll; an id not in flight (it
-                // finished, or never was) is nothing to cancel.
-                self.cancels.remove(&id);
+                // finished, or never was) is nothing to cancel. A cancelled call leaves the connection's
+                // count now, as it leaves this stream's: a client that sends a new call right after a
+                // cancel, at the limit, must not be refused for the one it cancelled.
+                if self.cancels.remove(&id).is_some() {
+                    self.ended(1);
+                }
                 return Ok(());
             }
             None => {
@@ -271,8 +275,9 @@ impl Stream for CallReplies {
             match this.running.poll_next_unpin(cx) {
                 Poll::Ready(Some((id, Some(reply)))) => {
                     tracing::trace!(target: "holdfast::hop", id, "call answered");
-                    this.ended(1);
-                    this.cancels.remove(&id);
+                    if this.cancels.remove(&id).is_some() {
+                        this.ended(1);
+                    }
                     let reply = match reply {
                         Ok(reply) => pb::CallReply {
                             id,
@@ -282,11 +287,8 @@ impl Stream for CallReplies {
                     };
                     return Poll::Ready(Some(Ok(reply)));
                 }
-                // Cancelled: its id was removed when the cancel arrived.
-                Poll::Ready(Some((_, None))) => {
-                    this.ended(1);
-                    continue;
-                }
+                // Cancelled: its id left `cancels` and the count when the cancel arrived.
+                Poll::Ready(Some((_, None))) => continue,
                 Poll::Ready(None) if this.inbound.is_none() => return Poll::Ready(None),
                 Poll::Ready(None) | Poll::Pending => return Poll::Pending,
             }

@@ -335,11 +335,19 @@ impl ClientService {
                 now_ms: now_ms(),
             },
         );
-        match group
-            .propose(cancel)
-            .await
-            .map_err(|e| self.propose_error(e))?
-        {
+        // The wait is in the table: whatever stops its cancel from committing here (this server no
+        // longer leads, say), the wait goes on elsewhere, so the answer is "outcome unknown"
+        // (UNAVAILABLE), never a refusal, which would tell the client nothing was done and leave the
+        // wait to be granted to a client that stopped waiting. An unknown outcome also has this call
+        // abandoned (see `acquire`), through the leader.
+        let cancelled = group.propose(cancel).await.map_err(|e| {
+            errors::unavailable(format!(
+                "the wait for lock {:?} ran out, but its cancel could not be settled here; outcome unknown, retry with the same request id: {}",
+                name.as_str(),
+                self.propose_error(e).message()
+            ))
+        })?;
+        match cancelled {
             Outcome::Granted { token } => Ok(token),
             Outcome::Cancelled | Outcome::Refused(Refusal::NotWaiting) => {
                 let state = group.state.read().expect("state lock");

@@ -246,6 +246,13 @@ async fn a_calls_stream_that_ends_abandons_its_waits_and_caps_its_calls_in_fligh
     };
     let detail = <pb::ErrorDetail as prost::Message>::decode(e.details.as_slice()).unwrap();
     assert_eq!(detail.limit, "max_calls_per_connection", "{detail:?}");
+    // A cancel frees its place at once: a call sent right after it, at the limit, goes in (here a
+    // try of a held lock, answered LOCK_HELD rather than LIMIT_EXCEEDED).
+    s.send(1, Some(Call::Cancel(pb::CallCancel {})));
+    s.send(max + 2, Some(acquire(*b, secret, 20, "q/1", 0)));
+    let reply = s.next().await;
+    assert_eq!(reply.id, max + 2, "{reply:?}");
+    assert_eq!(error(&reply).1, pb::Reason::LockHeld, "{reply:?}");
 
     // The client goes away: every wait in flight is abandoned by the server.
     drop(s);
