@@ -31,6 +31,14 @@ pub struct SyncStats {
     pub sync_duration: Duration,
 }
 
+/// The bytes an append's records take in a frame: payloads and record headers.
+fn append_bytes(records: &[Record]) -> usize {
+    records
+        .iter()
+        .map(|r| r.payload.len() + RECORD_HEADER_BYTES)
+        .sum()
+}
+
 #[derive(Clone)]
 pub struct WalOptions {
     /// A segment is closed and a new one started once it reaches this size. Smaller segments are
@@ -169,10 +177,7 @@ impl Wal {
             }));
             return;
         }
-        let len = records
-            .iter()
-            .map(|r| r.payload.len() + RECORD_HEADER_BYTES)
-            .sum::<usize>();
+        let len = append_bytes(&records);
         if len > MAX_APPEND_BYTES {
             done(Err(WalError::AppendTooLarge { len }));
             return;
@@ -382,7 +387,7 @@ impl Writer {
     /// appends (the first is always taken, however large).
     fn gather(&self, first: Op, rx: &mpsc::Receiver<Op>) -> Vec<Op> {
         let size = |op: &Op| match op {
-            Op::Append(records, _) => records.iter().map(|r| r.payload.len() + 18).sum::<usize>(),
+            Op::Append(records, _) => append_bytes(records),
             _ => 0,
         };
         let mut bytes = size(&first);
