@@ -280,6 +280,36 @@ def test_a_refused_acquire_is_not_cancelled() -> None:
     assert server.requests("CancelAcquire") == []
 
 
+@pytest.mark.parametrize(
+    "late",
+    [
+        (lock_pb2.LIMIT_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (lock_pb2.ACCESS_DENIED, grpc.StatusCode.PERMISSION_DENIED),
+    ],
+)
+def test_a_refusal_of_a_retry_after_a_lost_answer_still_cancels_the_acquire(late: tuple[int, Any]) -> None:
+    # Attempt 1 may have been queued at the leader (its answer was lost); the retry under the same request
+    # id is refused before the lock table (a quota, a policy reloaded meanwhile). The refusal speaks for
+    # the retry only: attempt 1's wait may still be granted, so the acquire must be cancelled.
+    cancelled = threading.Event()
+
+    def cancel(r: Any) -> Any:
+        cancelled.set()
+        return lock_pb2.CancelAcquireResponse()
+
+    answers = iter([FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), reason(*late)])
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
+    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(next(answers))
+    c = fake_client([server])
+    s = c.session()
+    with pytest.raises(errors.Unavailable, match="may have been applied") as raised:
+        s.acquire("x", timeout=1)
+    assert not raised.value.not_applied
+    assert cancelled.wait(10), "the acquire whose first attempt may have been queued was never cancelled"
+    first, second = server.requests("Acquire")
+    assert first.request_id == second.request_id == server.requests("CancelAcquire")[0].request_id
+
+
 def test_a_grant_that_arrives_after_the_lease_lapsed_is_released_not_returned() -> None:
     cancelled = threading.Event()
 

@@ -579,6 +579,10 @@ impl Client {
         let mut target = self.leader_of(group);
         let mut backoff = Duration::from_millis(20);
         let mut redirects = 0;
+        // Why an earlier attempt's outcome is unknown (it timed out, or failed in a way that may have
+        // come after the server took it): a later refusal before the lock table is then no proof that
+        // nothing was applied (`Error::refused_before_the_table`).
+        let mut unknown: Option<String> = None;
         loop {
             let via = Via {
                 rpc: self.rpc(target),
@@ -599,7 +603,17 @@ impl Client {
                     return Ok(resp.into_inner());
                 }
                 Ok(Err(status)) => match classify(&status) {
-                    Disposition::Fail(e) => return Err(e),
+                    Disposition::Fail(e) => {
+                        return Err(match unknown {
+                            Some(earlier) if e.refused_before_the_table() => Error::Unavailable(
+                                format!(
+                                    "a retry was refused ({e}), but an earlier attempt may have \
+                                     been applied ({earlier})"
+                                ),
+                            ),
+                            _ => e,
+                        })
+                    }
                     // The leader's advertised endpoint, followed even if it was not among the ones this
                     // client was given.
                     Disposition::Redirect(ep) => match self.redirect_target(&ep) {
@@ -622,12 +636,16 @@ impl Client {
                         if !answered_by_a_server(&status) {
                             self.mark_failed(target);
                         }
-                        format!("{}: {msg}", self.endpoint(target))
+                        let reason = format!("{}: {msg}", self.endpoint(target));
+                        unknown = Some(reason.clone());
+                        reason
                     }
                 },
                 Err(_) => {
                     self.mark_failed(target);
-                    format!("{} did not answer within {limit:?}", self.endpoint(target))
+                    let reason = format!("{} did not answer within {limit:?}", self.endpoint(target));
+                    unknown = Some(reason.clone());
+                    reason
                 }
             };
             let pause = jittered(&inner.jitter, backoff);
@@ -921,8 +939,63 @@ impl Client {
 
 #[cfg(test)]
 mod tests {
-    use super::jittered;
+    use super::{jittered, Client};
+    use crate::Error;
+    use holdfast_proto::v1::{self as pb, ErrorDetail, Reason};
+    use prost::Message;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
+
+    fn refusal(code: tonic::Code, reason: Reason) -> tonic::Status {
+        let detail = ErrorDetail {
+            reason: reason as i32,
+            limit: "max_calls_per_connection".into(),
+            ..Default::default()
+        };
+        tonic::Status::with_details(code, "refused", detail.encode_to_vec().into())
+    }
+
+    /// The errors a call returns when its attempts fail with `answers` in turn (two servers, so a retry
+    /// goes to the other one).
+    async fn outcome(answers: Vec<tonic::Status>) -> Error {
+        let client = Client::unconnected_to(&["127.0.0.1:9", "127.0.0.1:10"], 1);
+        let tries = AtomicUsize::new(0);
+        let got = client
+            .call_via(0, Duration::ZERO, |_| {
+                let answer = answers[tries.fetch_add(1, Ordering::SeqCst)].clone();
+                async move { Err::<tonic::Response<pb::AcquireResponse>, _>(answer) }
+            })
+            .await
+            .expect_err("every attempt fails");
+        assert_eq!(tries.load(Ordering::SeqCst), answers.len(), "{got}");
+        got
+    }
+
+    /// A refusal before the lock table (a quota, a policy reload) that meets a retry does not prove the
+    /// request changed nothing: an earlier attempt whose answer was lost may have been queued. Such an
+    /// error must not be "not applied", or the session would not cancel a wait that may be granted to
+    /// it later. The table's own answers stay trusted, and a refusal on the first attempt stays a
+    /// refusal.
+    #[tokio::test]
+    async fn a_refusal_after_an_attempt_with_an_unknown_outcome_may_have_been_applied() {
+        let lost = tonic::Status::unavailable("connection reset");
+        let quota = refusal(tonic::Code::ResourceExhausted, Reason::LimitExceeded);
+        let policy = refusal(tonic::Code::PermissionDenied, Reason::AccessDenied);
+        let held = refusal(tonic::Code::FailedPrecondition, Reason::LockHeld);
+
+        let first = outcome(vec![quota.clone()]).await;
+        assert!(matches!(first, Error::LimitExceeded { .. }) && first.not_applied());
+        for late in [quota, policy] {
+            let retried = outcome(vec![lost.clone(), late]).await;
+            assert!(
+                matches!(&retried, Error::Unavailable(m) if m.contains("may have been applied")),
+                "{retried:?}"
+            );
+            assert!(!retried.not_applied());
+        }
+        let retried = outcome(vec![lost, held]).await;
+        assert!(matches!(retried, Error::LockHeld { .. }) && retried.not_applied());
+    }
 
     /// Every pause lies between half the backoff and all of it, the pauses spread over that range, and
     /// one seed gives one sequence.

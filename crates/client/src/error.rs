@@ -63,6 +63,8 @@ impl Error {
     /// True if the request certainly was not applied. False if it may have been: the client retries
     /// with the same request id, so an earlier attempt can have been applied before a later one failed
     /// (a retried acquire can be granted, then meet SESSION_UNKNOWN because the session expired since).
+    /// For that reason a refusal before the lock table that meets a retry after an attempt with an
+    /// unknown outcome comes back as [`Error::Unavailable`], not as itself.
     pub fn not_applied(&self) -> bool {
         matches!(
             self,
@@ -74,6 +76,22 @@ impl Error {
                 | Error::NotHolder(_)
                 | Error::PermissionDenied(_)
                 | Error::PermitsMismatch { .. }
+        )
+    }
+}
+
+impl Error {
+    /// True for a refusal a server makes before the request reaches the lock table: its checks of the
+    /// request's fields, of the caller's permissions (the access policy, which a reload changes), and of
+    /// limits and quotas. A retry can meet one while an earlier attempt of the same request, whose answer
+    /// never arrived, was applied (queued or granted): the refusal speaks for the retry only. The lock
+    /// table's own answers (`LOCK_HELD`, `ALREADY_HELD`, `STALE_TOKEN`, `NOT_HOLDER`,
+    /// `PERMITS_MISMATCH`) are the request's outcome whichever attempt met them: the table answers a
+    /// request id it has seen from its deduplication window.
+    pub(crate) fn refused_before_the_table(&self) -> bool {
+        matches!(
+            self,
+            Error::LimitExceeded { .. } | Error::InvalidArgument(_) | Error::PermissionDenied(_)
         )
     }
 }

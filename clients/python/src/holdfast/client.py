@@ -285,6 +285,10 @@ class Client:
         target = self._leader_of(group)
         backoff = 0.02
         redirects = 0
+        # Why an earlier attempt's outcome is unknown (it timed out, or failed in a way that may have come
+        # after the server took it): a later refusal before the lock table is then no proof that nothing
+        # was applied (see errors.refused_before_the_table).
+        unknown: Optional[str] = None
         while True:
             with self._lock:
                 server = self._servers[target]
@@ -320,6 +324,11 @@ class Client:
                 if not outcome.answered:
                     self._mark_failed(target)
                 reason = f"{server.endpoint}: {outcome}"
+                unknown = reason
+            elif unknown is not None and errors.refused_before_the_table(outcome):
+                raise errors.Unavailable(
+                    f"a retry was refused ({outcome}), but an earlier attempt may have been applied ({unknown})"
+                ) from outcome
             else:
                 raise outcome
             pause = backoff / 2 + self._random.random() * (backoff / 2)

@@ -161,6 +161,16 @@ class Retry(Exception):
         self.answered = answered
 
 
+def refused_before_the_table(outcome: Exception) -> bool:
+    """True for a refusal a server makes before the request reaches the lock table: its checks of the
+    request's fields, of the caller's permissions (the access policy, which a reload changes), and of limits
+    and quotas. A retry can meet one while an earlier attempt of the same request, whose answer never
+    arrived, was applied (queued or granted): the refusal speaks for the retry only. The lock table's own
+    answers (LOCK_HELD, ALREADY_HELD, STALE_TOKEN, NOT_HOLDER, PERMITS_MISMATCH) are the request's outcome
+    whichever attempt met them: the table answers a request id it has seen from its deduplication window."""
+    return isinstance(outcome, (LimitExceeded, InvalidArgument, PermissionDenied))
+
+
 def answered(outcome: Exception) -> bool:
     """True if a Holdfast server sent ``outcome`` (a redirect, or a retry with its detail): the server is up."""
     return isinstance(outcome, Redirect) or (isinstance(outcome, Retry) and outcome.answered)
