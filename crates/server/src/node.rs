@@ -352,10 +352,10 @@ impl Node {
         let peer_addr = peer_listener.local_addr()?;
         let client_addr = client_listener.local_addr()?;
 
-        let peer_service = holdfast_proto::v1::peer_server::PeerServer::new(PeerService {
-            lookup: shared.clone(),
-            me: peer_identity,
-        })
+        let peer_service = holdfast_proto::v1::peer_server::PeerServer::new(PeerService::new(
+            shared.clone(),
+            peer_identity,
+        ))
         .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
         let mut rx = shutdown_rx.clone();

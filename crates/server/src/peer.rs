@@ -31,6 +31,10 @@ use tonic::transport::{Channel, Endpoint};
 const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 /// Largest snapshot a server accepts from a peer: ~20× the design's 100 MB table.
 pub const MAX_SNAPSHOT_BYTES: usize = 2 << 30;
+/// Snapshots a server receives at once, over all its groups: each is buffered whole (up to
+/// `MAX_SNAPSHOT_BYTES`) and decoded before it is installed, so this bounds that memory. Another is
+/// refused `UNAVAILABLE` and its leader sends it again later (openraft retries a failed snapshot).
+pub const MAX_SNAPSHOT_RECEIVES: usize = 2;
 /// Largest single peer message (an AppendEntries batch).
 pub const MAX_PEER_MESSAGE_BYTES: usize = 64 << 20;
 
@@ -813,11 +817,21 @@ pub trait RaftLookup: Send + Sync + 'static {
 
 /// The server side of peer traffic.
 pub struct PeerService<L> {
-    pub lookup: Arc<L>,
-    pub me: PeerIdentity,
+    lookup: Arc<L>,
+    me: PeerIdentity,
+    /// `MAX_SNAPSHOT_RECEIVES` permits, one held by each snapshot being received.
+    receiving: Arc<tokio::sync::Semaphore>,
 }
 
 impl<L: RaftLookup> PeerService<L> {
+    pub fn new(lookup: Arc<L>, me: PeerIdentity) -> Self {
+        PeerService {
+            lookup,
+            me,
+            receiving: Arc::new(tokio::sync::Semaphore::new(MAX_SNAPSHOT_RECEIVES)),
+        }
+    }
+
     /// Serves one `AppendStream`: the first request's header and vote are checked like a unary
     /// append's, and every later one must carry the same header and a vote of the same node.
     async fn serve_append_stream(
@@ -1044,6 +1058,7 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         let service = PeerService {
             lookup: self.lookup.clone(),
             me: self.me,
+            receiving: self.receiving.clone(),
         };
         tokio::spawn(async move {
             if let Err(status) = service.serve_append_stream(stream, sender, &tx).await {
@@ -1123,6 +1138,14 @@ impl<L: RaftLookup> Peer for PeerService<L> {
         let meta =
             formats::snapshot_meta_from_pb(required(&first.meta, "snapshot meta").map_err(bad)?)
                 .map_err(bad)?;
+        // Held until the snapshot is installed (or refused): its bytes and its decoded table are
+        // in memory until then.
+        let _receiving = self.receiving.clone().try_acquire_owned().map_err(|_| {
+            tonic::Status::unavailable(format!(
+                "{MAX_SNAPSHOT_RECEIVES} snapshots are being received already \
+                 (max_snapshot_receives); send this one again later"
+            ))
+        })?;
         let mut data = Vec::new();
         let mut next = Some(first.data);
         while let Some(piece) = match next.take() {

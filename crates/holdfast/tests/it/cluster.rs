@@ -803,6 +803,104 @@ async fn a_follower_refuses_an_append_stream_request_from_another_sender_with_in
     assert!(end.message().contains("another header"), "{end:?}");
 }
 
+/// A server receives at most `max_snapshot_receives` (2) snapshots at once over all its groups, since
+/// each is buffered whole: a third is refused UNAVAILABLE (its leader sends it again later), and a
+/// place frees when a snapshot being received ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_receives_at_most_two_snapshots_at_once() {
+    use holdfast_proto::v1::{
+        peer_client::PeerClient, MemberNode, Membership, PeerHeader, SnapshotChunk, SnapshotMeta,
+        Vote, VoterSet,
+    };
+    let c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let follower = (1..=3u64).find(|&n| n != leader).unwrap();
+    let status = c.group_status(follower, 0).await.unwrap();
+    let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
+    // A first chunk as the leader would send it, then bytes that are no snapshot: a stream that ends
+    // is refused INVALID_ARGUMENT when its bytes are checked, which shows it had been let in.
+    let first = SnapshotChunk {
+        header: Some(PeerHeader {
+            format: 1,
+            cluster_id,
+            from_node: leader,
+            to_node: follower,
+            group: 0,
+        }),
+        vote: Some(Vote {
+            term: status.term,
+            node: leader,
+            committed: true,
+        }),
+        meta: Some(SnapshotMeta {
+            membership: Some(Membership {
+                configs: vec![VoterSet { ids: vec![leader] }],
+                nodes: vec![MemberNode {
+                    id: leader,
+                    ..Default::default()
+                }],
+            }),
+            ..Default::default()
+        }),
+        data: b"not a snapshot".to_vec(),
+    };
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", c.peer_endpoint(follower)))
+            .unwrap()
+            .timeout(Duration::from_secs(30));
+    let peer = PeerClient::new(c.connect(endpoint).await.unwrap());
+    // Snapshot stream `i`, whose sender stays open until its `Sender` is dropped; its task's output
+    // names it.
+    let open = |i: usize| {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.try_send(first.clone()).unwrap();
+        let chunks = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|chunk| (chunk, rx))
+        });
+        let mut peer = peer.clone();
+        let reply =
+            tokio::spawn(async move { (i, peer.install_snapshot(chunks).await.map(|_| ())) });
+        (tx, reply)
+    };
+    let (mut senders, replies): (Vec<_>, Vec<_>) = (0..3).map(open).unzip();
+    let (done, _, mut open_ones) =
+        tokio::time::timeout(SECS_30, futures::future::select_all(replies))
+            .await
+            .expect("none of three snapshots at once was refused");
+    let (refused, answer) = done.unwrap();
+    let answer = answer.expect_err("a snapshot of no bytes was installed");
+    assert_eq!(answer.code(), tonic::Code::Unavailable, "{answer:?}");
+    assert!(
+        answer.message().contains("max_snapshot_receives"),
+        "{answer:?}"
+    );
+    assert!(open_ones.iter().all(|reply| !reply.is_finished()));
+    // The two let in are being received: ending one has its bytes checked (and refused).
+    let ending = (0..3).find(|&i| i != refused).unwrap();
+    senders[ending] = tokio::sync::mpsc::channel(1).0;
+    let (done, _, rest) =
+        tokio::time::timeout(SECS_30, futures::future::select_all(open_ones.drain(..)))
+            .await
+            .expect("an ended snapshot stream was not answered");
+    let (ended, answer) = done.unwrap();
+    assert_eq!(ended, ending, "the snapshot still being sent was answered");
+    let answer = answer.expect_err("junk was installed");
+    assert_eq!(answer.code(), tonic::Code::InvalidArgument, "{answer:?}");
+    assert!(answer.message().contains("unusable"), "{answer:?}");
+    // Its place is free again: another is let in beside the one still open.
+    let (tx, reply) = open(3);
+    drop(tx);
+    let (_, answer) = tokio::time::timeout(SECS_30, reply).await.unwrap().unwrap();
+    let answer = answer.expect_err("junk was installed");
+    assert_eq!(answer.code(), tonic::Code::InvalidArgument, "{answer:?}");
+    assert!(rest.iter().all(|reply| !reply.is_finished()));
+    drop(senders);
+}
+
 /// Opens `n` sessions of a 2 s TTL that never renew, each holding one lock (all at once, so that
 /// they come due together), and returns how many log entries their expiry took (the leader's applied
 /// index before and after every one expired).
