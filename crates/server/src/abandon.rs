@@ -265,10 +265,17 @@ struct IntentV1 {
 const MAX_PENDING_ABANDONS: usize = 10_000;
 
 /// The abandons this server owes, mirrored in `DATA_DIR/abandons`: a version byte, the postcard list,
-/// and a CRC-32 of both; replaced whole (temporary file, fsync, rename, directory fsync) on each change.
+/// and a CRC-32 of both; replaced whole (temporary file, fsync, rename, directory fsync) after changes.
+/// Changes that arrive while a write runs are carried by the next write together, so a burst of calls
+/// going away (a client's connection with many waits) costs a few writes, not one each.
 pub struct PendingAbandons {
     path: std::path::PathBuf,
-    set: tokio::sync::Mutex<std::collections::BTreeSet<Intent>>,
+    /// What is owed, and how many changes it has had.
+    set: std::sync::Mutex<(std::collections::BTreeSet<Intent>, u64)>,
+    /// How many changes the file on disk holds. Held while a write runs, so writes do not interleave.
+    written: tokio::sync::Mutex<u64>,
+    /// Writes of the file so far (for tests).
+    writes: AtomicU64,
     loaded: Vec<Intent>,
 }
 
@@ -288,7 +295,9 @@ impl PendingAbandons {
         };
         PendingAbandons {
             path,
-            set: tokio::sync::Mutex::new(loaded.iter().cloned().collect()),
+            set: std::sync::Mutex::new((loaded.iter().cloned().collect(), 0)),
+            written: tokio::sync::Mutex::new(0),
+            writes: AtomicU64::new(0),
             loaded,
         }
     }
@@ -321,28 +330,50 @@ impl PendingAbandons {
         }
     }
 
+    /// Adds an abandon this server owes; returns once the file holds it (or writing it failed, which is
+    /// logged: the abandon still runs, but a crash would forget it).
     async fn add(&self, intent: &Intent) {
-        let mut set = self.set.lock().await;
-        if set.len() < MAX_PENDING_ABANDONS && set.insert(intent.clone()) {
-            self.persist(&set).await;
-        }
+        let change = {
+            let mut set = self.set.lock().expect("pending abandons lock");
+            if set.0.len() >= MAX_PENDING_ABANDONS || !set.0.insert(intent.clone()) {
+                return;
+            }
+            set.1 += 1;
+            set.1
+        };
+        self.write_through(change).await;
     }
 
     async fn remove(&self, intent: &Intent) {
-        let mut set = self.set.lock().await;
-        if set.remove(intent) {
-            self.persist(&set).await;
-        }
+        let change = {
+            let mut set = self.set.lock().expect("pending abandons lock");
+            if !set.0.remove(intent) {
+                return;
+            }
+            set.1 += 1;
+            set.1
+        };
+        self.write_through(change).await;
     }
 
-    /// Writes the set (the lock is held, so writes do not interleave).
-    async fn persist(&self, set: &std::collections::BTreeSet<Intent>) {
-        let list: Vec<&Intent> = set.iter().collect();
-        let mut bytes = vec![PENDING_FORMAT];
-        bytes.extend(postcard::to_allocvec(&list).expect("encoding to a Vec cannot fail"));
-        bytes.extend(crc32fast::hash(&bytes).to_le_bytes());
+    /// Returns once the file holds change number `change` (a write that started after it was made
+    /// carried it), writing the whole set if none has yet.
+    async fn write_through(&self, change: u64) {
+        let mut written = self.written.lock().await;
+        if *written >= change {
+            return;
+        }
+        let (bytes, changes) = {
+            let set = self.set.lock().expect("pending abandons lock");
+            let list: Vec<&Intent> = set.0.iter().collect();
+            let mut bytes = vec![PENDING_FORMAT];
+            bytes.extend(postcard::to_allocvec(&list).expect("encoding to a Vec cannot fail"));
+            bytes.extend(crc32fast::hash(&bytes).to_le_bytes());
+            (bytes, set.1)
+        };
+        self.writes.fetch_add(1, Relaxed);
         let path = self.path.clone();
-        let written = crate::blocking(move || {
+        let result = crate::blocking(move || {
             use std::io::Write;
             let tmp = path.with_extension("tmp");
             let mut file = holdfast_wal::fs::File::create(&tmp)?;
@@ -352,8 +383,11 @@ impl PendingAbandons {
             holdfast_wal::fs::sync_dir(path.parent().unwrap_or(std::path::Path::new(".")))
         })
         .await;
-        if let Err(e) = written {
-            tracing::warn!(path = %self.path.display(), %e, "cannot write the pending abandons file");
+        match result {
+            Ok(()) => *written = changes,
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), %e, "cannot write the pending abandons file")
+            }
         }
     }
 }
@@ -421,20 +455,10 @@ async fn forward(
     let client_endpoint = node
         .client_endpoint(leader)
         .ok_or_else(|| format!("node {leader} is not a member"))?;
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{client_endpoint}"))
-        .map_err(|e| e.to_string())?
-        .connect_timeout(if node.tls.is_some() {
-            holdfast_proto::transport::TLS_CONNECT_TIMEOUT
-        } else {
-            holdfast_proto::transport::CONNECT_TIMEOUT
-        })
-        .timeout(FORWARD_TIMEOUT);
-    // Over TLS when the cluster has it: the request carries the session's secret.
-    let mut client = pb::holdfast_client::HoldfastClient::new(crate::tls::client_channel(
-        endpoint,
-        leader,
-        node.tls.as_deref(),
-    ));
+    // Over TLS when the cluster has it (the request carries the session's secret), on a channel kept
+    // for the next forward: thousands of abandons retried against one leader share a connection.
+    let mut client =
+        pb::holdfast_client::HoldfastClient::new(node.client_channel(leader, &client_endpoint)?);
     let request = pb::CancelAcquireRequest {
         group,
         session_id: session.0,
@@ -490,6 +514,45 @@ mod tests {
         *bytes.last_mut().unwrap() ^= 1;
         std::fs::write(&path, &bytes).unwrap();
         assert!(PendingAbandons::open(dir.path()).loaded().is_empty());
+    }
+
+    /// A burst of abandons (a connection with many waits going away) is written a few times, not once
+    /// per abandon, and what is on disk afterwards is exactly what is still owed.
+    #[tokio::test]
+    async fn a_burst_of_abandons_shares_its_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = Arc::new(PendingAbandons::open(dir.path()));
+        let adds: Vec<_> = (1..=200)
+            .map(|r| {
+                let p = p.clone();
+                tokio::spawn(async move { p.add(&intent(r)).await })
+            })
+            .collect();
+        for add in adds {
+            add.await.unwrap();
+        }
+        let writes = p.writes.load(Relaxed);
+        assert!((1..=10).contains(&writes), "{writes} writes for 200 adds");
+        assert_eq!(PendingAbandons::open(dir.path()).loaded().len(), 200);
+        let removes: Vec<_> = (1..=200)
+            .filter(|r| r % 2 == 0)
+            .map(|r| {
+                let p = p.clone();
+                tokio::spawn(async move { p.remove(&intent(r)).await })
+            })
+            .collect();
+        for remove in removes {
+            remove.await.unwrap();
+        }
+        assert!(p.writes.load(Relaxed) - writes <= 10);
+        let left = PendingAbandons::open(dir.path()).loaded();
+        assert_eq!(
+            left,
+            (1..=200)
+                .filter(|r| r % 2 == 1)
+                .map(intent)
+                .collect::<Vec<_>>()
+        );
     }
 
     /// A file written before session secrets (format 1) is still taken up, with secret 0.

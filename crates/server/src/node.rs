@@ -52,9 +52,10 @@ pub struct NodeShared {
     pub watches: Arc<crate::watch::Slots>,
     /// Calls in flight on the `Calls` streams of each client connection (see `calls`).
     pub calls_by_connection: crate::calls::ByConnection,
-    /// Channels to other servers' client ports for status probes (readiness, the leader balancer's round
-    /// in a placed cluster), by node id and endpoint: each probe used to open, and close, a connection.
-    status_channels: std::sync::Mutex<BTreeMap<(u64, String), tonic::transport::Channel>>,
+    /// Channels to other servers' client ports, by node id and endpoint, for status probes (readiness,
+    /// the leader balancer's round in a placed cluster) and abandons forwarded to a leader
+    /// (`abandon::forward`): each probe or forward used to open, and close, a connection.
+    client_channels: std::sync::Mutex<BTreeMap<(u64, String), tonic::transport::Channel>>,
     /// The members learned from the others in a placed cluster (see [`Directory`]).
     directory: std::sync::Mutex<Directory>,
 }
@@ -81,9 +82,9 @@ struct Directory {
 /// (`learn_members`): the leader balancer's period, whose rounds count too.
 const DIRECTORY_EVERY: Duration = Duration::from_secs(2);
 
-/// Most channels [`NodeShared::member_status`] keeps (it starts over past it): far more than a cluster
+/// Most channels [`NodeShared::client_channel`] keeps (it starts over past it): far more than a cluster
 /// has members, so only addresses that changed many times can reach it.
-const MAX_STATUS_CHANNELS: usize = 256;
+const MAX_CLIENT_CHANNELS: usize = 256;
 
 impl RaftLookup for NodeShared {
     fn raft(&self, group: u32) -> Option<&Raft> {
@@ -327,7 +328,7 @@ impl Node {
             )),
             watches: Default::default(),
             calls_by_connection: Default::default(),
-            status_channels: Default::default(),
+            client_channels: Default::default(),
             directory: Default::default(),
         });
         crate::abandon::resume(&shared);
@@ -849,30 +850,37 @@ impl NodeShared {
 }
 
 impl NodeShared {
-    /// Asks another server (node `id` at `endpoint`) for its status, within a second, on a channel kept
-    /// for the next probe.
+    /// A channel to node `id`'s client port at `endpoint`, kept for the next call to it (over TLS when
+    /// the cluster has it). It has no request timeout: callers bound their calls.
+    pub fn client_channel(
+        &self,
+        id: u64,
+        endpoint: &str,
+    ) -> Result<tonic::transport::Channel, String> {
+        let mut channels = self.client_channels.lock().expect("client channels lock");
+        let key = (id, endpoint.to_string());
+        if let Some(channel) = channels.get(&key) {
+            return Ok(channel.clone());
+        }
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(if self.tls.is_some() {
+                holdfast_proto::transport::TLS_CONNECT_TIMEOUT
+            } else {
+                holdfast_proto::transport::CONNECT_TIMEOUT
+            });
+        let channel = crate::tls::client_channel(endpoint, id, self.tls.as_deref());
+        if channels.len() >= MAX_CLIENT_CHANNELS {
+            channels.clear();
+        }
+        channels.insert(key, channel.clone());
+        Ok(channel)
+    }
+
+    /// Asks another server (node `id` at `endpoint`) for its status, within a second.
     async fn member_status(&self, endpoint: &str, id: u64) -> Result<pb::StatusResponse, String> {
         const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-        let channel = {
-            let mut channels = self.status_channels.lock().expect("status channels lock");
-            let key = (id, endpoint.to_string());
-            match channels.get(&key) {
-                Some(channel) => channel.clone(),
-                None => {
-                    let endpoint =
-                        tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
-                            .map_err(|e| e.to_string())?
-                            .connect_timeout(PROBE_TIMEOUT)
-                            .timeout(PROBE_TIMEOUT);
-                    let channel = crate::tls::client_channel(endpoint, id, self.tls.as_deref());
-                    if channels.len() >= MAX_STATUS_CHANNELS {
-                        channels.clear();
-                    }
-                    channels.insert(key, channel.clone());
-                    channel
-                }
-            }
-        };
+        let channel = self.client_channel(id, endpoint)?;
         let mut client = pb::holdfast_client::HoldfastClient::new(channel);
         match tokio::time::timeout(PROBE_TIMEOUT, client.status(pb::StatusRequest::default())).await
         {
