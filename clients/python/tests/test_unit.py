@@ -283,21 +283,22 @@ def test_a_refused_acquire_is_not_cancelled() -> None:
 @pytest.mark.parametrize(
     "late",
     [
-        (lock_pb2.LIMIT_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (lock_pb2.ACCESS_DENIED, grpc.StatusCode.PERMISSION_DENIED),
+        reason(lock_pb2.LIMIT_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, limit="max_calls_per_connection"),
+        reason(lock_pb2.ACCESS_DENIED, grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
-def test_a_refusal_of_a_retry_after_a_lost_answer_still_cancels_the_acquire(late: tuple[int, Any]) -> None:
+def test_a_refusal_of_a_retry_after_a_lost_answer_still_cancels_the_acquire(late: FakeRpcError) -> None:
     # Attempt 1 may have been queued at the leader (its answer was lost); the retry under the same request
-    # id is refused before the lock table (a quota, a policy reloaded meanwhile). The refusal speaks for
-    # the retry only: attempt 1's wait may still be granted, so the acquire must be cancelled.
+    # id is refused on grounds that change between attempts (the calls in flight, a policy reloaded
+    # meanwhile). The refusal speaks for the retry only: attempt 1's wait may still be granted, so the
+    # acquire must be cancelled.
     cancelled = threading.Event()
 
     def cancel(r: Any) -> Any:
         cancelled.set()
         return lock_pb2.CancelAcquireResponse()
 
-    answers = iter([FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), reason(*late)])
+    answers = iter([FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), late])
     server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
     server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(next(answers))
     c = fake_client([server])
@@ -308,6 +309,27 @@ def test_a_refusal_of_a_retry_after_a_lost_answer_still_cancels_the_acquire(late
     assert cancelled.wait(10), "the acquire whose first attempt may have been queued was never cancelled"
     first, second = server.requests("Acquire")
     assert first.request_id == second.request_id == server.requests("CancelAcquire")[0].request_id
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        reason(lock_pb2.LIMIT_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT, limit="max_name_bytes"),
+        reason(lock_pb2.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED),
+        reason(lock_pb2.LOCK_HELD, grpc.StatusCode.ABORTED),
+    ],
+)
+def test_a_refusal_every_attempt_meets_alike_stays_a_refusal_after_a_lost_answer(late: FakeRpcError) -> None:
+    # A check of the request itself, of its session's secret, or the lock table's own answer: the lost
+    # attempt met (or will meet) the same, so nothing was applied and nothing is cancelled.
+    answers = iter([FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), late])
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews()})
+    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(next(answers))
+    s = fake_client([server]).session()
+    with pytest.raises(errors.HoldfastError) as raised:
+        s.acquire("x", timeout=1)
+    assert raised.value.not_applied and not isinstance(raised.value, errors.Unavailable)
+    assert len(server.requests("Acquire")) == 2 and server.requests("CancelAcquire") == []
 
 
 def test_a_grant_that_arrives_after_the_lease_lapsed_is_released_not_returned() -> None:

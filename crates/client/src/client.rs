@@ -6,7 +6,7 @@
 //! jittered between half and all of that), until the request's deadline. Every attempt has its own
 //! timeout, so a silent (partitioned or paused) server costs at most one attempt.
 
-use crate::error::{classify, Disposition, Error};
+use crate::error::{classify, refused_for_now, Disposition, Error};
 use holdfast_proto::v1 as pb;
 use holdfast_proto::v1::holdfast_client::HoldfastClient;
 use std::future::Future;
@@ -580,8 +580,8 @@ impl Client {
         let mut backoff = Duration::from_millis(20);
         let mut redirects = 0;
         // Why an earlier attempt's outcome is unknown (it timed out, or failed in a way that may have
-        // come after the server took it): a later refusal before the lock table is then no proof that
-        // nothing was applied (`Error::refused_before_the_table`).
+        // come after the server took it): a later refusal that can change between attempts is then no
+        // proof that nothing was applied (`refused_for_now`).
         let mut unknown: Option<String> = None;
         loop {
             let via = Via {
@@ -605,7 +605,7 @@ impl Client {
                 Ok(Err(status)) => match classify(&status) {
                     Disposition::Fail(e) => {
                         return Err(match unknown {
-                            Some(earlier) if e.refused_before_the_table() => Error::Unavailable(
+                            Some(earlier) if refused_for_now(&status) => Error::Unavailable(
                                 format!(
                                     "a retry was refused ({e}), but an earlier attempt may have \
                                      been applied ({earlier})"
@@ -946,10 +946,10 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
-    fn refusal(code: tonic::Code, reason: Reason) -> tonic::Status {
+    fn refusal(code: tonic::Code, reason: Reason, limit: &str) -> tonic::Status {
         let detail = ErrorDetail {
             reason: reason as i32,
-            limit: "max_calls_per_connection".into(),
+            limit: limit.into(),
             ..Default::default()
         };
         tonic::Status::with_details(code, "refused", detail.encode_to_vec().into())
@@ -971,21 +971,32 @@ mod tests {
         got
     }
 
-    /// A refusal before the lock table (a quota, a policy reload) that meets a retry does not prove the
-    /// request changed nothing: an earlier attempt whose answer was lost may have been queued. Such an
-    /// error must not be "not applied", or the session would not cancel a wait that may be granted to
-    /// it later. The table's own answers stay trusted, and a refusal on the first attempt stays a
-    /// refusal.
+    /// A refusal that can change between attempts (the calls in flight, a policy reload) that meets a
+    /// retry does not prove the request changed nothing: an earlier attempt whose answer was lost may
+    /// have been queued. Such an error must not be "not applied", or the session would not cancel a
+    /// wait that may be granted to it later. Refusals that every attempt would meet alike, and the lock
+    /// table's answers, stay what they are; so does any refusal of a first attempt.
     #[tokio::test]
     async fn a_refusal_after_an_attempt_with_an_unknown_outcome_may_have_been_applied() {
+        use tonic::Code;
         let lost = tonic::Status::unavailable("connection reset");
-        let quota = refusal(tonic::Code::ResourceExhausted, Reason::LimitExceeded);
-        let policy = refusal(tonic::Code::PermissionDenied, Reason::AccessDenied);
-        let held = refusal(tonic::Code::FailedPrecondition, Reason::LockHeld);
+        let busy = refusal(
+            Code::ResourceExhausted,
+            Reason::LimitExceeded,
+            "max_calls_per_connection",
+        );
+        let policy = refusal(Code::PermissionDenied, Reason::AccessDenied, "");
+        let long = refusal(
+            Code::InvalidArgument,
+            Reason::LimitExceeded,
+            "max_name_bytes",
+        );
+        let secret = refusal(Code::PermissionDenied, Reason::PermissionDenied, "");
+        let held = refusal(Code::FailedPrecondition, Reason::LockHeld, "");
 
-        let first = outcome(vec![quota.clone()]).await;
+        let first = outcome(vec![busy.clone()]).await;
         assert!(matches!(first, Error::LimitExceeded { .. }) && first.not_applied());
-        for late in [quota, policy] {
+        for late in [busy, policy] {
             let retried = outcome(vec![lost.clone(), late]).await;
             assert!(
                 matches!(&retried, Error::Unavailable(m) if m.contains("may have been applied")),
@@ -993,8 +1004,10 @@ mod tests {
             );
             assert!(!retried.not_applied());
         }
-        let retried = outcome(vec![lost, held]).await;
-        assert!(matches!(retried, Error::LockHeld { .. }) && retried.not_applied());
+        for late in [long, secret, held] {
+            let retried = outcome(vec![lost.clone(), late]).await;
+            assert!(retried.not_applied(), "{retried:?}");
+        }
     }
 
     /// Every pause lies between half the backoff and all of it, the pauses spread over that range, and

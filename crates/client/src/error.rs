@@ -63,8 +63,9 @@ impl Error {
     /// True if the request certainly was not applied. False if it may have been: the client retries
     /// with the same request id, so an earlier attempt can have been applied before a later one failed
     /// (a retried acquire can be granted, then meet SESSION_UNKNOWN because the session expired since).
-    /// For that reason a refusal before the lock table that meets a retry after an attempt with an
-    /// unknown outcome comes back as [`Error::Unavailable`], not as itself.
+    /// For that reason a refusal that can change between attempts (the access policy, the calls in
+    /// flight) that meets a retry after an attempt with an unknown outcome comes back as
+    /// [`Error::Unavailable`], not as itself.
     pub fn not_applied(&self) -> bool {
         matches!(
             self,
@@ -80,19 +81,25 @@ impl Error {
     }
 }
 
-impl Error {
-    /// True for a refusal a server makes before the request reaches the lock table: its checks of the
-    /// request's fields, of the caller's permissions (the access policy, which a reload changes), and of
-    /// limits and quotas. A retry can meet one while an earlier attempt of the same request, whose answer
-    /// never arrived, was applied (queued or granted): the refusal speaks for the retry only. The lock
-    /// table's own answers (`LOCK_HELD`, `ALREADY_HELD`, `STALE_TOKEN`, `NOT_HOLDER`,
-    /// `PERMITS_MISMATCH`) are the request's outcome whichever attempt met them: the table answers a
-    /// request id it has seen from its deduplication window.
-    pub(crate) fn refused_before_the_table(&self) -> bool {
-        matches!(
-            self,
-            Error::LimitExceeded { .. } | Error::InvalidArgument(_) | Error::PermissionDenied(_)
-        )
+/// Limits a server checks before the lock table that depend on more than the request: the calls its
+/// connection has in flight at the moment.
+const LIMITS_OF_THE_MOMENT: [&str; 2] = ["max_calls_per_connection", "max_calls_per_stream"];
+
+/// True for a refusal a server makes before the request reaches the lock table, on grounds that can
+/// change between two attempts of one request: the access policy (`ACCESS_DENIED`; a reload changes
+/// it) and the limits on calls in flight. A retry can meet one while an earlier attempt, whose answer
+/// never arrived, was applied (queued or granted): such a refusal speaks for the retry only. Every
+/// other refusal either refuses every attempt alike (checks of the request's own fields, its session's
+/// secret) or is the lock table's answer, which the table gives a request id it has seen from its
+/// deduplication window: either way the request's own outcome.
+pub(crate) fn refused_for_now(status: &tonic::Status) -> bool {
+    let Some(d) = ErrorDetail::decode(status.details()).ok() else {
+        return false;
+    };
+    match Reason::try_from(d.reason) {
+        Ok(Reason::AccessDenied) => true,
+        Ok(Reason::LimitExceeded) => LIMITS_OF_THE_MOMENT.contains(&d.limit.as_str()),
+        _ => false,
     }
 }
 

@@ -719,8 +719,14 @@ impl Session {
             loop {
                 match session.cancel_acquire(&name, request_id).await {
                     Ok(()) | Err(Error::SessionUnknown(_)) => return,
+                    // Refusals every try would meet alike. (A principal the policy no longer lists
+                    // is refused its keepalives too, so its session expires with the wait.)
                     Err(
-                        e @ (Error::InvalidArgument(_) | Error::Other(_) | Error::NotHolder(_)),
+                        e @ (Error::InvalidArgument(_)
+                        | Error::LimitExceeded { .. }
+                        | Error::PermissionDenied(_)
+                        | Error::Other(_)
+                        | Error::NotHolder(_)),
                     ) => {
                         tracing::warn!(%e, name, "cancelling an abandoned acquire failed");
                         return;

@@ -58,9 +58,15 @@ impl std::fmt::Display for Permission {
 pub enum Need<'a> {
     /// `lock` on this name.
     Lock(&'a str),
-    /// `lock` on this name, for `CancelAcquire`, which other servers also send (forwarding an acquire
-    /// whose caller went away to the leader).
+    /// For `CancelAcquire`: any principal the policy lists, whatever its roles grant now (the session's
+    /// secret, checked after, shows the session is the caller's). Giving up is never refused for a
+    /// revoked permission: a principal whose `lock` on a name was revoked while one of its acquires
+    /// waited there must be able to take that wait back, or it may be granted to a session that still
+    /// renews (its other names' permissions keep it alive) and whose owner does not know. Other
+    /// servers send it too (forwarding an acquire whose caller went away to the leader).
     Cancel(&'a str),
+    /// For `Release`: as `Cancel` (letting go of a lock the session holds), but not for servers.
+    Release(&'a str),
     /// `lock` on some prefix (sessions are not tied to names).
     LockAny,
     /// `read` on every name under this prefix (a name is its own prefix).
@@ -124,7 +130,8 @@ impl Grants {
         let under =
             |prefixes: &[String], name: &str| prefixes.iter().any(|p| name.starts_with(p.as_str()));
         match need {
-            Need::Lock(name) | Need::Cancel(name) => under(&self.lock, name),
+            Need::Lock(name) => under(&self.lock, name),
+            Need::Cancel(_) | Need::Release(_) => true,
             Need::LockAny => !self.lock.is_empty(),
             Need::Read(prefix) => under(&self.read, prefix),
             Need::Admin => self.admin,
@@ -272,7 +279,7 @@ impl Policy {
             n[..end].to_string()
         };
         let (perm, on) = match need {
-            Need::Lock(name) | Need::Cancel(name) => (
+            Need::Lock(name) | Need::Cancel(name) | Need::Release(name) => (
                 Permission::Lock.to_string(),
                 format!(" on {:?}", short(name)),
             ),
@@ -504,6 +511,12 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         assert!(p.check("ops", Need::Read("b/x")).is_ok());
         assert!(p.check("ops", Need::Admin).is_ok());
         assert!(p.check("ops", Need::LockAny).is_err());
+        // Giving up needs only to be listed: alice may take back a wait or release a lock on b/x
+        // (where her lock was revoked, say); the session's secret is checked after.
+        assert!(p.check("alice", Need::Cancel("b/x")).is_ok());
+        assert!(p.check("alice", Need::Release("b/x")).is_ok());
+        assert!(p.check("mallory", Need::Cancel("a/x")).is_err());
+        assert!(p.check("mallory", Need::Release("a/x")).is_err());
         let e = p.check("mallory", Need::Any).unwrap_err();
         assert!(e.message().contains("not in the policy"), "{}", e.message());
         assert!(p.check(ANONYMOUS, Need::Any).is_err());
@@ -540,6 +553,7 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         for need in [
             Need::Admin,
             Need::Lock("b/x"),
+            Need::Release("b/x"),
             Need::Read(""),
             Need::LockAny,
         ] {
@@ -548,7 +562,7 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         // A client certificate with a server's name but without serverAuth is just a principal.
         let fake = server("holdfast-server-2", false);
         assert!(access.check_caller(&fake, Need::Cancel("b/x")).is_err());
-        assert_eq!(access.denied.load(Relaxed), 5);
+        assert_eq!(access.denied.load(Relaxed), 6);
     }
 
     #[test]

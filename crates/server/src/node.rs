@@ -868,7 +868,12 @@ impl NodeShared {
                 holdfast_proto::transport::TLS_CONNECT_TIMEOUT
             } else {
                 holdfast_proto::transport::CONNECT_TIMEOUT
-            });
+            })
+            // A kept connection that went half-open is closed (the next call reconnects) instead
+            // of failing every call until the kernel gives up on it (see `holdfast_proto::transport`).
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(3))
+            .keep_alive_while_idle(true);
         let channel = crate::tls::client_channel(endpoint, id, self.tls.as_deref());
         if channels.len() >= MAX_CLIENT_CHANNELS {
             channels.clear();

@@ -770,7 +770,7 @@ impl Holdfast for ClientService {
         &self,
         r: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        self.allow(&r, Need::Lock(&r.get_ref().name))?;
+        self.allow(&r, Need::Release(&r.get_ref().name))?;
         let r = r.into_inner();
         let group = self.group(r.group)?;
         let session = SessionId(nonzero(r.session_id, "session_id")?);

@@ -286,8 +286,8 @@ class Client:
         backoff = 0.02
         redirects = 0
         # Why an earlier attempt's outcome is unknown (it timed out, or failed in a way that may have come
-        # after the server took it): a later refusal before the lock table is then no proof that nothing
-        # was applied (see errors.refused_before_the_table).
+        # after the server took it): a later refusal that can change between attempts is then no proof
+        # that nothing was applied (see errors.refused_for_now).
         unknown: Optional[str] = None
         while True:
             with self._lock:
@@ -325,7 +325,7 @@ class Client:
                     self._mark_failed(target)
                 reason = f"{server.endpoint}: {outcome}"
                 unknown = reason
-            elif unknown is not None and errors.refused_before_the_table(outcome):
+            elif unknown is not None and errors.refused_for_now(outcome):
                 raise errors.Unavailable(
                     f"a retry was refused ({outcome}), but an earlier attempt may have been applied ({unknown})"
                 ) from outcome

@@ -161,14 +161,22 @@ class Retry(Exception):
         self.answered = answered
 
 
-def refused_before_the_table(outcome: Exception) -> bool:
-    """True for a refusal a server makes before the request reaches the lock table: its checks of the
-    request's fields, of the caller's permissions (the access policy, which a reload changes), and of limits
-    and quotas. A retry can meet one while an earlier attempt of the same request, whose answer never
-    arrived, was applied (queued or granted): the refusal speaks for the retry only. The lock table's own
-    answers (LOCK_HELD, ALREADY_HELD, STALE_TOKEN, NOT_HOLDER, PERMITS_MISMATCH) are the request's outcome
-    whichever attempt met them: the table answers a request id it has seen from its deduplication window."""
-    return isinstance(outcome, (LimitExceeded, InvalidArgument, PermissionDenied))
+# Limits a server checks before the lock table that depend on more than the request: the calls its
+# connection has in flight at the moment.
+_LIMITS_OF_THE_MOMENT = ("max_calls_per_connection", "max_calls_per_stream")
+
+
+def refused_for_now(outcome: Exception) -> bool:
+    """True for a refusal a server makes before the request reaches the lock table, on grounds that can
+    change between two attempts of one request: the access policy (ACCESS_DENIED; a reload changes it)
+    and the limits on calls in flight. A retry can meet one while an earlier attempt, whose answer never
+    arrived, was applied (queued or granted): such a refusal speaks for the retry only. Every other
+    refusal either refuses every attempt alike (checks of the request's own fields, its session's
+    secret) or is the lock table's answer, which the table gives a request id it has seen from its
+    deduplication window: either way the request's own outcome."""
+    if isinstance(outcome, PermissionDenied):
+        return outcome.reason == "ACCESS_DENIED"
+    return isinstance(outcome, LimitExceeded) and outcome.limit in _LIMITS_OF_THE_MOMENT
 
 
 def answered(outcome: Exception) -> bool:

@@ -356,7 +356,7 @@ class Session:
                     return
                 except errors.SessionUnknown:
                     return
-                except (errors.InvalidArgument, errors.NotHolder, errors.PermissionDenied) as e:
+                except (errors.InvalidArgument, errors.LimitExceeded, errors.NotHolder, errors.PermissionDenied) as e:
                     log.warning("cancelling an abandoned acquire of %r failed: %s", name, e)
                     return
                 except Exception as e:
