@@ -270,6 +270,29 @@ def test_an_acquire_with_an_unknown_outcome_is_cancelled() -> None:
     assert (cancel_req.name, cancel_req.request_id, cancel_req.session_id) == ("x", acquire.request_id, 7)
 
 
+def test_a_cancel_refused_by_the_policy_is_retried() -> None:
+    # A policy reload can refuse for a while (a file fixed within the TTL leaves the session alive): the
+    # wait must still be taken back once the policy lets the cancel through.
+    cancelled = threading.Event()
+    answers = iter([reason(lock_pb2.ACCESS_DENIED, grpc.StatusCode.PERMISSION_DENIED)])
+
+    def cancel(r: Any) -> Any:
+        refusal = next(answers, None)
+        if refusal is not None:
+            raise refusal
+        cancelled.set()
+        return lock_pb2.CancelAcquireResponse()
+
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
+    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(
+        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"))
+    c = fake_client([server], request_timeout=0.4)
+    with pytest.raises(errors.Unavailable):
+        c.session().acquire("x", timeout=0)
+    assert cancelled.wait(10), "a cancel refused once by the policy was not tried again"
+    assert len(server.requests("CancelAcquire")) == 2
+
+
 def test_a_refused_acquire_is_not_cancelled() -> None:
     server = FakeServer({"OpenSession": opens(), "KeepAlive": renews()})
     server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(reason(R.LOCK_HELD, grpc.StatusCode.ABORTED))

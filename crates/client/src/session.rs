@@ -719,12 +719,11 @@ impl Session {
             loop {
                 match session.cancel_acquire(&name, request_id).await {
                     Ok(()) | Err(Error::SessionUnknown(_)) => return,
-                    // Refusals every try would meet alike. (A principal the policy no longer lists
-                    // is refused its keepalives too, so its session expires with the wait.)
+                    // Refusals every try would meet alike. (A policy refusal is retried: a policy
+                    // fixed within the TTL leaves the session, and the wait, alive.)
                     Err(
                         e @ (Error::InvalidArgument(_)
                         | Error::LimitExceeded { .. }
-                        | Error::PermissionDenied(_)
                         | Error::Other(_)
                         | Error::NotHolder(_)),
                     ) => {

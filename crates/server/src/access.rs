@@ -5,8 +5,8 @@
 //!   name of the client certificate the TLS handshake verified, else `anonymous`. A token the policy
 //!   does not list is refused, not treated as anonymous: a typo must not silently drop privileges
 //!   into someone else's.
-//! - **Permissions** on name prefixes: `lock` (open, renew and close sessions; acquire, release and
-//!   cancel names under the prefix), `read` (describe and list names under it; `ListSessions` needs read
+//! - **Permissions** on name prefixes: `lock` (open, renew and close sessions; acquire names under the
+//!   prefix; release and cancel with `lock` on any prefix, see [`Need::Cancel`]), `read` (describe and list names under it; `ListSessions` needs read
 //!   on every name, `""`), `admin` (status with the digest, leader transfer, membership, snapshots).
 //!   `Status` without the digest (how clients find the groups and members) needs any permission.
 //! - **Default deny:** a principal the policy does not name, or a permission none of its roles grants,
@@ -58,12 +58,13 @@ impl std::fmt::Display for Permission {
 pub enum Need<'a> {
     /// `lock` on this name.
     Lock(&'a str),
-    /// For `CancelAcquire`: any principal the policy lists, whatever its roles grant now (the session's
-    /// secret, checked after, shows the session is the caller's). Giving up is never refused for a
-    /// revoked permission: a principal whose `lock` on a name was revoked while one of its acquires
-    /// waited there must be able to take that wait back, or it may be granted to a session that still
-    /// renews (its other names' permissions keep it alive) and whose owner does not know. Other
-    /// servers send it too (forwarding an acquire whose caller went away to the leader).
+    /// For `CancelAcquire`: `lock` on some prefix, not necessarily this name's (the session's secret,
+    /// checked after, shows the session is the caller's). A principal whose `lock` on a name was
+    /// revoked while one of its acquires waited there must be able to take that wait back: its
+    /// session, renewed on the strength of its other prefixes, would otherwise be granted the lock
+    /// without its owner knowing. (A principal with no `lock` left at all is refused its keepalives,
+    /// so its sessions expire with their waits.) Other servers send it too (forwarding an acquire
+    /// whose caller went away to the leader).
     Cancel(&'a str),
     /// For `Release`: as `Cancel` (letting go of a lock the session holds), but not for servers.
     Release(&'a str),
@@ -131,8 +132,7 @@ impl Grants {
             |prefixes: &[String], name: &str| prefixes.iter().any(|p| name.starts_with(p.as_str()));
         match need {
             Need::Lock(name) => under(&self.lock, name),
-            Need::Cancel(_) | Need::Release(_) => true,
-            Need::LockAny => !self.lock.is_empty(),
+            Need::LockAny | Need::Cancel(_) | Need::Release(_) => !self.lock.is_empty(),
             Need::Read(prefix) => under(&self.read, prefix),
             Need::Admin => self.admin,
             Need::Any => self.admin || !self.lock.is_empty() || !self.read.is_empty(),
@@ -279,11 +279,13 @@ impl Policy {
             n[..end].to_string()
         };
         let (perm, on) = match need {
-            Need::Lock(name) | Need::Cancel(name) | Need::Release(name) => (
+            Need::Lock(name) => (
                 Permission::Lock.to_string(),
                 format!(" on {:?}", short(name)),
             ),
-            Need::LockAny => (Permission::Lock.to_string(), " on any prefix".to_string()),
+            Need::LockAny | Need::Cancel(_) | Need::Release(_) => {
+                (Permission::Lock.to_string(), " on any prefix".to_string())
+            }
             Need::Read(prefix) => (
                 Permission::Read.to_string(),
                 format!(" on {:?}", short(prefix)),
@@ -511,12 +513,18 @@ tokens_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         assert!(p.check("ops", Need::Read("b/x")).is_ok());
         assert!(p.check("ops", Need::Admin).is_ok());
         assert!(p.check("ops", Need::LockAny).is_err());
-        // Giving up needs only to be listed: alice may take back a wait or release a lock on b/x
-        // (where her lock was revoked, say); the session's secret is checked after.
+        // Giving up needs lock on some prefix: alice may take back a wait or release a lock on b/x
+        // (where her lock was revoked, say); the session's secret is checked after. A reader may not.
         assert!(p.check("alice", Need::Cancel("b/x")).is_ok());
         assert!(p.check("alice", Need::Release("b/x")).is_ok());
+        let e = p.check("ops", Need::Release("a/x")).unwrap_err();
+        assert!(
+            e.message().contains("lacks lock on any prefix"),
+            "{}",
+            e.message()
+        );
+        assert!(p.check("ops", Need::Cancel("a/x")).is_err());
         assert!(p.check("mallory", Need::Cancel("a/x")).is_err());
-        assert!(p.check("mallory", Need::Release("a/x")).is_err());
         let e = p.check("mallory", Need::Any).unwrap_err();
         assert!(e.message().contains("not in the policy"), "{}", e.message());
         assert!(p.check(ANONYMOUS, Need::Any).is_err());

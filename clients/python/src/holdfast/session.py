@@ -357,8 +357,13 @@ class Session:
                 except errors.SessionUnknown:
                     return
                 except (errors.InvalidArgument, errors.LimitExceeded, errors.NotHolder, errors.PermissionDenied) as e:
-                    log.warning("cancelling an abandoned acquire of %r failed: %s", name, e)
-                    return
+                    # A policy refusal (ACCESS_DENIED) is retried: a policy fixed within the TTL leaves
+                    # the session, and the wait, alive. A wrong secret stays wrong.
+                    if e.reason == "ACCESS_DENIED":
+                        log.debug("cancelling an abandoned acquire of %r; retrying: %s", name, e)
+                    else:
+                        log.warning("cancelling an abandoned acquire of %r failed: %s", name, e)
+                        return
                 except Exception as e:
                     log.debug("cancelling an abandoned acquire of %r; retrying: %s", name, e)
                 with self._cond:
