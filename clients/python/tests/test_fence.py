@@ -75,6 +75,27 @@ def test_sqlite(client: holdfast.Client, name: str, tmp_path: Path) -> None:
             pass
 
 
+def test_a_sqlite_block_may_not_end_its_fenced_transaction(tmp_path: Path) -> None:
+    # What a block ran after committing would run outside the fence (and sqlite3 would open an unfenced
+    # transaction for it that the helper then committed): a commit, rollback or BEGIN inside is refused,
+    # and the whole transaction rolls back.
+    conn = sqlite3.connect(tmp_path / "own.db")
+    fsqlite.install(conn)
+    conn.execute("CREATE TABLE t (v INTEGER)")
+    conn.commit()
+    for end in (conn.commit, conn.rollback, lambda: conn.execute("COMMIT")):
+        with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+            with fsqlite.fenced_transaction(conn, "r", 5) as tx:
+                tx.execute("INSERT INTO t VALUES (1)")
+                end()
+                tx.execute("INSERT INTO t VALUES (2)")
+        assert not conn.in_transaction
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 0
+    with fsqlite.fenced_transaction(conn, "r", 5) as tx:  # the connection works as before afterwards
+        tx.execute("INSERT INTO t VALUES (3)")
+    assert conn.execute("SELECT v FROM t").fetchall() == [(3,)]
+
+
 def test_sqlite_shared_readers_pass_until_a_newer_writer(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "rw.db")
     fsqlite.install(conn)
@@ -110,6 +131,14 @@ def test_postgres(client: holdfast.Client, name: str, postgres_dsn: str) -> None
             return int(row[0])
 
         check_fencing(lambda t: fpg.fenced_transaction(conn, name, t), write, read, t1, t2)
+        # Inside a transaction the caller opened (psycopg opens one on the first statement), the fence
+        # would be a savepoint that fences none of the caller's earlier statements: refused.
+        conn.execute("UPDATE accounts SET balance = 99 WHERE name = 'alice'")
+        with pytest.raises(holdfast.InvalidArgument, match="already in a transaction"):
+            with fpg.fenced_transaction(conn, name, t2):
+                pass
+        conn.rollback()
+        assert read() != 99
 
 
 def test_fenced_store(client: holdfast.Client, name: str, fence_store: str) -> None:
@@ -121,4 +150,6 @@ def test_fenced_store(client: holdfast.Client, name: str, fence_store: str) -> N
     assert e.value.seen == t2
     assert store.read(name, t2) == Value(b"new", t2)
     assert store.read(name + "/never", t2) is None
+    with pytest.raises(holdfast.InvalidArgument, match="token 0"):  # a lost token, not a first one
+        store.write(name + "/new", 0, b"x")
     store.close()

@@ -22,6 +22,16 @@ mod fs {
     pub(crate) use std::fs::*;
     #[cfg(holdfast_sim)]
     pub(crate) use turmoil::fs::shim::std::fs::*;
+
+    /// Makes the directory's entries (a created file) durable.
+    #[cfg(not(holdfast_sim))]
+    pub(crate) fn sync_dir(dir: &std::path::Path) -> std::io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+    #[cfg(holdfast_sim)]
+    pub(crate) fn sync_dir(dir: &std::path::Path) -> std::io::Result<()> {
+        turmoil::fs::shim::std::fs::sync_dir(dir)
+    }
 }
 pub mod service;
 pub mod sql;

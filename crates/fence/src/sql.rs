@@ -98,7 +98,14 @@ impl Role {
 }
 
 #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+/// The token as a BIGINT. 0 is refused: Holdfast's tokens start at 1, so a 0 is a caller that lost its
+/// token, and it would pass on every resource not fenced yet.
 pub(crate) fn to_sql_token(token: u64) -> Result<i64, crate::FenceError> {
+    if token == 0 {
+        return Err(crate::FenceError::Invalid(
+            "token 0 is not a Holdfast token (they start at 1)".into(),
+        ));
+    }
     i64::try_from(token)
         .map_err(|_| crate::FenceError::Invalid(format!("token {token} does not fit a BIGINT")))
 }

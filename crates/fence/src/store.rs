@@ -7,8 +7,16 @@
 //! here, never because of another reader (docs/api.md, "Shared locks and semaphores").
 //!
 //! Record: `len u32 | crc32(body) u32 | body`, body = `kind u8 | token u64 | key_len u16 | key | value`
-//! (kind 1 = write, 2 = mark raised by a read, 3 = mark raised by a shared read). A bad record at the
-//! very end of the file is a torn write and is cut; a bad record followed by valid ones refuses to open.
+//! (kind 1 = write, 2 = mark raised by a read, 3 = mark raised by a shared read). A record cut short
+//! at the very end of the file (it runs past the end, or ends in bytes never written, zeros) is a torn
+//! write, never acknowledged, and is cut. Any other bad record refuses to open, the last one included:
+//! a whole record that fails its checksum may be an acknowledged one damaged since, and cutting it
+//! could lower a mark and let a stale holder in.
+//!
+//! A failed append (a full disk) is cut back off the file, so the next one does not land after
+//! garbage; if that fails too, or the `fdatasync` fails (after which the kernel may have dropped the
+//! write or may still write it), the store refuses everything until it is restarted and reads its
+//! file again: an append whose outcome is unknown must not be followed by one that assumes either.
 
 use crate::fs::{File, OpenOptions};
 use crate::FenceError;
@@ -42,10 +50,21 @@ pub struct FencedStore {
 
 struct Inner {
     file: File,
+    /// The file's length: where the next record goes, and what a failed append is cut back to.
+    len: u64,
+    /// Why the store stopped accepting (see the module docs).
+    failed: Option<String>,
     keys: BTreeMap<String, Entry>,
 }
 
-fn check(key: &str, value: &[u8]) -> Result<(), FenceError> {
+fn check(key: &str, token: u64, value: &[u8]) -> Result<(), FenceError> {
+    if token == 0 {
+        // Holdfast's tokens start at 1: a 0 is a caller that lost its token, and would pass on
+        // every key not written yet.
+        return Err(FenceError::Invalid(
+            "token 0 is not a Holdfast token (they start at 1)".into(),
+        ));
+    }
     if key.is_empty() || key.len() > MAX_KEY_BYTES {
         return Err(FenceError::Invalid(format!(
             "key must be 1..={MAX_KEY_BYTES} bytes (max_key_bytes)"
@@ -61,13 +80,23 @@ fn check(key: &str, value: &[u8]) -> Result<(), FenceError> {
 }
 
 impl FencedStore {
-    /// Opens (or creates) the store file and replays it.
+    /// Opens (or creates) the store file and replays it. A file it creates is made durable in its
+    /// directory before anything is acknowledged, so marks cannot vanish with its directory entry.
     pub fn open(path: &Path) -> Result<FencedStore, FenceError> {
+        let existed = path.exists();
         let mut file = OpenOptions::new()
             .create(true)
             .read(true)
             .append(true)
             .open(path)?;
+        if !existed {
+            file.sync_all()?;
+            let dir = path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            crate::fs::sync_dir(dir)?;
+        }
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)?;
         let mut keys: BTreeMap<String, Entry> = BTreeMap::new();
@@ -94,6 +123,15 @@ impl FencedStore {
                             path.display()
                         )));
                     }
+                    if !torn(&bytes[at..]) {
+                        return Err(FenceError::Invalid(format!(
+                            "{} is corrupt at offset {at}: its last record is whole but fails its \
+                             checksum, so it may have been acknowledged and damaged since (cutting it \
+                             could lower a mark). If you know its write never completed, truncate \
+                             the file to {at} bytes",
+                            path.display()
+                        )));
+                    }
                     tracing::warn!(path = %path.display(), offset = at, "cutting a torn record at the end of the fenced store");
                     file.set_len(at as u64)?;
                     file.sync_all()?;
@@ -101,15 +139,22 @@ impl FencedStore {
                 }
             }
         }
+        let len = file.metadata()?.len();
         Ok(FencedStore {
-            inner: Mutex::new(Inner { file, keys }),
+            inner: Mutex::new(Inner {
+                file,
+                len,
+                failed: None,
+                keys,
+            }),
         })
     }
 
     /// Stores `value` under `key` if `token` is at least the key's mark; the mark becomes `token`.
     pub fn write(&self, key: &str, token: u64, value: &[u8]) -> Result<u64, FenceError> {
-        check(key, value)?;
+        check(key, token, value)?;
         let mut inner = self.inner.lock().expect("fenced store lock");
+        inner.usable()?;
         let mark = inner.keys.get(key).map_or(0, |e| e.mark);
         if token < mark {
             return Err(FenceError::Stale {
@@ -129,8 +174,9 @@ impl FencedStore {
 
     /// Reads `key` if `token` is at least the key's mark, raising the mark to `token` (durably).
     pub fn read(&self, key: &str, token: u64) -> Result<Entry, FenceError> {
-        check(key, &[])?;
+        check(key, token, &[])?;
         let mut inner = self.inner.lock().expect("fenced store lock");
+        inner.usable()?;
         let entry = inner.keys.get(key).cloned().unwrap_or_default();
         if token < entry.mark {
             return Err(FenceError::Stale {
@@ -156,8 +202,9 @@ impl FencedStore {
     /// or above `token` was here (a newer writer); raises the mark to `token` (durably), so a writer
     /// older than this reader is refused from then on. Readers never refuse each other.
     pub fn read_shared(&self, key: &str, token: u64) -> Result<Entry, FenceError> {
-        check(key, &[])?;
+        check(key, token, &[])?;
         let mut inner = self.inner.lock().expect("fenced store lock");
+        inner.usable()?;
         let entry = inner.keys.get(key).cloned().unwrap_or_default();
         if token <= entry.write_mark {
             return Err(FenceError::Stale {
@@ -188,6 +235,15 @@ impl FencedStore {
 }
 
 impl Inner {
+    fn usable(&self) -> Result<(), FenceError> {
+        match &self.failed {
+            None => Ok(()),
+            Some(why) => Err(FenceError::Unavailable(format!(
+                "the store stopped after a failed write ({why}); restart it to read its file again"
+            ))),
+        }
+    }
+
     fn append(&mut self, kind: u8, token: u64, key: &str, value: &[u8]) -> Result<(), FenceError> {
         let mut body = Vec::with_capacity(11 + key.len() + value.len());
         body.push(kind);
@@ -199,10 +255,42 @@ impl Inner {
         record.extend_from_slice(&(body.len() as u32).to_le_bytes());
         record.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
         record.extend_from_slice(&body);
-        self.file.write_all(&record)?;
-        self.file.sync_data()?;
+        if let Err(e) = self.file.write_all(&record) {
+            // Cut what part of it was written, so the next record does not land after garbage.
+            let cut = self
+                .file
+                .set_len(self.len)
+                .and_then(|()| self.file.sync_all());
+            if let Err(cut) = cut {
+                self.failed = Some(format!("{e}; cutting it back failed: {cut}"));
+            }
+            return Err(e.into());
+        }
+        if let Err(e) = self.file.sync_data() {
+            self.failed = Some(format!("fdatasync: {e}"));
+            return Err(e.into());
+        }
+        self.len += record.len() as u64;
         Ok(())
     }
+}
+
+/// Whether the bad record at the start of `tail` (the file's last bytes) is a write cut short by a
+/// crash: its header or body runs past the end of the file, or it ends in bytes the crash left
+/// unwritten (zeros: a file's length can reach the disk before its data). A whole record that fails
+/// its checksum otherwise is damage, not a torn write.
+fn torn(tail: &[u8]) -> bool {
+    if tail.iter().all(|&b| b == 0) {
+        return true;
+    }
+    let Some(len) = tail.get(0..4) else {
+        return true;
+    };
+    let end = 8 + u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+    if tail.len() < end {
+        return true;
+    }
+    tail[end.saturating_sub(8)..].iter().all(|&b| b == 0)
 }
 
 /// Decodes one record at the start of `buf`: (kind, token, key, value, record length).

@@ -184,6 +184,62 @@ fn a_torn_last_record_is_cut_and_earlier_ones_kept() {
     ));
 }
 
+/// Only a record cut short is a torn write. A whole last record that fails its checksum may have been
+/// acknowledged and damaged since: cutting it would lower the mark it raised and let an older holder
+/// in, so the store refuses to open and says where. One whose end the crash left unwritten (zeros) is
+/// cut.
+#[test]
+fn a_whole_damaged_last_record_refuses_to_open_and_an_unwritten_end_is_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fence.log");
+    let store = FencedStore::open(&path).unwrap();
+    store.write("a", 1, b"one").unwrap();
+    let first = std::fs::metadata(&path).unwrap().len() as usize;
+    store.write("a", 9, b"nine, which raised the mark").unwrap();
+    drop(store);
+    let good = std::fs::read(&path).unwrap();
+
+    let mut damaged = good.clone();
+    damaged[first + 12] ^= 0x01;
+    std::fs::write(&path, &damaged).unwrap();
+    match FencedStore::open(&path) {
+        Err(FenceError::Invalid(m)) => {
+            assert!(
+                m.contains(&format!("truncate the file to {first} bytes")),
+                "{m}"
+            )
+        }
+        Ok(_) => panic!("a damaged acknowledged record was cut"),
+        Err(e) => panic!("{e}"),
+    }
+
+    let mut unwritten = good.clone();
+    let end = unwritten.len();
+    unwritten[end - 10..].fill(0);
+    std::fs::write(&path, &unwritten).unwrap();
+    let store = FencedStore::open(&path).unwrap();
+    assert_eq!(store.peek("a").unwrap().mark, 1);
+    assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, first);
+}
+
+/// Holdfast's tokens start at 1: a 0 (a caller that lost its token) is refused, not taken as a first
+/// token on a key never written.
+#[test]
+fn token_0_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = FencedStore::open(&dir.path().join("fence.log")).unwrap();
+    assert!(matches!(
+        store.write("k", 0, b"x"),
+        Err(FenceError::Invalid(_))
+    ));
+    assert!(matches!(store.read("k", 0), Err(FenceError::Invalid(_))));
+    assert!(matches!(
+        store.read_shared("k", 0),
+        Err(FenceError::Invalid(_))
+    ));
+    assert!(store.peek("k").is_none());
+}
+
 #[tokio::test]
 async fn the_store_over_grpc() {
     let dir = tempfile::tempdir().unwrap();
@@ -285,6 +341,9 @@ fn sqlite_fences_whole_transactions() {
         .query_row("SELECT balance FROM acct WHERE id = 'a'", [], |r| r.get(0))
         .unwrap();
     assert_eq!(balance, 135);
+    // A lost token (0) is refused, not taken as the first one of a resource never fenced.
+    let err = fenced_transaction(&mut conn, "acct/new", 0, add(1)).unwrap_err();
+    assert!(matches!(err, FenceError::Invalid(_)), "{err}");
     let seen: i64 = conn
         .query_row(
             "SELECT token FROM holdfast_fence WHERE resource = 'acct/a'",

@@ -394,3 +394,35 @@ fn a_snapshot_save_that_fills_the_disk_leaves_no_partial_file() {
     names.sort();
     assert_eq!(names, vec![format!("snap-{:020}.bin", 1)]);
 }
+
+/// The fenced store on a full disk: an append that does not fit is refused and cut back off the file, so
+/// the store goes on (a smaller write passes once there is room) and opens again afterwards. Before, the
+/// part of the record that fit stayed, the next record landed after it, and the store then refused to
+/// open ("corrupt": a bad record followed by valid ones).
+#[test]
+fn the_fenced_store_on_a_full_disk_refuses_the_write_and_opens_again() {
+    use holdfast_fence::store::FencedStore;
+    let dir = tempfile::tempdir().unwrap();
+    let _disk = SmallDisk::mount(dir.path(), 1 << 20);
+    let path = dir.path().join("fence.log");
+    let store = FencedStore::open(&path).unwrap();
+    store.write("k", 5, &vec![5u8; 512 << 10]).unwrap();
+    let before = std::fs::metadata(&path).unwrap().len();
+    let err = store.write("k", 6, &vec![6u8; 1 << 20]).unwrap_err();
+    assert!(err.to_string().contains("No space left"), "{err}");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        before,
+        "the partial record stayed"
+    );
+    assert_eq!(
+        store.peek("k").unwrap().mark,
+        5,
+        "a refused write raised the mark"
+    );
+    store.write("k", 7, b"seven").unwrap();
+    drop(store);
+    let store = FencedStore::open(&path).unwrap();
+    let e = store.peek("k").unwrap();
+    assert_eq!((e.mark, e.value.as_deref()), (7, Some(&b"seven"[..])));
+}

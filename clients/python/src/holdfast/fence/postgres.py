@@ -13,7 +13,9 @@ The transaction first upserts the resource's fence row (which row-locks it until
 two holders' transactions on one resource are serialized), checking the token against every token that
 committed before; then it runs the block, and commits when the block ends or rolls back (fence included) if
 it raises. A holder whose token is stale gets :class:`holdfast.fence.FenceStale` and nothing is written.
-Inside a transaction the caller already opened, the fence is a savepoint of it and commits with it.
+The connection must not be in a transaction already (psycopg opens one on the first ``execute`` unless
+``autocommit`` is set): the fence would be a savepoint of it, the caller's earlier statements in it would
+not be fenced, and a caller that caught ``FenceStale`` and committed would commit them anyway.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ def fenced_transaction(
     ``resource``; yields the connection. ``shared`` as in :func:`holdfast.fence.sqlite.fenced_transaction`.
     """
     check_token(token)
+    from psycopg.pq import TransactionStatus
+
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        from holdfast.errors import InvalidArgument
+
+        raise InvalidArgument(
+            "the connection is already in a transaction: commit or roll it back first (or use autocommit)"
+        )
     check, seen, tokens = statements("%s", shared)
     with conn.transaction():
         changed = conn.execute(check, (resource, *([token] * tokens))).rowcount

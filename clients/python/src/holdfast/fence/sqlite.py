@@ -57,10 +57,23 @@ def fenced_transaction(
         if changed != 1:
             row = conn.execute(seen, (resource,)).fetchone()
             raise FenceStale(resource, token, seen_of(row, shared))
-        yield conn
-        if conn.in_transaction:  # (a block that committed itself committed the fence with its writes)
-            conn.execute("COMMIT")
+        # The block may not end the transaction itself: what it ran after a commit would run unfenced
+        # (sqlite3 opens a new transaction for it, which this function would then commit). While the
+        # block runs, an authorizer refuses transaction statements (conn.commit() included).
+        conn.set_authorizer(_no_transaction_control)
+        try:
+            yield conn
+        finally:
+            conn.set_authorizer(None)
+        conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")  # also after a failed COMMIT, which leaves the transaction open
         raise
+
+
+def _no_transaction_control(action: int, *_: object) -> int:
+    """An authorizer that refuses BEGIN, COMMIT, ROLLBACK and savepoints, and allows everything else."""
+    if action in (sqlite3.SQLITE_TRANSACTION, sqlite3.SQLITE_SAVEPOINT):
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK

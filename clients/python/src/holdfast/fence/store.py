@@ -8,7 +8,7 @@ from typing import Optional
 
 import grpc
 
-from holdfast.errors import HoldfastError, Unavailable
+from holdfast.errors import HoldfastError, InvalidArgument, Unavailable
 from holdfast.fence import FenceStale
 from holdfast.v1 import fence_pb2, fence_pb2_grpc
 
@@ -56,6 +56,9 @@ class FencedStore:
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale token" in details:
             seen = _seen(details)
             return FenceStale(key, token, seen)
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            # A bad key, value or token: every retry would be refused alike (the Rust client's Invalid).
+            return InvalidArgument(f"fenced store {self.endpoint}: {details}")
         return Unavailable(f"fenced store {self.endpoint}: {e.code().name}: {details}")
 
     def close(self) -> None:
