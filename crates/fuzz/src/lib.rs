@@ -58,6 +58,7 @@ pub fn policy_file(bytes: &[u8]) {
             for need in [
                 Need::Lock(name),
                 Need::Cancel(name),
+                Need::Release(name),
                 Need::LockAny,
                 Need::Read(name),
                 Need::Admin,
@@ -75,6 +76,9 @@ pub fn policy_file(bytes: &[u8]) {
             if may(Need::Lock(name)) {
                 assert!(may(Need::LockAny) && may(Need::Cancel(name)));
             }
+            // Giving up needs lock somewhere, not on the name (a revoked name can still be let go).
+            assert_eq!(may(Need::Cancel(name)), may(Need::LockAny));
+            assert_eq!(may(Need::Release(name)), may(Need::LockAny));
             if may(Need::LockAny) || may(Need::Admin) || may(Need::Read(name)) {
                 assert!(may(Need::Any));
             }

@@ -949,6 +949,19 @@ impl LockTable {
         self.sessions.get(&session).map(|s| s.secret)
     }
 
+    /// Gives every session the secret `rekey(session, old secret)`. Not a command and never applied
+    /// from the log: a restore (`holdfast snapshot restore`) re-keys the table it seeds a new cluster
+    /// with, the same way on every server, so that the clients of the lost cluster cannot renew the
+    /// sessions the backup holds (their locks may have changed hands since the backup was taken).
+    pub fn rekey_sessions(&mut self, rekey: impl Fn(SessionId, u128) -> u128) {
+        let ids: Vec<SessionId> = self.sessions.iter().map(|(id, _)| *id).collect();
+        for id in ids {
+            if let Some(s) = self.sessions.get_mut(&id) {
+                s.secret = rekey(id, s.secret);
+            }
+        }
+    }
+
     fn open_session(
         &mut self,
         index: u64,

@@ -18,8 +18,12 @@
 //! afresh. Fencing tokens and session ids are log indexes, and the old cluster may have gone on after the
 //! backup: starting far above it keeps every token the restored cluster issues above every token the old
 //! one did, so a resource's "refuse lower tokens" check stays right. On start openraft finds a snapshot
-//! and no log, and begins the log after it; every session gets a fresh full TTL from the new leader, as
-//! after any failover.
+//! and no log, and begins the log after it. Every session is given a new secret ([`restored_table`]):
+//! the lost cluster's clients cannot renew them, so each expires, with its locks, one TTL after the new
+//! leader starts timing it (until then its locks are granted to nobody else).
+//!
+//! `IDENTITY` is written last: a restore interrupted before it leaves snapshots and no `IDENTITY`,
+//! which a server refuses to start on (`identity`), and which a second restore refuses (not empty).
 
 use crate::formats;
 use crate::identity::{self, Identity};
@@ -209,6 +213,35 @@ pub fn restored_index(g: &GroupBackup, floor: Option<u64>) -> Result<u64, String
     }
 }
 
+/// The table a restore seeds group `g` of the new cluster `cluster_id` with (encoded): the backup's,
+/// with every session given a new secret derived from the new cluster id, the session and its old
+/// secret (the same on every server restored with the same arguments). The lost cluster's clients
+/// cannot renew those sessions any more (their keepalives are refused): a client of the old cluster
+/// whose server addresses now reach the restored one must not go on as the holder of locks that may
+/// have changed hands after the backup was taken, nor keep alive a session whose locks it released
+/// since. So every restored session expires one TTL after the restored cluster starts, releasing its
+/// locks, and until then nobody else is granted them.
+pub fn restored_table(g: &GroupBackup, cluster_id: u64) -> Result<Vec<u8>, String> {
+    let mut table = LockTable::decode_snapshot(&g.table).map_err(|e| {
+        format!(
+            "group {}: the backed-up table does not decode: {e}",
+            g.group
+        )
+    })?;
+    table.rekey_sessions(|session, old| {
+        let mut input = Vec::with_capacity(48);
+        input.extend_from_slice(b"holdfast restore secret");
+        input.extend_from_slice(&cluster_id.to_le_bytes());
+        input.extend_from_slice(&g.group.to_le_bytes());
+        input.extend_from_slice(&session.0.to_le_bytes());
+        input.extend_from_slice(&old.to_le_bytes());
+        let d = ring::digest::digest(&ring::digest::SHA256, &input);
+        let secret = u128::from_le_bytes(d.as_ref()[..16].try_into().expect("16 bytes"));
+        secret.max(1)
+    });
+    Ok(table.encode_snapshot())
+}
+
 /// Writes the data directory of server `node_id` of a new cluster seeded from `backup`. Refuses a data
 /// directory that is not empty. Returns the new cluster id.
 pub fn restore(
@@ -256,6 +289,7 @@ pub fn restore(
         .collect();
     let membership = Membership::new(vec![voters], nodes).map_err(|e| e.to_string())?;
     for (g, start) in backup.groups.iter().zip(starts) {
+        let table = restored_table(g, cluster_id)?;
         // The new cluster's terms start afresh (its servers have voted in none), so the restored position
         // carries term 0 and leader 0: below every leader the new cluster elects, as openraft requires of
         // a log its new leader inherits. The index, which fencing tokens are, continues.
@@ -271,7 +305,7 @@ pub fn restore(
         let store = SnapshotStore::open(data_dir.join("snapshots").join(format!("g{}", g.group)))
             .map_err(|e| e.to_string())?;
         store
-            .save(start, &SnapshotStore::encode(&meta, &g.table))
+            .save(start, &SnapshotStore::encode(&meta, &table))
             .map_err(|e| format!("group {}: cannot write the snapshot: {e}", g.group))?;
     }
     identity::create(
@@ -382,7 +416,24 @@ mod tests {
             loaded.meta.last_log_id.unwrap().index,
             5 + DEFAULT_INDEX_GAP
         );
-        assert_eq!(loaded.table.digest(), b.groups[0].digest);
+        // The backup's table, its session re-keyed for the new cluster: the same on every server
+        // restored with the same arguments, and the old secret (0 here) no longer the session's.
+        let session = holdfast_lock_table::SessionId(5);
+        assert_eq!(b.groups[0].digest, {
+            let t = LockTable::decode_snapshot(&b.groups[0].table).unwrap();
+            assert_eq!(t.session_secret(session), Some(0));
+            t.digest()
+        });
+        assert_ne!(loaded.table.digest(), b.groups[0].digest);
+        assert_ne!(loaded.table.session_secret(session), Some(0));
+        assert!(loaded.table.session_secret(session).is_some());
+        restore(&b, &dir.path().join("n1-again"), 2, &members, None, "").unwrap();
+        let again = SnapshotStore::open(dir.path().join("n1-again/snapshots/g0"))
+            .unwrap()
+            .latest()
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.1, snap.1, "two servers of one restore got different tables");
         assert!(restore(&b, &dir.path().join("n1"), 1, &members, None, "")
             .unwrap_err()
             .contains("not empty"));

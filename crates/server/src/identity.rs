@@ -179,11 +179,24 @@ fn judge(config: &ServerConfig) -> anyhow::Result<Judged> {
     let text = match fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // A restore writes the snapshots first and IDENTITY last, and a server writes its log
+            // before anything else: snapshots with neither are a restore that did not finish. Taken
+            // for a new directory, its groups without a snapshot would start empty, issuing tokens
+            // from 1 again.
+            let snapshots = dir.join("snapshots");
+            let has_snapshots = fs::read_dir(&snapshots).is_ok_and(|mut d| d.next().is_some());
+            if has_snapshots && !dir.join("wal").exists() {
+                bail!(
+                    "data dir {} holds snapshots but no IDENTITY and no log: a restore that did not \
+                     finish. Remove the directory and run `holdfast snapshot restore` again",
+                    dir.display()
+                );
+            }
             return Ok(Judged {
                 identity: wanted,
                 new: true,
                 upgrade_from_0: false,
-            })
+            });
         }
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
@@ -295,6 +308,21 @@ mod tests {
             members: ServerConfig::parse_members("1=h:1/p:1,2=h:2/p:2").unwrap(),
             ..ServerConfig::default()
         }
+    }
+
+    /// A restore writes the snapshots first and IDENTITY last: a directory with snapshots and neither
+    /// IDENTITY nor a log is one that did not finish, refused rather than started as a new cluster whose
+    /// unrestored groups would issue tokens from 1 again. With a log it is an older server's directory.
+    #[test]
+    fn an_unfinished_restore_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("snapshots/g0")).unwrap();
+        let err = check(&config(dir.path(), None)).unwrap_err().to_string();
+        assert!(err.contains("a restore that did not finish"), "{err}");
+        assert!(!dir.path().join(FILE).exists());
+        std::fs::create_dir(dir.path().join("wal")).unwrap();
+        check(&config(dir.path(), None)).unwrap();
+        assert!(dir.path().join(FILE).exists());
     }
 
     #[test]

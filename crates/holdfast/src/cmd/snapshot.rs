@@ -44,6 +44,8 @@ enum SnapshotAction {
         cluster_token: String,
         /// Start every group's log at this index instead of the backup's plus 2^40 (must be at least the
         /// backup's; above the old cluster's last index, or fencing tokens repeat). Same on every server.
+        /// Restoring one backup a second time (the first restored cluster lost too, with no backup of
+        /// its own): pass one above everything the first could have issued, e.g. its start + 2^40.
         #[arg(long)]
         index_floor: Option<u64>,
     },
@@ -76,11 +78,11 @@ pub async fn run(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             .map_err(anyhow::Error::msg)?;
             for g in &backup.groups {
                 println!(
-                    "group {}: backed up at index {}, restored to start at index {} (digest {:016x})",
+                    "group {}: backed up at index {} (digest {:016x}), restored to start at index {}",
                     g.group,
                     g.last_log_id.index,
+                    g.digest,
                     backup::restored_index(g, index_floor).map_err(anyhow::Error::msg)?,
-                    g.digest
                 );
             }
             println!(
@@ -127,7 +129,10 @@ async fn save(file: PathBuf, conn: Conn) -> anyhow::Result<ExitCode> {
     let bytes = backup.encode();
     // Check what is about to be written exactly as a restore will read it.
     Backup::decode(&bytes).map_err(|e| anyhow::anyhow!("the backup does not check out: {e}"))?;
-    let tmp = file.with_extension("tmp");
+    // FILE.tmp (not FILE with its extension replaced: a.backup and a.old would share a.tmp).
+    let mut tmp = file.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
     {
         let mut f = std::fs::File::create(&tmp)
             .with_context(|| format!("cannot create {}", tmp.display()))?;
@@ -135,6 +140,14 @@ async fn save(file: PathBuf, conn: Conn) -> anyhow::Result<ExitCode> {
         f.sync_all()?;
     }
     std::fs::rename(&tmp, &file).with_context(|| format!("cannot rename to {}", file.display()))?;
+    // The rename is durable only once the directory is.
+    let dir = file
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot sync {}", dir.display()))?;
     for g in &backup.groups {
         println!(
             "group {}: index {}, digest {:016x}, {} bytes",

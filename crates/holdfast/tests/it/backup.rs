@@ -32,6 +32,26 @@ async fn a_backup_restores_into_a_new_cluster_with_the_same_table() {
             .unwrap();
         g.release().await.unwrap();
     }
+    // A session whose id and secret the test keeps, holding a lock in group 0: after the restore, its
+    // old client must not be able to renew it.
+    let raw_name = (0..)
+        .map(|i| format!("backup/raw-{i}"))
+        .find(|n| holdfast_lock_table::group_for(n, 2).0 == 0)
+        .unwrap();
+    let mut raw = a
+        .raw(a.wait_for_leader(0, Duration::from_secs(30)).await)
+        .await;
+    let (raw_session, raw_secret) = crate::abandon::raw_session(&mut raw, 60_000, 7).await;
+    raw.acquire(holdfast_proto::v1::AcquireRequest {
+        group: 0,
+        session_id: raw_session,
+        request_id: 1,
+        name: raw_name.clone(),
+        session_secret: raw_secret.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let old_cluster = a.cluster_id().await;
 
     let out = a
@@ -78,6 +98,7 @@ async fn a_backup_restores_into_a_new_cluster_with_the_same_table() {
     }
     let old_max = *old_tokens.iter().max().unwrap();
     assert!(saved.values().all(|(index, _)| *index < old_max));
+    drop(raw);
 
     // Every server is lost.
     drop(session);
@@ -115,14 +136,39 @@ async fn a_backup_restores_into_a_new_cluster_with_the_same_table() {
         ..Options::default()
     })
     .await;
-    for (g, (_, digest)) in &saved {
+    // The restored tables are the backup's with every session re-keyed for the new cluster.
+    let new_cluster = u64::from_str_radix(&b.cluster_id().await, 16).unwrap();
+    let backup = holdfast_server::backup::Backup::decode(&std::fs::read(&file).unwrap()).unwrap();
+    for g in &backup.groups {
+        let expected = holdfast_server::backup::restored_table(g, new_cluster).unwrap();
+        let expected = holdfast_lock_table::LockTable::decode_snapshot(&expected).unwrap();
+        assert_ne!(
+            expected.digest(),
+            saved[&g.group].1,
+            "the sessions were not re-keyed"
+        );
         assert_eq!(
-            b.wait_converged(*g, Duration::from_secs(30)).await,
-            *digest,
-            "group {g}: the restored table differs from the backup"
+            b.wait_converged(g.group, Duration::from_secs(30)).await,
+            expected.digest(),
+            "group {}: the restored table differs from the backup's",
+            g.group
         );
     }
     assert_ne!(b.cluster_id().await, old_cluster);
+    // The old client of a restored session cannot renew it: its secret is no longer the session's.
+    let mut raw = b
+        .raw(b.wait_for_leader(0, Duration::from_secs(30)).await)
+        .await;
+    let refused = raw
+        .keep_alive(holdfast_proto::v1::KeepAliveRequest {
+            group: 0,
+            session_ids: vec![raw_session],
+            session_secrets: vec![raw_secret.into()],
+            ..Default::default()
+        })
+        .await
+        .expect_err("the lost cluster's client renewed its session on the restored cluster");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
     let client = b.client().await;
     for (name, token) in &held {
         let info = client.describe(name).await.unwrap().expect("still held");
@@ -134,16 +180,18 @@ async fn a_backup_restores_into_a_new_cluster_with_the_same_table() {
             info.holder_ttl_remaining_ms
         );
     }
-    // Fencing tokens continue above everything in the backup.
+    // Fencing tokens continue above everything in the backup, and above what the lost cluster issued
+    // after it.
     let s = client.open_session(Duration::from_secs(10)).await.unwrap();
     for i in 0..4 {
         let name = format!("backup/cycle-{i}");
         let g = s.acquire(&name).await.unwrap();
         let group = holdfast_lock_table::group_for(&name, 2).0;
         assert!(
-            g.token() > saved[&group].0,
-            "{name}: token {} not above the backup",
-            g.token()
+            g.token() > saved[&group].0 && g.token() > old_max,
+            "{name}: token {} not above the backup ({}) and the old cluster ({old_max})",
+            g.token(),
+            saved[&group].0
         );
         g.release().await.unwrap();
     }
