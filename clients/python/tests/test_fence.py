@@ -93,7 +93,14 @@ def test_a_sqlite_block_may_not_end_its_fenced_transaction(tmp_path: Path) -> No
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 0
     with fsqlite.fenced_transaction(conn, "r", 5) as tx:  # the connection works as before afterwards
         tx.execute("INSERT INTO t VALUES (3)")
+        tx.execute("SAVEPOINT inner")  # nested savepoints cannot end the fenced transaction: allowed
+        tx.execute("INSERT INTO t VALUES (4)")
+        tx.execute("ROLLBACK TO inner")
+        tx.execute("RELEASE inner")
     assert conn.execute("SELECT v FROM t").fetchall() == [(3,)]
+    conn.execute("INSERT INTO t VALUES (5)")  # and outside the helper, transactions are the caller's
+    conn.commit()
+    assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 2
 
 
 def test_sqlite_shared_readers_pass_until_a_newer_writer(tmp_path: Path) -> None:

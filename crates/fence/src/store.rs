@@ -83,20 +83,19 @@ impl FencedStore {
     /// Opens (or creates) the store file and replays it. A file it creates is made durable in its
     /// directory before anything is acknowledged, so marks cannot vanish with its directory entry.
     pub fn open(path: &Path) -> Result<FencedStore, FenceError> {
-        let existed = path.exists();
         let mut file = OpenOptions::new()
             .create(true)
             .read(true)
             .append(true)
             .open(path)?;
-        if !existed {
-            file.sync_all()?;
-            let dir = path
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
-            crate::fs::sync_dir(dir)?;
-        }
+        // Every time, not only when this open created the file: a crash between creating it and this
+        // sync would otherwise leave it unsynced for good.
+        file.sync_all()?;
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        crate::fs::sync_dir(dir)?;
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)?;
         let mut keys: BTreeMap<String, Entry> = BTreeMap::new();
@@ -278,7 +277,8 @@ impl Inner {
 /// Whether the bad record at the start of `tail` (the file's last bytes) is a write cut short by a
 /// crash: its header or body runs past the end of the file, or it ends in bytes the crash left
 /// unwritten (zeros: a file's length can reach the disk before its data). A whole record that fails
-/// its checksum otherwise is damage, not a torn write.
+/// its checksum otherwise is damage, not a torn write (one whose last 8 bytes happen to be zeros is
+/// taken for torn: the one damage this cannot tell apart).
 fn torn(tail: &[u8]) -> bool {
     if tail.iter().all(|&b| b == 0) {
         return true;
@@ -286,11 +286,17 @@ fn torn(tail: &[u8]) -> bool {
     let Some(len) = tail.get(0..4) else {
         return true;
     };
-    let end = 8 + u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+    let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+    // A crash leaves a length field as written or zero, never out of range: a length no record can
+    // have is damage, even where it runs past the end of the file.
+    if !(11..=11 + MAX_KEY_BYTES + MAX_VALUE_BYTES).contains(&len) {
+        return false;
+    }
+    let end = len + 8;
     if tail.len() < end {
         return true;
     }
-    tail[end.saturating_sub(8)..].iter().all(|&b| b == 0)
+    tail[end - 8..].iter().all(|&b| b == 0)
 }
 
 /// Decodes one record at the start of `buf`: (kind, token, key, value, record length).

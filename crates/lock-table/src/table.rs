@@ -953,6 +953,8 @@ impl LockTable {
     /// from the log: a restore (`holdfast snapshot restore`) re-keys the table it seeds a new cluster
     /// with, the same way on every server, so that the clients of the lost cluster cannot renew the
     /// sessions the backup holds (their locks may have changed hands since the backup was taken).
+    /// The remembered `OpenSession` nonces are forgotten too: a retried open would be answered with
+    /// its session and the new secret.
     pub fn rekey_sessions(&mut self, rekey: impl Fn(SessionId, u128) -> u128) {
         let ids: Vec<SessionId> = self.sessions.iter().map(|(id, _)| *id).collect();
         for id in ids {
@@ -960,6 +962,8 @@ impl LockTable {
                 s.secret = rekey(id, s.secret);
             }
         }
+        self.open_nonces.clear();
+        self.open_nonce_order.clear();
     }
 
     fn open_session(

@@ -242,6 +242,15 @@ pub fn restored_table(g: &GroupBackup, cluster_id: u64) -> Result<Vec<u8>, Strin
     Ok(table.encode_snapshot())
 }
 
+/// The digest of [`restored_table`]: what the restored cluster's group reports
+/// (`holdfast status --digest`) before it applies anything.
+pub fn restored_digest(g: &GroupBackup, cluster_id: u64) -> Result<u64, String> {
+    let table = restored_table(g, cluster_id)?;
+    LockTable::decode_snapshot(&table)
+        .map(|t| t.digest())
+        .map_err(|e| format!("group {}: {e}", g.group))
+}
+
 /// Writes the data directory of server `node_id` of a new cluster seeded from `backup`. Refuses a data
 /// directory that is not empty. Returns the new cluster id.
 pub fn restore(
@@ -433,7 +442,10 @@ mod tests {
             .latest()
             .unwrap()
             .unwrap();
-        assert_eq!(again.1, snap.1, "two servers of one restore got different tables");
+        assert_eq!(
+            again.1, snap.1,
+            "two servers of one restore got different tables"
+        );
         assert!(restore(&b, &dir.path().join("n1"), 1, &members, None, "")
             .unwrap_err()
             .contains("not empty"));

@@ -185,7 +185,7 @@ fn judge(config: &ServerConfig) -> anyhow::Result<Judged> {
             // from 1 again.
             let snapshots = dir.join("snapshots");
             let has_snapshots = fs::read_dir(&snapshots).is_ok_and(|mut d| d.next().is_some());
-            if has_snapshots && !dir.join("wal").exists() {
+            if has_snapshots && fs::metadata(dir.join("wal")).is_err() {
                 bail!(
                     "data dir {} holds snapshots but no IDENTITY and no log: a restore that did not \
                      finish. Remove the directory and run `holdfast snapshot restore` again",

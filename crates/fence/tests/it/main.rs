@@ -213,6 +213,15 @@ fn a_whole_damaged_last_record_refuses_to_open_and_an_unwritten_end_is_cut() {
         Err(e) => panic!("{e}"),
     }
 
+    // A length no record can have is damage too, though it "runs past the end of the file".
+    let mut long = good.clone();
+    long[first..first + 4].copy_from_slice(&0xffff_fff0u32.to_le_bytes());
+    std::fs::write(&path, &long).unwrap();
+    assert!(matches!(
+        FencedStore::open(&path),
+        Err(FenceError::Invalid(_))
+    ));
+
     let mut unwritten = good.clone();
     let end = unwritten.len();
     unwritten[end - 10..].fill(0);

@@ -77,12 +77,17 @@ pub async fn run(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             )
             .map_err(anyhow::Error::msg)?;
             for g in &backup.groups {
+                // What the restored cluster will report (`holdfast status --digest`): the backup's
+                // table with its sessions re-keyed.
+                let restored =
+                    backup::restored_digest(g, cluster_id).map_err(anyhow::Error::msg)?;
                 println!(
-                    "group {}: backed up at index {} (digest {:016x}), restored to start at index {}",
+                    "group {}: backed up at index {} (digest {:016x}), restored to start at index {} (digest {:016x})",
                     g.group,
                     g.last_log_id.index,
                     g.digest,
                     backup::restored_index(g, index_floor).map_err(anyhow::Error::msg)?,
+                    restored,
                 );
             }
             println!(

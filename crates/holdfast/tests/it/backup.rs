@@ -169,6 +169,12 @@ async fn a_backup_restores_into_a_new_cluster_with_the_same_table() {
         .await
         .expect_err("the lost cluster's client renewed its session on the restored cluster");
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    // Nor get it back, new secret and all, by opening again with the nonce it was opened with.
+    let (reopened, _) = crate::abandon::raw_session(&mut raw, 60_000, 7).await;
+    assert_ne!(
+        reopened, raw_session,
+        "a replayed open returned the restored session"
+    );
     let client = b.client().await;
     for (name, token) in &held {
         let info = client.describe(name).await.unwrap().expect("still held");

@@ -18,6 +18,7 @@ block ends and rolls back (fence included) if the block raises. A holder whose t
 from __future__ import annotations
 
 import sqlite3
+import sys
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -60,11 +61,13 @@ def fenced_transaction(
         # The block may not end the transaction itself: what it ran after a commit would run unfenced
         # (sqlite3 opens a new transaction for it, which this function would then commit). While the
         # block runs, an authorizer refuses transaction statements (conn.commit() included).
+        # (It replaces, and afterwards removes, any authorizer the application set on the connection.)
         conn.set_authorizer(_no_transaction_control)
         try:
             yield conn
         finally:
-            conn.set_authorizer(None)
+            # Python 3.10 takes None for a callback that refuses everything; 3.11 clears it.
+            conn.set_authorizer(None if sys.version_info >= (3, 11) else _allow_all)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -73,7 +76,12 @@ def fenced_transaction(
 
 
 def _no_transaction_control(action: int, *_: object) -> int:
-    """An authorizer that refuses BEGIN, COMMIT, ROLLBACK and savepoints, and allows everything else."""
-    if action in (sqlite3.SQLITE_TRANSACTION, sqlite3.SQLITE_SAVEPOINT):
+    """An authorizer that refuses BEGIN, COMMIT and ROLLBACK, and allows everything else (savepoints
+    included: inside the transaction, RELEASE and ROLLBACK TO cannot end it)."""
+    if action == sqlite3.SQLITE_TRANSACTION:
         return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
+def _allow_all(*_: object) -> int:
     return sqlite3.SQLITE_OK
