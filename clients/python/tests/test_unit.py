@@ -378,6 +378,23 @@ def test_a_grant_that_arrives_after_the_lease_lapsed_is_released_not_returned() 
     assert not s.is_valid()
 
 
+def test_a_suspension_past_the_lease_ends_it_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The monotonic clock stands still while the machine sleeps; the servers' TTLs do not. The lease is
+    # read on a clock that counts the suspension, so on resume it is over at once.
+    import holdfast.keepalive
+    import holdfast.session
+
+    server = FakeServer({"OpenSession": opens(10_000), "KeepAlive": renews()})
+    s = fake_client([server]).session(ttl=10)
+    s.open_for("x")
+    assert s.is_valid() and (s.lease_remaining() or 0) > 8
+    slept = holdfast.keepalive.lease_clock
+    monkeypatch.setattr(holdfast.session, "lease_clock", lambda: slept() + 20)
+    assert not s.is_valid()
+    assert s.lease_remaining() == 0.0
+    assert s.wait_lost(timeout=1) == "no keepalive succeeded within the TTL"
+
+
 def test_the_lease_ends_a_tenth_of_the_ttl_before_the_server_could_expire_the_session() -> None:
     server = FakeServer({"OpenSession": opens(2000), "KeepAlive": down})
     c = fake_client([server])

@@ -899,6 +899,13 @@ impl Client {
 
 #[cfg(test)]
 impl Client {
+    /// Whether a call to server `index` has failed without an answer yet.
+    pub(crate) fn has_failed(&self, index: usize) -> bool {
+        self.inner.servers.read().expect("servers lock")[index]
+            .marked
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// A client of `groups` groups that has talked to no server (its one endpoint is never dialled
     /// unless a call is made): for unit tests of client-side state.
     pub(crate) fn unconnected(groups: u32) -> Client {

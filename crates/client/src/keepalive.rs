@@ -171,7 +171,8 @@ async fn run(client: Weak<Inner>) {
             return;
         };
         let client = Client::from_inner(inner);
-        let now = Instant::now();
+        // Lease instants are on the lease clock (`session::lease_now`), which counts a suspension.
+        let now = crate::session::lease_now();
         let poked = client.inner().registry.take_poked();
         if !poked && quiet_until.is_some_and(|t| now < t) {
             continue;
@@ -196,7 +197,7 @@ async fn run(client: Weak<Inner>) {
             .iter()
             .filter(|s| s.is_due(now + s.ttl() / 6))
             .collect();
-        let sent = Instant::now();
+        let sent = crate::session::lease_now();
         let sent_wall_ms = crate::session::wall_ms();
         // A session is renewed when every group renewed it; the smallest TTL granted counts.
         let mut granted: Vec<Option<Duration>> = vec![Some(Duration::MAX); due.len()];
@@ -212,7 +213,7 @@ async fn run(client: Weak<Inner>) {
                     .map(|s| s.valid_until())
                     .min()
                     .unwrap_or(now)
-                    .saturating_duration_since(Instant::now())
+                    .saturating_duration_since(crate::session::lease_now())
             };
             let members = members_by_group(client.groups(), chunk);
             let outcomes: Vec<GroupOutcome> = if legacy {
@@ -286,7 +287,7 @@ async fn run(client: Weak<Inner>) {
         for ((s, g), covered) in due.iter().zip(granted).zip(covered) {
             match g {
                 Some(ttl) if ttl != Duration::MAX => s.renewed(sent, sent_wall_ms, ttl, covered),
-                _ => s.retry_soon(Instant::now() + TICK),
+                _ => s.retry_soon(crate::session::lease_now() + TICK),
             }
         }
     }

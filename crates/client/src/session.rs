@@ -12,6 +12,13 @@
 //! of a tenth of the TTL for clock-rate differences. So [`Session::lost`] fires before the server can expire
 //! the session, and an application that stops acting as the holder when it fires never overlaps with the
 //! next holder, as long as clocks tick at about the same rate. Fencing tokens cover the rest.
+//!
+//! The monotonic clock (`CLOCK_MONOTONIC`) stands still while the machine is suspended, and the servers'
+//! clocks do not: a laptop or VM that sleeps past its sessions' TTLs would wake believing it still held
+//! their locks. So the lease is read on [`lease_now`], the monotonic clock plus the time the machine
+//! spent suspended since this process started (Linux: `CLOCK_BOOTTIME` against `CLOCK_MONOTONIC`).
+//! After a resume, [`Session::is_valid`] is false at once for a lease that ran out meanwhile, and the
+//! keepalive task (which looks every 100 ms) marks it lost.
 
 use crate::client::Client;
 use crate::error::Error;
@@ -220,6 +227,53 @@ pub(crate) fn group_bit(g: usize) -> Option<u64> {
     u32::try_from(g).ok().and_then(|g| 1u64.checked_shl(g))
 }
 
+/// Now on the lease's clock: the monotonic clock plus the time the machine spent suspended since this
+/// process first asked (see the module docs). Every lease instant (sends, ends, due times) is on it.
+pub(crate) fn lease_now() -> Instant {
+    Instant::now() + suspended()
+}
+
+/// A lease-clock instant as a monotonic one, for a timer. A suspension after this makes the timer fire
+/// late, so whatever it wakes reads [`lease_now`] again rather than trusting the timer.
+pub(crate) fn timer_at(t: Instant) -> Instant {
+    t.checked_sub(suspended()).unwrap_or_else(Instant::now)
+}
+
+/// How long the machine was suspended since the first call (whole milliseconds, so the two clocks'
+/// readings a few nanoseconds apart do not count).
+#[cfg(all(target_os = "linux", not(holdfast_sim)))]
+fn suspended() -> Duration {
+    #[expect(
+        unsafe_code,
+        reason = "clock_gettime(2) with CLOCK_BOOTTIME has no safe wrapper in std"
+    )]
+    fn ns(clock: libc::clockid_t) -> i128 {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid timespec to write; both clocks exist on every Linux since 2.6.39.
+        let rc = unsafe { libc::clock_gettime(clock, &mut t) };
+        if rc != 0 {
+            return 0;
+        }
+        i128::from(t.tv_sec) * 1_000_000_000 + i128::from(t.tv_nsec)
+    }
+    static START: std::sync::OnceLock<i128> = std::sync::OnceLock::new();
+    let gap = ns(libc::CLOCK_BOOTTIME) - ns(libc::CLOCK_MONOTONIC);
+    let start = *START.get_or_init(|| gap);
+    let suspended = Duration::from_millis(u64::try_from((gap - start) / 1_000_000).unwrap_or(0));
+    #[cfg(test)]
+    let suspended = suspended + tests::SUSPENDED.with(std::cell::Cell::get);
+    suspended
+}
+
+/// Elsewhere (and in the deterministic simulation, whose clock is simulated) no suspension is seen.
+#[cfg(not(all(target_os = "linux", not(holdfast_sim))))]
+fn suspended() -> Duration {
+    Duration::ZERO
+}
+
 /// An instant no lease reaches: ~30 years on (what tokio itself uses for "never").
 fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(86_400 * 365 * 30)
@@ -237,16 +291,16 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
         if lost {
             return;
         }
-        if Instant::now() < next_due {
+        if lease_now() < next_due {
             // Not due (or open in no group yet): wait until due, or until a first group opens.
             drop(s);
             tokio::select! {
-                _ = tokio::time::sleep_until(next_due) => {}
+                _ = tokio::time::sleep_until(timer_at(next_due)) => {}
                 _ = changed.changed() => {}
             }
             continue;
         }
-        let sent = Instant::now();
+        let sent = lease_now();
         let sent_wall_ms = wall_ms();
         if sent >= valid_until {
             s.mark_lost("no keepalive succeeded within the TTL".into());
@@ -254,7 +308,7 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
         }
         match s.renew(valid_until).await {
             // Nothing open to renew (a first open still joining): look again shortly.
-            Ok((_, 0)) => s.retry_soon(Instant::now() + Duration::from_millis(100)),
+            Ok((_, 0)) => s.retry_soon(lease_now() + Duration::from_millis(100)),
             Ok((granted, covered)) => s.renewed(sent, sent_wall_ms, granted, covered),
             Err(Error::SessionUnknown(msg)) => {
                 s.mark_lost(format!("the server expired or closed the session: {msg}"));
@@ -262,7 +316,7 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
             }
             Err(e) => {
                 tracing::debug!(%e, "keepalive failed; retrying");
-                s.retry_soon(Instant::now() + Duration::from_millis(200));
+                s.retry_soon(lease_now() + Duration::from_millis(200));
             }
         }
     }
@@ -273,7 +327,7 @@ impl SessionInner {
         self.lease.borrow().lost.is_some()
     }
 
-    /// Marks the session lost if its client-side lease ran out.
+    /// Marks the session lost if its client-side lease ran out by `now` (on the lease clock).
     pub(crate) fn check_expired(&self, now: Instant) {
         if now >= self.lease.borrow().valid_until {
             self.mark_lost("no keepalive succeeded within the TTL".into());
@@ -358,12 +412,12 @@ impl SessionInner {
     /// the lease (the first group's starts it; a later one can only shorten it). Refused once the
     /// session is lost; a part whose open returns after the session was lost or closed is closed again.
     async fn open_part(&self, group: u32) -> Result<GroupSession, Error> {
-        self.check_expired(Instant::now());
+        self.check_expired(lease_now());
         let lost = self.lease.borrow().lost.clone();
         if let Some(lost) = lost {
             return Err(Error::LeaseLost(lost.0));
         }
-        let sent = Instant::now();
+        let sent = lease_now();
         let sent_wall_ms = wall_ms();
         let (hi, lo) = nonce(&self.client);
         let ttl_ms = self.requested_ttl.as_millis() as u64;
@@ -440,15 +494,20 @@ impl SessionInner {
             let sent = Instant::now();
             let r = self
                 .client
-                .call_until(group, valid_until, Duration::ZERO, |mut c| async move {
-                    c.keep_alive(pb::KeepAliveRequest {
-                        group,
-                        session_ids: vec![id],
-                        session_secrets: vec![secret.clone()],
-                        ..Default::default()
-                    })
-                    .await
-                })
+                .call_until(
+                    group,
+                    timer_at(valid_until),
+                    Duration::ZERO,
+                    |mut c| async move {
+                        c.keep_alive(pb::KeepAliveRequest {
+                            group,
+                            session_ids: vec![id],
+                            session_secrets: vec![secret.clone()],
+                            ..Default::default()
+                        })
+                        .await
+                    },
+                )
                 .await?;
             self.client.inner().registry.record(sent.elapsed());
             match r.results.first() {
@@ -524,8 +583,8 @@ impl Session {
                 return lost;
             }
             tokio::select! {
-                _ = tokio::time::sleep_until(until) => {
-                    if Instant::now() >= self.inner.lease.borrow().valid_until {
+                _ = tokio::time::sleep_until(timer_at(until)) => {
+                    if lease_now() >= self.inner.lease.borrow().valid_until {
                         self.inner.mark_lost("no keepalive succeeded within the TTL".into());
                     }
                 }
@@ -537,7 +596,7 @@ impl Session {
     /// True while the client-side lease is valid.
     pub fn is_valid(&self) -> bool {
         let l = self.inner.lease.borrow();
-        l.lost.is_none() && Instant::now() < l.valid_until
+        l.lost.is_none() && lease_now() < l.valid_until
     }
 
     /// When the last keepalive the server acknowledged was sent (wall-clock ms since the Unix epoch; the
@@ -552,7 +611,7 @@ impl Session {
         let l = self.inner.lease.borrow();
         l.lost
             .is_none()
-            .then(|| l.valid_until.saturating_duration_since(Instant::now()))
+            .then(|| l.valid_until.saturating_duration_since(lease_now()))
     }
 
     pub(crate) fn next_request_id(&self, group: u32) -> u64 {
@@ -616,10 +675,14 @@ impl Session {
             request_id: self.next_request_id(group),
             armed: true,
         };
-        match self
-            .acquire_once(name, group, pending.request_id, &options)
-            .await
-        {
+        // A session lost while the acquire waits ends the wait here at once (LeaseLost), rather than
+        // when the server, a TTL later, expires the session; the pending acquire is then cancelled (or
+        // ends with the session, renewed no more).
+        let outcome = tokio::select! {
+            outcome = self.acquire_once(name, group, pending.request_id, &options) => outcome,
+            lost = self.lost() => Err(Error::LeaseLost(lost.0)),
+        };
+        match outcome {
             Ok(token) => {
                 if !self.is_valid() {
                     // The server may already have expired this session and granted the lock to someone
@@ -880,6 +943,77 @@ mod tests {
                 t0 + Duration::from_secs(6) + ttl / 3
             )
         );
+    }
+
+    /// A session lost while one of its acquires is in flight (retrying against a server that does not
+    /// answer, or waiting in a queue) ends that acquire at once with LeaseLost, instead of when the
+    /// server expires the session a TTL later (here: when its 60 s wait and retries run out).
+    #[tokio::test]
+    async fn a_session_lost_during_an_acquire_ends_it_at_once() {
+        let client = Client::unconnected(2);
+        let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+        let group = crate::group_for("x", 2) as usize;
+        opened(
+            &session.inner,
+            group,
+            super::lease_now(),
+            Duration::from_secs(10),
+        );
+        let s = session.clone();
+        let acquiring =
+            tokio::spawn(async move { s.acquire_timeout("x", Duration::from_secs(60)).await });
+        // In flight: its first attempt reached the (unanswering) server.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !client.has_failed(0) {
+            assert!(
+                Instant::now() < deadline,
+                "the acquire never made an attempt"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        session.inner.mark_lost("the test lost it".into());
+        let ended = tokio::time::timeout(Duration::from_secs(5), acquiring)
+            .await
+            .expect("the acquire went on after the session was lost")
+            .unwrap();
+        match ended {
+            Err(crate::Error::LeaseLost(_)) => {}
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("granted by a server that does not answer"),
+        }
+    }
+
+    thread_local! {
+        /// A suspension the tests pretend happened (on this thread), added to the measured one.
+        pub(super) static SUSPENDED: std::cell::Cell<Duration> =
+            const { std::cell::Cell::new(Duration::ZERO) };
+    }
+
+    /// A machine suspended past the lease: the monotonic clock stood still, but the servers' TTL ran
+    /// on. The lease counts the suspension, so the session is invalid at once on resume and the next
+    /// look of the keepalive task marks it lost; a shorter suspension shortens it by as much.
+    #[tokio::test]
+    async fn a_suspension_counts_against_the_lease() {
+        let client = Client::unconnected(2);
+        let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+        let s = &session.inner;
+        opened(s, 0, super::lease_now(), Duration::from_secs(10));
+        let before = session.lease_remaining().unwrap();
+        assert!(
+            session.is_valid() && before > Duration::from_secs(8),
+            "{before:?}"
+        );
+        SUSPENDED.with(|d| d.set(Duration::from_secs(5)));
+        let after = session.lease_remaining().unwrap();
+        assert!(
+            before - after >= Duration::from_secs(5) && session.is_valid(),
+            "{before:?} -> {after:?}"
+        );
+        SUSPENDED.with(|d| d.set(Duration::from_secs(20)));
+        assert!(!session.is_valid());
+        assert_eq!(session.lease_remaining(), Some(Duration::ZERO));
+        s.check_expired(super::lease_now());
+        assert!(s.is_lost());
     }
 
     /// The OS generator works here, and its nonces do not repeat (a repeat would hand one client

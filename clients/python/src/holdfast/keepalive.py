@@ -68,6 +68,17 @@ class Registry:
             return list(self._sessions)
 
 
+def lease_clock() -> float:
+    """Seconds on the lease's clock. The monotonic clock stands still while the machine is suspended,
+    and the servers' TTLs do not: a laptop or VM that slept past its sessions' TTLs would wake believing
+    it still held their locks. So every lease instant (sends, ends, due times) is read on
+    ``CLOCK_BOOTTIME`` where there is one (Linux), which counts the suspension, and on the monotonic
+    clock elsewhere (the Rust client does the same, crates/client/src/session.rs)."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME: Optional[int] = getattr(time, "CLOCK_BOOTTIME", None)
+
 def _run(ref: "weakref.ref[Registry]") -> None:
     while True:
         time.sleep(TICK)
@@ -82,7 +93,7 @@ def _tick(ref: "weakref.ref[Registry]") -> bool:
     client = registry._client() if registry is not None else None
     if registry is None or client is None:
         return False
-    now = time.monotonic()
+    now = lease_clock()
     live = registry._live()
     if any(s._is_due(now) for s in live):
         # With them, the sessions due within the next sixth of their TTL: sessions opened at different
@@ -93,12 +104,12 @@ def _tick(ref: "weakref.ref[Registry]") -> bool:
         except Exception:  # never let the thread die: the leases would run out silently
             log.exception("keepalive round failed")
             for s in due:
-                s._retry_soon(time.monotonic() + TICK)
+                s._retry_soon(lease_clock() + TICK)
     return True
 
 
 def _round(client: "Client", registry: Registry, due: list["Session"]) -> None:
-    sent = time.monotonic()
+    sent = lease_clock()
     per_message = max(MAX_BATCH // max(client.groups, 1), 1)
     for start in range(0, len(due), per_message):
         chunk = due[start : start + per_message]
@@ -125,7 +136,7 @@ def _round(client: "Client", registry: Registry, due: list["Session"]) -> None:
                     granted[i] = min(granted[i], ttl)
         for i, (s, ttl, f) in enumerate(zip(chunk, granted, failed)):
             if f or ttl == float("inf"):
-                s._retry_soon(time.monotonic() + TICK)
+                s._retry_soon(lease_clock() + TICK)
             else:
                 s._renewed(sent, ttl, {g for g in range(client.groups) if parts[i][g] is not None})
 
@@ -149,7 +160,7 @@ def _fan_in(
         if not by_leader:
             break
         for target, groups in by_leader.items():
-            limit = min(client.attempt_timeout, deadline - time.monotonic())
+            limit = min(client.attempt_timeout, deadline - lease_clock())
             if limit <= 0:
                 for g in groups:
                     out[g] = "the leases ran out during the round"

@@ -7,6 +7,8 @@ later), minus a safety margin of a tenth of the TTL for clock-rate differences. 
 ``lost`` fires) before the server can expire the session, and an application that stops acting as the
 holder when it fires never overlaps with the next holder, as long as clocks tick at about the same rate.
 Fencing tokens cover the rest: send :attr:`Lock.token` with every write to the protected resource.
+The lease is read on :func:`holdfast.keepalive.lease_clock`, which counts time the machine spent suspended
+(the monotonic clock does not), so a lease that ran out during a suspend is invalid at once on resume.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from holdfast import errors
 from holdfast.client import Lazy, group_for
+from holdfast.keepalive import lease_clock
 from holdfast.v1 import lock_pb2
 
 if TYPE_CHECKING:
@@ -95,11 +98,11 @@ class Session:
             if self.ids[group]:
                 return self.ids[group]
             with self._cond:
-                if self._lost is None and time.monotonic() >= self._valid_until:
+                if self._lost is None and lease_clock() >= self._valid_until:
                     self._mark_lost_locked("no keepalive succeeded within the TTL")
                 if self._lost is not None:
                     raise errors.LeaseLost(self._lost)
-            sent = time.monotonic()
+            sent = lease_clock()
             hi, lo = _nonce()
             r = self.client.call(
                 group,
@@ -141,14 +144,14 @@ class Session:
     def is_valid(self) -> bool:
         """True while the client-side lease is valid."""
         with self._cond:
-            return self._lost is None and time.monotonic() < self._valid_until
+            return self._lost is None and lease_clock() < self._valid_until
 
     def lease_remaining(self) -> Optional[float]:
         """Seconds the lease still runs, or ``None`` if it is lost."""
         with self._cond:
             if self._lost is not None:
                 return None
-            return max(self._valid_until - time.monotonic(), 0.0)
+            return max(self._valid_until - lease_clock(), 0.0)
 
     @property
     def lost_reason(self) -> Optional[str]:
@@ -158,10 +161,10 @@ class Session:
 
     def wait_lost(self, timeout: Optional[float] = None) -> Optional[str]:
         """Blocks until the lease may be lost (and returns why) or ``timeout`` seconds pass (``None``)."""
-        end = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else lease_clock() + timeout
         with self._cond:
             while self._lost is None:
-                now = time.monotonic()
+                now = lease_clock()
                 if now >= self._valid_until:
                     self._mark_lost_locked("no keepalive succeeded within the TTL")
                     break
