@@ -7,18 +7,19 @@
 //! that uses two of eight groups costs the servers two sessions, two log entries to open, and
 //! keepalives to the leaders of those two groups only.
 //!
-//! The lease is counted on this process's monotonic clock from the moment the last successful keepalive
+//! The lease is counted on this process's lease clock (below) from the moment the last successful keepalive
 //! was **sent** (the server restarted the TTL when it *received* it, which is later), minus a safety margin
 //! of a tenth of the TTL for clock-rate differences. So [`Session::lost`] fires before the server can expire
 //! the session, and an application that stops acting as the holder when it fires never overlaps with the
 //! next holder, as long as clocks tick at about the same rate. Fencing tokens cover the rest.
 //!
 //! The monotonic clock (`CLOCK_MONOTONIC`) stands still while the machine is suspended, and the servers'
-//! clocks do not: a laptop or VM that sleeps past its sessions' TTLs would wake believing it still held
-//! their locks. So the lease is read on [`lease_now`], the monotonic clock plus the time the machine
+//! clocks do not: a laptop (or a guest that suspends itself) that sleeps past its sessions' TTLs would
+//! wake believing it still held their locks. (A hypervisor pausing a VM stops both of its clocks: that
+//! pause is not seen, as a process stopped by SIGSTOP is not; fencing tokens cover those.) So the lease is read on [`lease_now`], the monotonic clock plus the time the machine
 //! spent suspended since this process started (Linux: `CLOCK_BOOTTIME` against `CLOCK_MONOTONIC`).
-//! After a resume, [`Session::is_valid`] is false at once for a lease that ran out meanwhile, and the
-//! keepalive task (which looks every 100 ms) marks it lost.
+//! After a resume, [`Session::is_valid`] is false at once for a lease that ran out meanwhile, and within
+//! a second the keepalive task (or [`Session::lost`]'s own look) marks it lost.
 
 use crate::client::Client;
 use crate::error::Error;
@@ -240,9 +241,16 @@ pub(crate) fn timer_at(t: Instant) -> Instant {
 }
 
 /// How long the machine was suspended since the first call (whole milliseconds, so the two clocks'
-/// readings a few nanoseconds apart do not count).
-#[cfg(all(target_os = "linux", not(holdfast_sim)))]
+/// readings a few nanoseconds apart do not count). Never decreases.
 fn suspended() -> Duration {
+    let measured = measured_suspension();
+    #[cfg(test)]
+    let measured = measured + tests::SUSPENDED.with(std::cell::Cell::get);
+    measured
+}
+
+#[cfg(all(target_os = "linux", not(holdfast_sim)))]
+fn measured_suspension() -> Duration {
     #[expect(
         unsafe_code,
         reason = "clock_gettime(2) with CLOCK_BOOTTIME has no safe wrapper in std"
@@ -259,19 +267,38 @@ fn suspended() -> Duration {
         }
         i128::from(t.tv_sec) * 1_000_000_000 + i128::from(t.tv_nsec)
     }
-    static START: std::sync::OnceLock<i128> = std::sync::OnceLock::new();
-    let gap = ns(libc::CLOCK_BOOTTIME) - ns(libc::CLOCK_MONOTONIC);
-    let start = *START.get_or_init(|| gap);
-    let suspended = Duration::from_millis(u64::try_from((gap - start) / 1_000_000).unwrap_or(0));
-    #[cfg(test)]
-    let suspended = suspended + tests::SUSPENDED.with(std::cell::Cell::get);
-    suspended
+    use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+    // CLOCK_BOOTTIME minus CLOCK_MONOTONIC grows only by suspensions. Read between two monotonic
+    // readings, the gap to the first is at least the true one and to the second at most: the start
+    // takes the smaller, every later look the larger, so a pre-emption between the reads can only
+    // count too much (a shorter lease), never too little. And the result never goes down.
+    static START: AtomicI64 = AtomicI64::new(i64::MIN);
+    static MAX_MS: AtomicU64 = AtomicU64::new(0);
+    let (m1, b, m2) = (
+        ns(libc::CLOCK_MONOTONIC),
+        ns(libc::CLOCK_BOOTTIME),
+        ns(libc::CLOCK_MONOTONIC),
+    );
+    let (low, high) = ((b - m2) as i64, (b - m1) as i64);
+    let start = match START.compare_exchange(i64::MIN, low, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => low,
+        Err(start) => start,
+    };
+    let ms = u64::try_from((high - start) / 1_000_000).unwrap_or(0);
+    Duration::from_millis(MAX_MS.fetch_max(ms, Ordering::Relaxed).max(ms))
 }
 
 /// Elsewhere (and in the deterministic simulation, whose clock is simulated) no suspension is seen.
 #[cfg(not(all(target_os = "linux", not(holdfast_sim))))]
-fn suspended() -> Duration {
+fn measured_suspension() -> Duration {
     Duration::ZERO
+}
+
+/// A timer for lease-clock instant `t` that also wakes within a second: after a suspension a timer
+/// set before it fires late (the monotonic clock stood still), and whatever it wakes must look at
+/// [`lease_now`] again soon.
+fn lease_timer(t: Instant) -> tokio::time::Sleep {
+    tokio::time::sleep_until(timer_at(t).min(Instant::now() + Duration::from_secs(1)))
 }
 
 /// An instant no lease reaches: ~30 years on (what tokio itself uses for "never").
@@ -295,7 +322,7 @@ async fn keepalive_loop(weak: std::sync::Weak<SessionInner>) {
             // Not due (or open in no group yet): wait until due, or until a first group opens.
             drop(s);
             tokio::select! {
-                _ = tokio::time::sleep_until(timer_at(next_due)) => {}
+                _ = lease_timer(next_due) => {}
                 _ = changed.changed() => {}
             }
             continue;
@@ -583,7 +610,7 @@ impl Session {
                 return lost;
             }
             tokio::select! {
-                _ = tokio::time::sleep_until(timer_at(until)) => {
+                _ = lease_timer(until) => {
                     if lease_now() >= self.inner.lease.borrow().valid_until {
                         self.inner.mark_lost("no keepalive succeeded within the TTL".into());
                     }

@@ -70,8 +70,9 @@ class Registry:
 
 def lease_clock() -> float:
     """Seconds on the lease's clock. The monotonic clock stands still while the machine is suspended,
-    and the servers' TTLs do not: a laptop or VM that slept past its sessions' TTLs would wake believing
-    it still held their locks. So every lease instant (sends, ends, due times) is read on
+    and the servers' TTLs do not: a laptop (or a guest that suspends itself) that slept past its sessions'
+    TTLs would wake believing it still held their locks (a hypervisor pausing a VM stops both clocks, so
+    that is not seen; fencing tokens cover it). So every lease instant (sends, ends, due times) is read on
     ``CLOCK_BOOTTIME`` where there is one (Linux), which counts the suspension, and on the monotonic
     clock elsewhere (the Rust client does the same, crates/client/src/session.rs)."""
     return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
@@ -230,7 +231,8 @@ def _one_group(
             g,
             "KeepAlive",
             lock_pb2.KeepAliveRequest(group=g, session_ids=part.session_ids, session_secrets=part.session_secrets),
-            deadline=deadline,
+            # client.call counts on time.monotonic(); the deadline is on the lease clock.
+            deadline=time.monotonic() + (deadline - lease_clock()),
         )
     except errors.HoldfastError as e:
         return str(e)

@@ -1,7 +1,7 @@
 """Sessions, their keepalive thread and client-side lease, and held locks (the twin of
 crates/client/src/session.rs and guard.rs).
 
-The lease follows the Rust client's rule: it is counted on this process's monotonic clock from the moment
+The lease follows the Rust client's rule: it is counted on this process's lease clock from the moment
 the last successful keepalive was **sent** (the server restarted the TTL when it *received* it, which is
 later), minus a safety margin of a tenth of the TTL for clock-rate differences. So the lease ends (and
 ``lost`` fires) before the server can expire the session, and an application that stops acting as the

@@ -1,12 +1,17 @@
 //! `holdfast lock NAME -- CMD ARGS...`: runs CMD while holding NAME (like `consul lock`, `etcdctl lock`).
 //!
 //! CMD gets `HOLDFAST_LOCK`, `HOLDFAST_TOKEN` (the fencing token: pass it to whatever CMD writes) and
-//! `HOLDFAST_SESSION` in its environment. If the lease may be lost, CMD is stopped (SIGTERM, then SIGKILL
-//! after `--kill-after`) and holdfast exits with 75; a grant that arrives when the lease may already have
-//! lapsed is released without running CMD, also 75. If CMD cannot be started the lock is released at once
-//! and holdfast exits with 127 (not found) or 126 (found but not executable), as shells do. Otherwise
-//! holdfast exits with CMD's exit code (128 + signal if CMD was killed by a signal) after releasing the
-//! lock. SIGINT and SIGTERM are passed on to CMD.
+//! `HOLDFAST_SESSION` in its environment, in a process group of its own: the signals below go to the
+//! whole group, so what CMD started (a shell's pipeline, a backgrounded helper) stops with it. If the
+//! lease may be lost, CMD is stopped (SIGTERM, then SIGKILL after `--kill-after`, by default a tenth of
+//! the TTL: the lease's own margin) and holdfast exits with 75; so it does if CMD ends after the lease
+//! may have lapsed, or its release finds the lock no longer its own (CMD's work may have overlapped
+//! another holder's), and when a grant arrives after the lease may already have lapsed (CMD does not
+//! run). If CMD cannot be started the lock is released at once and holdfast exits with 127 (not found)
+//! or 126 (found but not executable), as shells do. Otherwise holdfast exits with CMD's exit code (128 +
+//! signal if CMD was killed by a signal) after releasing the lock. SIGINT and SIGTERM are passed on to
+//! CMD's group; received while waiting for the lock, they give the wait up (the session is closed) and
+//! holdfast exits with 128 + the signal.
 
 use super::duration::parse_duration;
 use super::Conn;
@@ -39,9 +44,11 @@ pub struct LockArgs {
     /// How long to wait in line for the lock (0 = fail at once if it is held).
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     wait: Duration,
-    /// After SIGTERM, how long CMD gets before SIGKILL.
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
-    kill_after: Duration,
+    /// After SIGTERM, how long CMD gets before SIGKILL (default: a tenth of the TTL, the lease's margin
+    /// before the servers may expire the session; longer lets CMD run on after another holder got the
+    /// lock, unless `--lock-delay` covers it).
+    #[arg(long, value_parser = parse_duration)]
+    kill_after: Option<Duration>,
     /// Lock-delay (at most 60s): if this process's session expires (it was killed, hung or cut off),
     /// nobody gets the lock for this long afterwards. For resources that cannot check HOLDFAST_TOKEN.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
@@ -58,6 +65,20 @@ pub struct LockArgs {
 }
 
 pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
+    // The lease ends a tenth of the TTL before the servers may expire the session (docs/client.md).
+    let margin = args.ttl / 10;
+    let kill_after = args.kill_after.unwrap_or(margin);
+    if kill_after > margin && kill_after > args.lock_delay {
+        eprintln!(
+            "holdfast: warning: --kill-after {kill_after:?} is longer than the lease's margin ({margin:?}, a tenth of the TTL): after a lost lease CMD may run on for up to {:?} while another holder has {:?}; give --lock-delay {kill_after:?} or make CMD check HOLDFAST_TOKEN",
+            kill_after - margin,
+            args.name
+        );
+    }
+    // From the start: a signal while waiting for the lock gives the wait up instead of killing this
+    // process and leaving the session (and a grant to it) behind for a TTL.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
     let client = args.conn.connect().await?;
     let session = client
         .open_session(args.ttl)
@@ -70,7 +91,12 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
         permits: args.permits,
         ..Default::default()
     };
-    let guard = match session.acquire_with(&args.name, options).await {
+    let acquired = tokio::select! {
+        acquired = session.acquire_with(&args.name, options) => acquired,
+        _ = term.recv() => return Ok(give_up(session.clone(), libc::SIGTERM).await),
+        _ = int.recv() => return Ok(give_up(session.clone(), libc::SIGINT).await),
+    };
+    let guard = match acquired {
         Ok(g) => g,
         Err(e @ holdfast_client::Error::LeaseLost(_)) => {
             eprintln!("holdfast: cannot acquire {:?}: {e}", args.name);
@@ -84,6 +110,7 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
     };
     let spawned = Command::new(&args.command[0])
         .args(&args.command[1..])
+        .process_group(0)
         .env("HOLDFAST_LOCK", &args.name)
         .env("HOLDFAST_TOKEN", guard.token().to_string())
         .env("HOLDFAST_SESSION", session.id_for(&args.name).to_string())
@@ -104,30 +131,62 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(code));
         }
     };
-    let pid = child.id().unwrap_or(0);
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
+    // The child leads its own process group (`process_group(0)`), whose id is its pid.
+    let Some(group) = child.id() else {
+        bail!("the command exited before its process id could be read");
+    };
     let status = loop {
         tokio::select! {
-            status = child.wait() => break status?,
+            // Lost first: a lease lost as CMD ends must not pass for a clean run.
+            biased;
             lost = guard.lost() => {
                 eprintln!("holdfast: the lease on {:?} may be lost ({}); stopping the command", args.name, lost.0);
-                super::signal(pid, libc::SIGTERM);
-                if tokio::time::timeout(args.kill_after, child.wait()).await.is_err() {
-                    let _ = child.kill().await;
+                super::signal_group(group, libc::SIGTERM);
+                if tokio::time::timeout(kill_after, child.wait()).await.is_err() {
+                    super::signal_group(group, libc::SIGKILL);
+                    // Not forever: a process stuck in the kernel (D state) does not die at once.
+                    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
                 }
                 // Best effort: the cluster may be unreachable, which is likely why the lease was lost.
                 let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
                 return Ok(ExitCode::from(EXIT_LEASE_LOST));
             }
-            _ = term.recv() => super::signal(pid, libc::SIGTERM),
-            _ = int.recv() => super::signal(pid, libc::SIGINT),
+            status = child.wait() => match status {
+                Ok(status) => break status,
+                Err(e) => {
+                    super::signal_group(group, libc::SIGKILL);
+                    let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
+                    return Err(e).context("cannot wait for the command");
+                }
+            },
+            _ = term.recv() => super::signal_group(group, libc::SIGTERM),
+            _ = int.recv() => super::signal_group(group, libc::SIGINT),
         }
     };
+    // CMD ended; was it still the holder all along? Not if the lease lapsed meanwhile (this process was
+    // paused, say), or if the release finds the grant gone.
+    let valid = guard.is_valid();
     let release = guard.release().await;
     let _ = session.close().await;
-    if let Err(e) = release {
-        eprintln!("holdfast: releasing {:?}: {e}", args.name);
+    let released = match release {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("holdfast: releasing {:?}: {e}", args.name);
+            !matches!(
+                e,
+                holdfast_client::Error::NotHolder(_)
+                    | holdfast_client::Error::StaleToken { .. }
+                    | holdfast_client::Error::SessionUnknown(_)
+                    | holdfast_client::Error::LeaseLost(_)
+            )
+        }
+    };
+    if !valid || !released {
+        eprintln!(
+            "holdfast: the command ended, but the lease on {:?} may have lapsed before it did: its work may have overlapped another holder's",
+            args.name
+        );
+        return Ok(ExitCode::from(EXIT_LEASE_LOST));
     }
     let code = match (status.code(), status.signal()) {
         (Some(c), _) => c,
@@ -135,4 +194,12 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
         (None, None) => 1,
     };
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
+/// A signal arrived while waiting for the lock: give the wait up (closing the session removes it, and
+/// any grant that raced the signal) and exit as the signal would have.
+async fn give_up(session: holdfast_client::Session, sig: libc::c_int) -> ExitCode {
+    eprintln!("holdfast: interrupted while waiting for the lock; giving the wait up");
+    let _ = tokio::time::timeout(Duration::from_secs(2), session.close()).await;
+    ExitCode::from((128 + sig) as u8)
 }

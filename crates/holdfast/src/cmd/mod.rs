@@ -218,6 +218,22 @@ pub fn signal(pid: u32, signal: libc::c_int) {
     }
 }
 
+/// Sends `signal` to every process of process group `group` (a child started as its group's leader).
+#[allow(
+    unsafe_code,
+    reason = "libc::kill on the process group of a child this process spawned and still owns"
+)]
+pub fn signal_group(group: u32, signal: libc::c_int) {
+    // Never 0 or 1 (kill(0) and kill(-1) would reach this process's own group, or everything).
+    if group <= 1 {
+        return;
+    }
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe {
+        libc::kill(-(group as libc::pid_t), signal);
+    }
+}
+
 /// Lets a command whose output is read through a pipe end quietly when the reader goes away, as other
 /// Unix tools do (`holdfast status | head`): Rust starts with SIGPIPE ignored, so a print to a closed
 /// pipe panicked with a backtrace. Only for the commands that print what they read from the cluster;
