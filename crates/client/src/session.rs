@@ -270,15 +270,27 @@ fn measured_suspension() -> Duration {
     use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
     // CLOCK_BOOTTIME minus CLOCK_MONOTONIC grows only by suspensions. Read between two monotonic
     // readings, the gap to the first is at least the true one and to the second at most: the start
-    // takes the smaller, every later look the larger, so a pre-emption between the reads can only
-    // count too much (a shorter lease), never too little. And the result never goes down.
+    // takes the smaller, every later look the larger, so a pre-emption between the reads counts too
+    // much (a shorter lease), never too little; and the result never goes down. A look whose reads
+    // were far apart is taken again, so that such an over-count does not stay in the maximum (and
+    // eat into a later real suspension): at most 50 µs of it does.
     static START: AtomicI64 = AtomicI64::new(i64::MIN);
     static MAX_MS: AtomicU64 = AtomicU64::new(0);
-    let (m1, b, m2) = (
-        ns(libc::CLOCK_MONOTONIC),
-        ns(libc::CLOCK_BOOTTIME),
-        ns(libc::CLOCK_MONOTONIC),
-    );
+    let read = || {
+        (
+            ns(libc::CLOCK_MONOTONIC),
+            ns(libc::CLOCK_BOOTTIME),
+            ns(libc::CLOCK_MONOTONIC),
+        )
+    };
+    let mut reads = read();
+    for _ in 0..4 {
+        if reads.2 - reads.0 < 50_000 {
+            break;
+        }
+        reads = read();
+    }
+    let (m1, b, m2) = reads;
     let (low, high) = ((b - m2) as i64, (b - m1) as i64);
     let start = match START.compare_exchange(i64::MIN, low, Ordering::Relaxed, Ordering::Relaxed) {
         Ok(_) => low,

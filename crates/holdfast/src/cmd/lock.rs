@@ -79,6 +79,8 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
     // process and leaving the session (and a grant to it) behind for a TTL.
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut quit = signal(SignalKind::quit())?;
     let client = args.conn.connect().await?;
     let session = client
         .open_session(args.ttl)
@@ -95,6 +97,8 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
         acquired = session.acquire_with(&args.name, options) => acquired,
         _ = term.recv() => return Ok(give_up(session.clone(), libc::SIGTERM).await),
         _ = int.recv() => return Ok(give_up(session.clone(), libc::SIGINT).await),
+        _ = hup.recv() => return Ok(give_up(session.clone(), libc::SIGHUP).await),
+        _ = quit.recv() => return Ok(give_up(session.clone(), libc::SIGQUIT).await),
     };
     let guard = match acquired {
         Ok(g) => g,
@@ -135,18 +139,18 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
     let Some(group) = child.id() else {
         bail!("the command exited before its process id could be read");
     };
+    // CMD is not in the terminal's foreground group, so job control reaches it through holdfast:
+    // Ctrl-Z stops its group, then holdfast (whose keepalives stop too: if the lease runs out
+    // meanwhile, CMD is stopped on resuming), and `fg` continues both.
+    let mut tstp = signal(SignalKind::from_raw(libc::SIGTSTP))?;
+    let mut cont = signal(SignalKind::from_raw(libc::SIGCONT))?;
     let status = loop {
         tokio::select! {
             // Lost first: a lease lost as CMD ends must not pass for a clean run.
             biased;
             lost = guard.lost() => {
                 eprintln!("holdfast: the lease on {:?} may be lost ({}); stopping the command", args.name, lost.0);
-                super::signal_group(group, libc::SIGTERM);
-                if tokio::time::timeout(kill_after, child.wait()).await.is_err() {
-                    super::signal_group(group, libc::SIGKILL);
-                    // Not forever: a process stuck in the kernel (D state) does not die at once.
-                    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
-                }
+                stop_group(&mut child, group, kill_after).await;
                 // Best effort: the cluster may be unreachable, which is likely why the lease was lost.
                 let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
                 return Ok(ExitCode::from(EXIT_LEASE_LOST));
@@ -161,13 +165,23 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
             },
             _ = term.recv() => super::signal_group(group, libc::SIGTERM),
             _ = int.recv() => super::signal_group(group, libc::SIGINT),
+            _ = hup.recv() => super::signal_group(group, libc::SIGHUP),
+            _ = quit.recv() => super::signal_group(group, libc::SIGQUIT),
+            _ = tstp.recv() => {
+                super::signal_group(group, libc::SIGTSTP);
+                super::signal(std::process::id(), libc::SIGSTOP);
+            }
+            _ = cont.recv() => super::signal_group(group, libc::SIGCONT),
         }
     };
+    // What CMD left running in its group (a backgrounded helper) must not run on once the lock is
+    // released.
+    stop_group(&mut child, group, kill_after).await;
     // CMD ended; was it still the holder all along? Not if the lease lapsed meanwhile (this process was
     // paused, say), or if the release finds the grant gone.
     let valid = guard.is_valid();
     let release = guard.release().await;
-    let _ = session.close().await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), session.close()).await;
     let released = match release {
         Ok(()) => true,
         Err(e) => {
@@ -202,4 +216,29 @@ async fn give_up(session: holdfast_client::Session, sig: libc::c_int) -> ExitCod
     eprintln!("holdfast: interrupted while waiting for the lock; giving the wait up");
     let _ = tokio::time::timeout(Duration::from_secs(2), session.close()).await;
     ExitCode::from((128 + sig) as u8)
+}
+
+/// Stops CMD's process group: SIGTERM to every process left in it, and SIGKILL to whatever is still
+/// there after `grace`. Returns at once if nothing is left (CMD ended with no helpers); waits at most
+/// `grace` + 5 s (a process stuck in the kernel does not die at once).
+async fn stop_group(child: &mut tokio::process::Child, group: u32, grace: Duration) {
+    let gone = |child: &mut tokio::process::Child| {
+        child.try_wait().is_ok_and(|s| s.is_some()) && !super::group_alive(group)
+    };
+    if gone(child) {
+        return;
+    }
+    super::signal_group(group, libc::SIGTERM);
+    // Also lets a stopped group (Ctrl-Z) see the SIGTERM.
+    super::signal_group(group, libc::SIGCONT);
+    for (wait, signal) in [(grace, Some(libc::SIGKILL)), (Duration::from_secs(5), None)] {
+        let deadline = tokio::time::Instant::now() + wait;
+        while !gone(child) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        match signal {
+            Some(signal) if !gone(child) => super::signal_group(group, signal),
+            _ => return,
+        }
+    }
 }

@@ -218,6 +218,16 @@ pub fn signal(pid: u32, signal: libc::c_int) {
     }
 }
 
+/// Whether any process of group `group` is left (zombies included).
+#[allow(
+    unsafe_code,
+    reason = "kill(2) with signal 0 only checks that the group exists"
+)]
+pub fn group_alive(group: u32) -> bool {
+    // SAFETY: kill(2) has no memory-safety preconditions; signal 0 sends nothing.
+    group > 1 && unsafe { libc::kill(-(group as libc::pid_t), 0) } == 0
+}
+
 /// Sends `signal` to every process of process group `group` (a child started as its group's leader).
 #[allow(
     unsafe_code,

@@ -107,8 +107,9 @@ async fn lock_stops_the_command_when_the_lease_is_lost() {
             "--",
             "sh",
             "-c",
-            // A shell with a child of its own: both must stop (the signals go to CMD's group).
-            "sleep 600 & echo $$ $!; wait",
+            // A shell with a child of its own, and one that ignores SIGTERM: all must stop (the
+            // signals go to CMD's group, SIGKILL after --kill-after).
+            "sleep 600 & a=$!; (trap '' TERM; exec sleep 600) & echo $$ $a $!; wait",
         ])
         .stdout(Stdio::piped())
         .spawn()
@@ -118,9 +119,17 @@ async fn lock_stops_the_command_when_the_lease_is_lost() {
     tokio::io::AsyncBufReadExt::read_line(&mut tokio::io::BufReader::new(stdout), &mut line)
         .await
         .unwrap();
-    let pids: Vec<u32> = line
+    // Each process with its start time (field 22 of /proc/PID/stat), so a reused pid is not taken for it.
+    let started = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.to_string()))
+            .and_then(|rest| rest.split_whitespace().nth(19).map(str::to_string))
+    };
+    let pids: Vec<(u32, Option<String>)> = line
         .split_whitespace()
         .map(|p| p.parse().unwrap())
+        .map(|pid| (pid, started(pid)))
         .collect();
     c.proxies.isolate(CLIENTS);
     let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
@@ -128,12 +137,17 @@ async fn lock_stops_the_command_when_the_lease_is_lost() {
         .unwrap()
         .unwrap();
     assert_eq!(status.code(), Some(75), "exit code for a lost lease");
-    assert_eq!(pids.len(), 2, "{line}");
-    for pid in pids {
-        // Gone, or a zombie nobody has reaped yet (its parent died first): stopped either way. The
-        // signals were sent before holdfast exited, but a process takes a moment to die.
+    assert_eq!(pids.len(), 3, "{line}");
+    for (pid, start) in pids {
+        assert!(
+            start.is_some(),
+            "process {pid} was not running when its pid was printed"
+        );
+        // Gone (or another process under a reused pid), or a zombie nobody has reaped yet: stopped
+        // either way. Holdfast waits for its group before it exits, but a reparented process's
+        // zombie is reaped by init in its own time.
         let stopped = || {
-            !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            started(pid) != start
                 || std::fs::read_to_string(format!("/proc/{pid}/stat"))
                     .is_ok_and(|s| s.contains(") Z "))
         };
