@@ -272,8 +272,8 @@ fn measured_suspension() -> Duration {
     // readings, the gap to the first is at least the true one and to the second at most: the start
     // takes the smaller, every later look the larger, so a pre-emption between the reads counts too
     // much (a shorter lease), never too little; and the result never goes down. A look whose reads
-    // were far apart is taken again, so that such an over-count does not stay in the maximum (and
-    // eat into a later real suspension): at most 50 µs of it does.
+    // were far apart is taken again (up to four times), so that such an over-count rarely stays in
+    // the maximum, where it would eat into a later real suspension.
     static START: AtomicI64 = AtomicI64::new(i64::MIN);
     static MAX_MS: AtomicU64 = AtomicU64::new(0);
     let read = || {

@@ -77,10 +77,12 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
     }
     // From the start: a signal while waiting for the lock gives the wait up instead of killing this
     // process and leaving the session (and a grant to it) behind for a TTL.
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut quit = signal(SignalKind::quit())?;
+    // A signal this process inherited as ignored (`nohup`, a background job of a script) stays ignored,
+    // for CMD too: catching it would end CMD where the caller asked it to be left alone.
+    let mut term = caught(libc::SIGTERM)?;
+    let mut int = caught(libc::SIGINT)?;
+    let mut hup = caught(libc::SIGHUP)?;
+    let mut quit = caught(libc::SIGQUIT)?;
     let client = args.conn.connect().await?;
     let session = client
         .open_session(args.ttl)
@@ -95,10 +97,10 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
     };
     let acquired = tokio::select! {
         acquired = session.acquire_with(&args.name, options) => acquired,
-        _ = term.recv() => return Ok(give_up(session.clone(), libc::SIGTERM).await),
-        _ = int.recv() => return Ok(give_up(session.clone(), libc::SIGINT).await),
-        _ = hup.recv() => return Ok(give_up(session.clone(), libc::SIGHUP).await),
-        _ = quit.recv() => return Ok(give_up(session.clone(), libc::SIGQUIT).await),
+        _ = recv(&mut term) => return Ok(give_up(session.clone(), libc::SIGTERM).await),
+        _ = recv(&mut int) => return Ok(give_up(session.clone(), libc::SIGINT).await),
+        _ = recv(&mut hup) => return Ok(give_up(session.clone(), libc::SIGHUP).await),
+        _ = recv(&mut quit) => return Ok(give_up(session.clone(), libc::SIGQUIT).await),
     };
     let guard = match acquired {
         Ok(g) => g,
@@ -140,9 +142,10 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
         bail!("the command exited before its process id could be read");
     };
     // CMD is not in the terminal's foreground group, so job control reaches it through holdfast:
-    // Ctrl-Z stops its group, then holdfast (whose keepalives stop too: if the lease runs out
-    // meanwhile, CMD is stopped on resuming), and `fg` continues both.
-    let mut tstp = signal(SignalKind::from_raw(libc::SIGTSTP))?;
+    // Ctrl-Z stops its group (SIGTSTP, then SIGSTOP, which it cannot ignore), then holdfast (whose
+    // keepalives stop too), and `fg` continues holdfast, which continues CMD only if the lease still
+    // holds (otherwise the lost lease stops the group).
+    let mut tstp = caught(libc::SIGTSTP)?;
     let mut cont = signal(SignalKind::from_raw(libc::SIGCONT))?;
     let status = loop {
         tokio::select! {
@@ -150,7 +153,9 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
             biased;
             lost = guard.lost() => {
                 eprintln!("holdfast: the lease on {:?} may be lost ({}); stopping the command", args.name, lost.0);
-                stop_group(&mut child, group, kill_after).await;
+                if !stop_group(&mut child, group, kill_after).await {
+                    eprintln!("holdfast: processes of the command's group are still there after SIGKILL (stuck in the kernel?)");
+                }
                 // Best effort: the cluster may be unreachable, which is likely why the lease was lost.
                 let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
                 return Ok(ExitCode::from(EXIT_LEASE_LOST));
@@ -158,25 +163,34 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
             status = child.wait() => match status {
                 Ok(status) => break status,
                 Err(e) => {
-                    super::signal_group(group, libc::SIGKILL);
+                    // Whatever it runs must not outlive the lock: stopped before the session closes.
+                    stop_group(&mut child, group, Duration::ZERO).await;
                     let _ = tokio::time::timeout(Duration::from_secs(1), session.close()).await;
                     return Err(e).context("cannot wait for the command");
                 }
             },
-            _ = term.recv() => super::signal_group(group, libc::SIGTERM),
-            _ = int.recv() => super::signal_group(group, libc::SIGINT),
-            _ = hup.recv() => super::signal_group(group, libc::SIGHUP),
-            _ = quit.recv() => super::signal_group(group, libc::SIGQUIT),
-            _ = tstp.recv() => {
+            _ = recv(&mut term) => super::signal_group(group, libc::SIGTERM),
+            _ = recv(&mut int) => super::signal_group(group, libc::SIGINT),
+            _ = recv(&mut hup) => super::signal_group(group, libc::SIGHUP),
+            _ = recv(&mut quit) => super::signal_group(group, libc::SIGQUIT),
+            _ = recv(&mut tstp) => {
                 super::signal_group(group, libc::SIGTSTP);
+                super::signal_group(group, libc::SIGSTOP);
                 super::signal(std::process::id(), libc::SIGSTOP);
             }
-            _ = cont.recv() => super::signal_group(group, libc::SIGCONT),
+            _ = cont.recv() => {
+                if guard.is_valid() {
+                    super::signal_group(group, libc::SIGCONT);
+                }
+            }
         }
     };
     // What CMD left running in its group (a backgrounded helper) must not run on once the lock is
-    // released.
-    stop_group(&mut child, group, kill_after).await;
+    // released; if something is still there after SIGKILL, it may: say so (exit 75 below).
+    let emptied = stop_group(&mut child, group, kill_after).await;
+    if !emptied {
+        eprintln!("holdfast: processes of the command's group are still there after SIGKILL (stuck in the kernel?)");
+    }
     // CMD ended; was it still the holder all along? Not if the lease lapsed meanwhile (this process was
     // paused, say), or if the release finds the grant gone.
     let valid = guard.is_valid();
@@ -195,11 +209,13 @@ pub async fn run(args: LockArgs) -> anyhow::Result<ExitCode> {
             )
         }
     };
-    if !valid || !released {
-        eprintln!(
-            "holdfast: the command ended, but the lease on {:?} may have lapsed before it did: its work may have overlapped another holder's",
-            args.name
-        );
+    if !valid || !released || !emptied {
+        if !valid || !released {
+            eprintln!(
+                "holdfast: the command ended, but the lease on {:?} may have lapsed before it did: its work may have overlapped another holder's",
+                args.name
+            );
+        }
         return Ok(ExitCode::from(EXIT_LEASE_LOST));
     }
     let code = match (status.code(), status.signal()) {
@@ -219,14 +235,20 @@ async fn give_up(session: holdfast_client::Session, sig: libc::c_int) -> ExitCod
 }
 
 /// Stops CMD's process group: SIGTERM to every process left in it, and SIGKILL to whatever is still
-/// there after `grace`. Returns at once if nothing is left (CMD ended with no helpers); waits at most
-/// `grace` + 5 s (a process stuck in the kernel does not die at once).
-async fn stop_group(child: &mut tokio::process::Child, group: u32, grace: Duration) {
+/// there after `grace`. Returns at once (true) if nothing is left (CMD ended with no helpers); false if
+/// something is still there `grace` + 5 s on (a process stuck in the kernel does not die at once, and
+/// zombies count until they are reaped).
+///
+/// CMD's leader is reaped already, so the group's id is a free pid once the group is empty, and could
+/// in principle name another group by the next look (every 20 ms): Linux hands out pids in sequence,
+/// so that needs the whole pid space (`/proc/sys/kernel/pid_max`, 4,194,304 by default) to wrap within
+/// 20 ms.
+async fn stop_group(child: &mut tokio::process::Child, group: u32, grace: Duration) -> bool {
     let gone = |child: &mut tokio::process::Child| {
         child.try_wait().is_ok_and(|s| s.is_some()) && !super::group_alive(group)
     };
     if gone(child) {
-        return;
+        return true;
     }
     super::signal_group(group, libc::SIGTERM);
     // Also lets a stopped group (Ctrl-Z) see the SIGTERM.
@@ -238,7 +260,26 @@ async fn stop_group(child: &mut tokio::process::Child, group: u32, grace: Durati
         }
         match signal {
             Some(signal) if !gone(child) => super::signal_group(group, signal),
-            _ => return,
+            _ => break,
         }
+    }
+    gone(child)
+}
+
+/// A stream of `sig`, or `None` if this process inherited it as ignored (it then stays ignored).
+fn caught(sig: libc::c_int) -> std::io::Result<Option<tokio::signal::unix::Signal>> {
+    if super::inherited_ignored(sig) {
+        return Ok(None);
+    }
+    signal(SignalKind::from_raw(sig)).map(Some)
+}
+
+/// The next delivery of a signal caught with [`caught`]; never, for one left ignored.
+async fn recv(sig: &mut Option<tokio::signal::unix::Signal>) {
+    match sig {
+        Some(sig) => {
+            sig.recv().await;
+        }
+        None => std::future::pending().await,
     }
 }

@@ -218,6 +218,19 @@ pub fn signal(pid: u32, signal: libc::c_int) {
     }
 }
 
+/// Whether this process inherited `sig` as ignored (SIG_IGN: `nohup`, a script's background job).
+#[allow(
+    unsafe_code,
+    reason = "sigaction(2) with no new action only reads the current one into a local struct"
+)]
+pub fn inherited_ignored(sig: libc::c_int) -> bool {
+    // SAFETY: a zeroed sigaction is a valid out-parameter; a null new action changes nothing.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 /// Whether any process of group `group` is left (zombies included).
 #[allow(
     unsafe_code,

@@ -406,3 +406,61 @@ fn a_client_commands_log_into_a_pipe_has_no_colour_codes() {
     assert!(log.contains("TRACE"), "no log lines: {log}");
     assert!(!log.contains('\x1b'), "colour codes in the log: {log}");
 }
+
+/// Under `nohup` (SIGHUP inherited as ignored), a hangup leaves `holdfast lock` and CMD running, as it
+/// would CMD alone (catching it to pass it on would end CMD); SIGTERM still stops CMD's group, and the
+/// lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_under_nohup_leaves_the_hangup_ignored() {
+    let c = Cluster::start(three()).await;
+    let client = c.client().await;
+    // `trap '' HUP` is what nohup does: the ignored disposition is inherited through exec.
+    let mut holder = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg("trap '' HUP; exec \"$0\" lock nohup/job -- sh -c 'echo $$; exec sleep 600'")
+        .arg(env!("CARGO_BIN_EXE_holdfast"))
+        .env("HOLDFAST_ENDPOINTS", c.endpoints().join(","))
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let stdout = holder.stdout.take().unwrap();
+    tokio::io::AsyncBufReadExt::read_line(&mut tokio::io::BufReader::new(stdout), &mut line)
+        .await
+        .unwrap();
+    let command_pid: u32 = line.trim().parse().unwrap();
+    let holder_pid = holder.id().unwrap();
+    let kill = |sig: &str, pid: u32| {
+        assert!(std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success());
+    };
+    kill("-HUP", holder_pid);
+    // Both still there, the lock still held, a while later (what the hangup would have ended).
+    let held = || async { client.describe("nohup/job").await.unwrap().is_some() };
+    for _ in 0..10 {
+        assert!(held().await, "the lock was released after the hangup");
+        assert!(
+            holder.try_wait().unwrap().is_none(),
+            "holdfast lock ended on the hangup"
+        );
+        assert!(
+            std::path::Path::new(&format!("/proc/{command_pid}")).exists(),
+            "CMD ended on the hangup"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    kill("-TERM", holder_pid);
+    let status = tokio::time::timeout(Duration::from_secs(30), holder.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(143), "CMD's exit on SIGTERM, passed on");
+    assert!(
+        !held().await,
+        "the lock is still held after holdfast lock exited"
+    );
+}
