@@ -251,6 +251,18 @@ def test_a_redirect_to_a_new_server_is_learned() -> None:
     assert "127.0.0.1:1" in c.endpoints, "the leader named by the redirect was added"
 
 
+def acquire_with_no_answer(cancel: Callable[[Any], Any]) -> FakeServer:
+    """A server whose acquires time out (their outcome unknown) and whose CancelAcquire is ``cancel``;
+    one acquire is made against it, and fails with Unavailable."""
+    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
+    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(
+        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"))
+    c = fake_client([server], request_timeout=0.4)
+    with pytest.raises(errors.Unavailable):
+        c.session().acquire("x", timeout=0)
+    return server
+
+
 def test_an_acquire_with_an_unknown_outcome_is_cancelled() -> None:
     cancelled = threading.Event()
 
@@ -258,13 +270,7 @@ def test_an_acquire_with_an_unknown_outcome_is_cancelled() -> None:
         cancelled.set()
         return lock_pb2.CancelAcquireResponse()
 
-    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
-    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(
-        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"))
-    c = fake_client([server], request_timeout=0.4)
-    s = c.session()
-    with pytest.raises(errors.Unavailable):
-        s.acquire("x", timeout=0)
+    server = acquire_with_no_answer(cancel)
     assert cancelled.wait(10), "the acquire whose outcome is unknown was never cancelled"
     (acquire, *_), (cancel_req,) = server.requests("Acquire"), server.requests("CancelAcquire")
     assert (cancel_req.name, cancel_req.request_id, cancel_req.session_id) == ("x", acquire.request_id, 7)
@@ -283,12 +289,7 @@ def test_a_cancel_refused_by_the_policy_is_retried() -> None:
         cancelled.set()
         return lock_pb2.CancelAcquireResponse()
 
-    server = FakeServer({"OpenSession": opens(), "KeepAlive": renews(), "CancelAcquire": cancel})
-    server.handlers["Acquire"] = lambda r: (_ for _ in ()).throw(
-        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"))
-    c = fake_client([server], request_timeout=0.4)
-    with pytest.raises(errors.Unavailable):
-        c.session().acquire("x", timeout=0)
+    server = acquire_with_no_answer(cancel)
     assert cancelled.wait(10), "a cancel refused once by the policy was not tried again"
     assert len(server.requests("CancelAcquire")) == 2
 

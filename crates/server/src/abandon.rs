@@ -522,28 +522,32 @@ mod tests {
     async fn a_burst_of_abandons_shares_its_writes() {
         let dir = tempfile::tempdir().unwrap();
         let p = Arc::new(PendingAbandons::open(dir.path()));
-        let adds: Vec<_> = (1..=200)
-            .map(|r| {
-                let p = p.clone();
-                tokio::spawn(async move { p.add(&intent(r)).await })
-            })
-            .collect();
-        for add in adds {
-            add.await.unwrap();
-        }
+        // Adds (or removes) the intents of `requests` all at once, each from a task of its own.
+        let at_once = |requests: Vec<u64>, add: bool| {
+            let tasks: Vec<_> = requests
+                .into_iter()
+                .map(|r| {
+                    let p = p.clone();
+                    tokio::spawn(async move {
+                        if add {
+                            p.add(&intent(r)).await
+                        } else {
+                            p.remove(&intent(r)).await
+                        }
+                    })
+                })
+                .collect();
+            async move {
+                for task in tasks {
+                    task.await.unwrap();
+                }
+            }
+        };
+        at_once((1..=200).collect(), true).await;
         let writes = p.writes.load(Relaxed);
         assert!((1..=10).contains(&writes), "{writes} writes for 200 adds");
         assert_eq!(PendingAbandons::open(dir.path()).loaded().len(), 200);
-        let removes: Vec<_> = (1..=200)
-            .filter(|r| r % 2 == 0)
-            .map(|r| {
-                let p = p.clone();
-                tokio::spawn(async move { p.remove(&intent(r)).await })
-            })
-            .collect();
-        for remove in removes {
-            remove.await.unwrap();
-        }
+        at_once((1..=200).filter(|r| r % 2 == 0).collect(), false).await;
         assert!(p.writes.load(Relaxed) - writes <= 10);
         let left = PendingAbandons::open(dir.path()).loaded();
         assert_eq!(

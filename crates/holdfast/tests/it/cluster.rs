@@ -739,6 +739,23 @@ async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follow
     );
 }
 
+/// A 3-server cluster for talking to a follower's peer port as its leader would: the cluster, group 0's
+/// leader, a follower of it, that follower's view of group 0 (which names the leader), and the cluster
+/// id a peer message carries.
+async fn three_and_a_follower() -> (Cluster, u64, u64, holdfast_proto::v1::GroupStatus, u64) {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let follower = (1..=3u64).find(|&n| n != leader).unwrap();
+    let status = c.group_status(follower, 0).await.unwrap();
+    assert_eq!(status.leader_id, leader);
+    let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
+    (c, leader, follower, status, cluster_id)
+}
+
 /// A follower checks every request of an append stream, not just the first: a later one that names
 /// another sender ends the stream with INVALID_ARGUMENT, after the reply to the one before it (an OK end
 /// would look to the leader like a follower that stopped answering).
@@ -747,17 +764,8 @@ async fn a_follower_refuses_an_append_stream_request_from_another_sender_with_in
     use holdfast_proto::v1::{
         append_stream_reply, peer_client::PeerClient, AppendEntriesRequest, PeerHeader, Vote,
     };
-    let c = Cluster::start(Options {
-        nodes: 3,
-        ..Options::default()
-    })
-    .await;
-    let leader = c.wait_for_leader(0, SECS_30).await;
-    let follower = (1..=3u64).find(|&n| n != leader).unwrap();
+    let (c, leader, follower, status, cluster_id) = three_and_a_follower().await;
     let other = (1..=3u64).find(|&n| n != leader && n != follower).unwrap();
-    let status = c.group_status(follower, 0).await.unwrap();
-    assert_eq!(status.leader_id, leader);
-    let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
     // What the leader itself would send with nothing to append: its vote, no entries, and a previous
     // log id of none (which every log matches), so the first request is answered with success.
     let request = |from_node: u64| AppendEntriesRequest {
@@ -812,15 +820,7 @@ async fn a_server_receives_at_most_two_snapshots_at_once() {
         peer_client::PeerClient, MemberNode, Membership, PeerHeader, SnapshotChunk, SnapshotMeta,
         Vote, VoterSet,
     };
-    let c = Cluster::start(Options {
-        nodes: 3,
-        ..Options::default()
-    })
-    .await;
-    let leader = c.wait_for_leader(0, SECS_30).await;
-    let follower = (1..=3u64).find(|&n| n != leader).unwrap();
-    let status = c.group_status(follower, 0).await.unwrap();
-    let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
+    let (c, leader, follower, status, cluster_id) = three_and_a_follower().await;
     // A first chunk as the leader would send it, then bytes that are no snapshot: a stream that ends
     // is refused INVALID_ARGUMENT when its bytes are checked, which shows it had been let in.
     let first = SnapshotChunk {
