@@ -42,6 +42,37 @@ def reason(r: int, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION, 
     return FakeRpcError(code, lock_pb2.Reason.Name(r).lower(), lock_pb2.ErrorDetail(reason=r, **fields))
 
 
+class FakeFuture:
+    """What a grpc stub's ``.future()`` returns, for the calls the client makes that way (waiting
+    acquires): the call runs on a thread of its own."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self.cancelled = False
+        threading.Thread(target=self._run, args=(run,), daemon=True).start()
+
+    def _run(self, run: Callable[[], Any]) -> None:
+        try:
+            self._result = run()
+        except BaseException as e:  # delivered by result(), as grpc does
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
 class FakeServer:
     """Answers each method with ``handlers[method](request)``; records every request."""
 
@@ -59,6 +90,10 @@ class FakeServer:
                 raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down")
             return handler(request)
 
+        def future(request: Any, timeout: float, metadata: Any) -> FakeFuture:
+            return FakeFuture(lambda: call(request, timeout, metadata))
+
+        call.future = future  # type: ignore[attr-defined]
         return call
 
     def requests(self, method: str) -> list[Any]:
@@ -292,6 +327,32 @@ def test_a_cancel_refused_by_the_policy_is_retried() -> None:
     server = acquire_with_no_answer(cancel)
     assert cancelled.wait(10), "a cancel refused once by the policy was not tried again"
     assert len(server.requests("CancelAcquire")) == 2
+
+
+def test_a_waiting_acquire_ends_as_soon_as_its_session_is_lost() -> None:
+    # The wait would go on at the server until it expires the session; the caller learns at once.
+    answered = threading.Event()
+
+    def slow(r: Any) -> Any:
+        answered.wait(30)
+        return lock_pb2.AcquireResponse(token=9)
+
+    server = FakeServer(
+        {"OpenSession": opens(10_000), "KeepAlive": renews(10_000), "Acquire": slow,
+         "CancelAcquire": lambda r: lock_pb2.CancelAcquireResponse()}
+    )
+    c = fake_client([server], request_timeout=30)
+    c.attempt_timeout = 30
+    s = c.session(ttl=10)
+    s.open_for("x")
+    threading.Timer(0.3, lambda: s._mark_lost("the test lost it")).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(errors.LeaseLost, match="the test lost it"):
+            s.acquire("x", timeout=20)
+        assert time.monotonic() - started < 5, "the wait went on after the session was lost"
+    finally:
+        answered.set()
 
 
 def test_a_refused_acquire_is_not_cancelled() -> None:

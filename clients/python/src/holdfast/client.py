@@ -276,10 +276,14 @@ class Client:
         *,
         extra: float = 0.0,
         deadline: Optional[float] = None,
+        abort: Optional[Callable[[], Optional[str]]] = None,
     ) -> Any:
         """Sends ``request`` to ``method`` (e.g. ``"Acquire"``) on ``group``'s leader, following redirects
         and retrying until ``deadline`` (``time.monotonic()`` seconds; default: ``request_timeout`` +
-        ``extra`` from now). ``extra`` also lengthens each attempt (a waiting acquire's wait)."""
+        ``extra`` from now). ``extra`` also lengthens each attempt (a waiting acquire's wait). ``abort``,
+        asked every 100 ms while an attempt runs and before each retry, ends the call with
+        :class:`errors.LeaseLost` (its reason) as soon as it returns one: a waiting acquire of a session
+        that was lost meanwhile."""
         if deadline is None:
             deadline = time.monotonic() + self.request_timeout + extra
         target = self._leader_of(group)
@@ -296,11 +300,16 @@ class Client:
             limit = min(self.attempt_timeout + extra, deadline - time.monotonic())
             if limit <= 0:
                 raise errors.Unavailable(f"no server completed {method} in time")
+            why = abort() if abort is not None else None
+            if why is not None:
+                raise errors.LeaseLost(why)
             try:
                 message = request.build() if isinstance(request, Lazy) else request
-                response = getattr(server.stub, method)(
-                    message, timeout=limit, metadata=self._metadata
-                )
+                rpc = getattr(server.stub, method)
+                if abort is None:
+                    response = rpc(message, timeout=limit, metadata=self._metadata)
+                else:
+                    response = self._abortable(rpc, message, limit, abort)
                 self._mark_answered(target)
                 self._set_leader(group, target)
                 return response
@@ -338,6 +347,19 @@ class Client:
             backoff = min(backoff * 2, 0.2)
             target = (target + 1) % count
             redirects = 0
+
+    def _abortable(self, rpc: Any, message: Any, limit: float, abort: Callable[[], Optional[str]]) -> Any:
+        """One attempt of ``rpc`` that ends early with :class:`errors.LeaseLost` once ``abort`` says so
+        (the call is cancelled; the caller cancels what it may have queued)."""
+        future = rpc.future(message, timeout=limit, metadata=self._metadata)
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except grpc.FutureTimeoutError:
+                why = abort()
+                if why is not None:
+                    future.cancel()
+                    raise errors.LeaseLost(why) from None
 
     # -- reads -------------------------------------------------------------------------------------
 

@@ -174,6 +174,13 @@ class Session:
                 self._cond.wait(wake - now)
             return self._lost
 
+    def _gone(self) -> Optional[str]:
+        """Why the lease is lost (marking it if it just ran out), or ``None`` while it holds."""
+        with self._cond:
+            if self._lost is None and lease_clock() >= self._valid_until:
+                self._mark_lost_locked("no keepalive succeeded within the TTL")
+            return self._lost
+
     def _mark_lost_locked(self, why: str) -> None:
         if self._lost is not None:
             return
@@ -289,7 +296,10 @@ class Session:
             )
 
         try:
-            r = self.client.call(group, "Acquire", Lazy(request), extra=timeout)
+            # A wait ends as soon as the session is lost (LeaseLost), not when the server expires it.
+            r = self.client.call(
+                group, "Acquire", Lazy(request), extra=timeout, abort=self._gone if wait_ms else None
+            )
         except errors.HoldfastError as e:
             if not e.not_applied:
                 self._cancel_in_background(name, group, request_id)
