@@ -79,6 +79,7 @@ class FakeServer:
     def __init__(self, handlers: dict[str, Callable[[Any], Any]]) -> None:
         self.handlers = handlers
         self.calls: list[tuple[str, Any]] = []
+        self.futures: list[FakeFuture] = []  # the calls made as futures, in order
         self.lock = threading.Lock()
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
@@ -91,7 +92,10 @@ class FakeServer:
             return handler(request)
 
         def future(request: Any, timeout: float, metadata: Any) -> FakeFuture:
-            return FakeFuture(lambda: call(request, timeout, metadata))
+            f = FakeFuture(lambda: call(request, timeout, metadata))
+            with self.lock:
+                self.futures.append(f)
+            return f
 
         call.future = future  # type: ignore[attr-defined]
         return call
@@ -337,21 +341,30 @@ def test_a_waiting_acquire_ends_as_soon_as_its_session_is_lost() -> None:
         answered.wait(30)
         return lock_pb2.AcquireResponse(token=9)
 
+    cancelled = threading.Event()
+
+    def cancel(r: Any) -> Any:
+        cancelled.set()
+        return lock_pb2.CancelAcquireResponse()
+
     server = FakeServer(
-        {"OpenSession": opens(10_000), "KeepAlive": renews(10_000), "Acquire": slow,
-         "CancelAcquire": lambda r: lock_pb2.CancelAcquireResponse()}
+        {"OpenSession": opens(10_000), "KeepAlive": renews(10_000), "Acquire": slow, "CancelAcquire": cancel}
     )
     c = fake_client([server], request_timeout=30)
     c.attempt_timeout = 30
     s = c.session(ttl=10)
     s.open_for("x")
-    threading.Timer(0.3, lambda: s._mark_lost("the test lost it")).start()
+    lose = threading.Timer(0.3, lambda: s._mark_lost("the test lost it"))
+    lose.start()
     started = time.monotonic()
     try:
         with pytest.raises(errors.LeaseLost, match="the test lost it"):
             s.acquire("x", timeout=20)
         assert time.monotonic() - started < 5, "the wait went on after the session was lost"
+        assert server.futures and all(f.cancelled for f in server.futures), "the call was not cancelled"
+        assert cancelled.wait(10), "the acquire that may be queued was not cancelled at the server"
     finally:
+        lose.cancel()
         answered.set()
 
 

@@ -352,14 +352,17 @@ class Client:
         """One attempt of ``rpc`` that ends early with :class:`errors.LeaseLost` once ``abort`` says so
         (the call is cancelled; the caller cancels what it may have queued)."""
         future = rpc.future(message, timeout=limit, metadata=self._metadata)
-        while True:
-            try:
-                return future.result(timeout=0.1)
-            except grpc.FutureTimeoutError:
-                why = abort()
-                if why is not None:
-                    future.cancel()
-                    raise errors.LeaseLost(why) from None
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.1)
+                except grpc.FutureTimeoutError:
+                    why = abort()
+                    if why is not None:
+                        raise errors.LeaseLost(why) from None
+        finally:
+            # Whatever ends the wait (the lease, an interrupt) ends the call; a no-op once it finished.
+            future.cancel()
 
     # -- reads -------------------------------------------------------------------------------------
 
