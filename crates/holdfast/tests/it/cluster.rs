@@ -739,21 +739,66 @@ async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follow
     );
 }
 
-/// A 3-server cluster for talking to a follower's peer port as its leader would: the cluster, group 0's
-/// leader, a follower of it, that follower's view of group 0 (which names the leader), and the cluster
-/// id a peer message carries.
-async fn three_and_a_follower() -> (Cluster, u64, u64, holdfast_proto::v1::GroupStatus, u64) {
-    let c = Cluster::start(Options {
-        nodes: 3,
-        ..Options::default()
-    })
-    .await;
-    let leader = c.wait_for_leader(0, SECS_30).await;
-    let follower = (1..=3u64).find(|&n| n != leader).unwrap();
-    let status = c.group_status(follower, 0).await.unwrap();
-    assert_eq!(status.leader_id, leader);
-    let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
-    (c, leader, follower, status, cluster_id)
+/// A 3-server cluster whose follower's peer port a test talks to as group 0's leader would.
+struct AsTheLeader {
+    c: Cluster,
+    leader: u64,
+    follower: u64,
+    term: u64,
+    cluster_id: u64,
+}
+
+impl AsTheLeader {
+    async fn start() -> AsTheLeader {
+        let c = Cluster::start(Options {
+            nodes: 3,
+            ..Options::default()
+        })
+        .await;
+        let leader = c.wait_for_leader(0, SECS_30).await;
+        let follower = (1..=3u64).find(|&n| n != leader).unwrap();
+        let status = c.group_status(follower, 0).await.unwrap();
+        assert_eq!(status.leader_id, leader);
+        let cluster_id = u64::from_str_radix(&c.cluster_id().await, 16).unwrap();
+        AsTheLeader {
+            c,
+            leader,
+            follower,
+            term: status.term,
+            cluster_id,
+        }
+    }
+
+    /// The header of a message from `from_node` to the follower, on group 0.
+    fn header(&self, from_node: u64) -> holdfast_proto::v1::PeerHeader {
+        holdfast_proto::v1::PeerHeader {
+            format: 1,
+            cluster_id: self.cluster_id,
+            from_node,
+            to_node: self.follower,
+            group: 0,
+        }
+    }
+
+    /// The leader's vote, as its messages carry it.
+    fn vote(&self) -> holdfast_proto::v1::Vote {
+        holdfast_proto::v1::Vote {
+            term: self.term,
+            node: self.leader,
+            committed: true,
+        }
+    }
+
+    /// A connection to the follower's peer port, each call bounded by `timeout`.
+    async fn peer(&self, timeout: Duration) -> tonic::transport::Channel {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!(
+            "http://{}",
+            self.c.peer_endpoint(self.follower)
+        ))
+        .unwrap()
+        .timeout(timeout);
+        self.c.connect(endpoint).await.unwrap()
+    }
 }
 
 /// A follower checks every request of an append stream, not just the first: a later one that names
@@ -761,34 +806,20 @@ async fn three_and_a_follower() -> (Cluster, u64, u64, holdfast_proto::v1::Group
 /// would look to the leader like a follower that stopped answering).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_refuses_an_append_stream_request_from_another_sender_with_invalid_argument() {
-    use holdfast_proto::v1::{
-        append_stream_reply, peer_client::PeerClient, AppendEntriesRequest, PeerHeader, Vote,
-    };
-    let (c, leader, follower, status, cluster_id) = three_and_a_follower().await;
-    let other = (1..=3u64).find(|&n| n != leader && n != follower).unwrap();
+    use holdfast_proto::v1::{append_stream_reply, peer_client::PeerClient, AppendEntriesRequest};
+    let t = AsTheLeader::start().await;
+    let other = (1..=3u64)
+        .find(|&n| n != t.leader && n != t.follower)
+        .unwrap();
     // What the leader itself would send with nothing to append: its vote, no entries, and a previous
     // log id of none (which every log matches), so the first request is answered with success.
     let request = |from_node: u64| AppendEntriesRequest {
-        header: Some(PeerHeader {
-            format: 1,
-            cluster_id,
-            from_node,
-            to_node: follower,
-            group: 0,
-        }),
-        vote: Some(Vote {
-            term: status.term,
-            node: leader,
-            committed: true,
-        }),
+        header: Some(t.header(from_node)),
+        vote: Some(t.vote()),
         ..Default::default()
     };
-    let endpoint =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", c.peer_endpoint(follower)))
-            .unwrap()
-            .timeout(Duration::from_secs(10));
-    let channel = c.connect(endpoint).await.unwrap();
-    let requests = futures::stream::iter(vec![request(leader), request(other)]);
+    let channel = t.peer(Duration::from_secs(10)).await;
+    let requests = futures::stream::iter(vec![request(t.leader), request(other)]);
     let mut replies = PeerClient::new(channel)
         .append_stream(requests)
         .await
@@ -817,30 +848,21 @@ async fn a_follower_refuses_an_append_stream_request_from_another_sender_with_in
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_receives_at_most_two_snapshots_at_once() {
     use holdfast_proto::v1::{
-        peer_client::PeerClient, MemberNode, Membership, PeerHeader, SnapshotChunk, SnapshotMeta,
-        Vote, VoterSet,
+        peer_client::PeerClient, MemberNode, Membership, SnapshotChunk, SnapshotMeta, VoterSet,
     };
-    let (c, leader, follower, status, cluster_id) = three_and_a_follower().await;
+    let t = AsTheLeader::start().await;
     // A first chunk as the leader would send it, then bytes that are no snapshot: a stream that ends
     // is refused INVALID_ARGUMENT when its bytes are checked, which shows it had been let in.
     let first = SnapshotChunk {
-        header: Some(PeerHeader {
-            format: 1,
-            cluster_id,
-            from_node: leader,
-            to_node: follower,
-            group: 0,
-        }),
-        vote: Some(Vote {
-            term: status.term,
-            node: leader,
-            committed: true,
-        }),
+        header: Some(t.header(t.leader)),
+        vote: Some(t.vote()),
         meta: Some(SnapshotMeta {
             membership: Some(Membership {
-                configs: vec![VoterSet { ids: vec![leader] }],
+                configs: vec![VoterSet {
+                    ids: vec![t.leader],
+                }],
                 nodes: vec![MemberNode {
-                    id: leader,
+                    id: t.leader,
                     ..Default::default()
                 }],
             }),
@@ -848,11 +870,7 @@ async fn a_server_receives_at_most_two_snapshots_at_once() {
         }),
         data: b"not a snapshot".to_vec(),
     };
-    let endpoint =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", c.peer_endpoint(follower)))
-            .unwrap()
-            .timeout(Duration::from_secs(30));
-    let peer = PeerClient::new(c.connect(endpoint).await.unwrap());
+    let peer = PeerClient::new(t.peer(Duration::from_secs(30)).await);
     // Snapshot stream `i`, whose sender stays open until its `Sender` is dropped; its task's output
     // names it.
     let open = |i: usize| {
