@@ -28,6 +28,11 @@ pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 /// call, so that only it fails: on the stream the server would end the stream, and every call on it.
 const MAX_MESSAGE_BYTES: usize = 512 << 10;
 
+/// Call ids, unique among every stream of the process (the server needs them unique among one stream's
+/// calls in flight): so `scripts/hop-figures` can match a call's events at the client and the server
+/// with many clients in one process.
+static NEXT_CALL_ID: AtomicU64 = AtomicU64::new(1);
+
 type Pending = BTreeMap<u64, oneshot::Sender<Result<Reply, tonic::Status>>>;
 
 /// The `Calls` stream to one server, if open.
@@ -51,7 +56,6 @@ struct Stream {
 struct Shared {
     /// The calls awaiting a reply; `None` once the stream ended (a call then opens a new one).
     pending: Mutex<Option<Pending>>,
-    next_id: AtomicU64,
     /// The server answered the stream's opening: it serves `Calls`.
     confirmed: AtomicBool,
 }
@@ -139,7 +143,7 @@ impl Calls {
             let Some(stream) = self.stream(rpc) else {
                 return Err(Fallback::Unary(call.take().expect("call")));
             };
-            let id = stream.shared.next_id.fetch_add(1, Relaxed);
+            let id = NEXT_CALL_ID.fetch_add(1, Relaxed);
             let rx = {
                 let mut pending = stream.shared.pending.lock().expect("calls lock");
                 match pending.as_mut() {
@@ -251,7 +255,6 @@ fn open(rpc: Rpc) -> Stream {
     let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         pending: Mutex::new(Some(BTreeMap::new())),
-        next_id: AtomicU64::new(1),
         confirmed: AtomicBool::new(false),
     });
     let reader = shared.clone();
