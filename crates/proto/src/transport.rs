@@ -186,6 +186,182 @@ impl Listener {
     }
 }
 
+/// Connections that begin with `preface` go to `divert` (which gets them with the preface read); every
+/// other connection is passed on, its first bytes given back, for tonic (`serve_with_incoming*`). The
+/// bytes are told apart as they arrive: an HTTP/2 connection's preface (`PRI * HTTP/2.0...`) differs from
+/// `preface` in its first byte, so gRPC connections wait for nothing. Each connection is read in a task
+/// of its own (one slow connection holds up no other) for at most `timeout`; one that sends neither in
+/// that time is closed.
+pub fn divert<IO, S, D>(
+    incoming: S,
+    preface: &'static [u8],
+    timeout: Duration,
+    divert: D,
+) -> impl tonic::codegen::tokio_stream::Stream<Item = io::Result<Rewind<IO>>> + Send + 'static
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: tonic::codegen::tokio_stream::Stream<Item = io::Result<IO>> + Send + 'static,
+    D: Fn(IO) + Send + Sync + 'static,
+{
+    use tonic::codegen::tokio_stream::StreamExt;
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let divert = std::sync::Arc::new(divert);
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        loop {
+            let next = tokio::select! {
+                next = incoming.next() => next,
+                _ = tx.closed() => return,
+            };
+            let Some(accepted) = next else { return };
+            let mut io = match accepted {
+                Ok(io) => io,
+                Err(e) => {
+                    if tx.send(Err(e)).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let (tx, divert) = (tx.clone(), divert.clone());
+            tokio::spawn(async move {
+                let mut read = Vec::with_capacity(preface.len());
+                let sniffed = tokio::time::timeout(timeout, async {
+                    use tokio::io::AsyncReadExt;
+                    let mut buf = [0u8; 64];
+                    while read.len() < preface.len() {
+                        let want = preface.len() - read.len();
+                        let n = io.read(&mut buf[..want]).await?;
+                        if n == 0 {
+                            return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+                        }
+                        read.extend_from_slice(&buf[..n]);
+                        if !preface.starts_with(&read) {
+                            return Ok(false);
+                        }
+                    }
+                    Ok(true)
+                })
+                .await;
+                match sniffed {
+                    Ok(Ok(true)) => divert(io),
+                    Ok(Ok(false)) => {
+                        let rewound = Rewind {
+                            prefix: read,
+                            at: 0,
+                            inner: io,
+                        };
+                        // Bounded like a TLS handshake's hand-over: tonic not taking connections
+                        // closes this one.
+                        let _ = tokio::time::timeout(timeout, tx.send(Ok(rewound))).await;
+                    }
+                    // Closed, failed or silent: dropped, which closes it.
+                    _ => {}
+                }
+            });
+        }
+    });
+    tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// A connection whose first bytes were read ([`divert`]) and are read again before the rest.
+pub struct Rewind<IO> {
+    prefix: Vec<u8>,
+    at: usize,
+    inner: IO,
+}
+
+impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Rewind<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Rewind<IO> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        if self.at < self.prefix.len() {
+            let n = (self.prefix.len() - self.at).min(buf.remaining());
+            let at = self.at;
+            buf.put_slice(&self.prefix[at..at + n]);
+            self.at += n;
+            return std::task::Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Rewind<IO> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// A byte stream to a server that is not used through tonic ([`connect_raw`]).
+pub trait RawIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> RawIo for T {}
+
+/// A plain byte stream to `addr` (`host:port`), over TLS with `tls` when it is given (the server's
+/// certificate checked as for a channel), for a protocol of our own on a port that also serves gRPC.
+pub async fn connect_raw(
+    addr: &str,
+    tls: Option<&crate::tls::TlsConnector>,
+) -> io::Result<Box<dyn RawIo>> {
+    if let Some(tls) = tls {
+        let uri: tonic::codegen::http::Uri = format!("http://{addr}")
+            .parse()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))?;
+        let mut tls = tls.clone();
+        let io = tokio::time::timeout(
+            TLS_CONNECT_TIMEOUT,
+            tonic::codegen::Service::call(&mut tls, uri),
+        )
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+        return Ok(Box::new(io.into_inner()));
+    }
+    #[cfg(not(holdfast_sim))]
+    let stream = tokio::net::TcpStream::connect(addr);
+    #[cfg(holdfast_sim)]
+    let stream = turmoil::net::TcpStream::connect(addr.to_string());
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, stream)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+    #[cfg(not(holdfast_sim))]
+    stream.set_nodelay(true)?;
+    Ok(Box::new(stream))
+}
+
 /// An accepted connection that holds one of the listener's connection permits (if it has a limit)
 /// until it closes.
 pub struct Limited<S> {

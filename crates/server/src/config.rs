@@ -81,6 +81,11 @@ pub struct ServerConfig {
     /// a test can check that leaders fall back to one AppendEntries call at a time. Hidden flag only.
     #[serde(skip)]
     pub compat_no_append_stream: bool,
+    /// Compatibility test hook: hand append connections of `crate::raw_append` to the HTTP/2 server
+    /// (which closes them), as a server older than them does, so a test can check that leaders fall
+    /// back to gRPC. Hidden flag only.
+    #[serde(skip)]
+    pub compat_no_raw_appends: bool,
     /// Compatibility test hook: answer `Calls` UNIMPLEMENTED, as a server older than it does, so a test
     /// can check that clients fall back to unary acquires and releases. Hidden flag only.
     #[serde(skip)]
@@ -171,6 +176,7 @@ impl Default for ServerConfig {
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
             compat_no_append_stream: false,
+            compat_no_raw_appends: false,
             compat_no_call_streams: false,
             compat_no_expire_sessions: false,
             wal_segment_bytes: None,

@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod raft_types;
+pub mod raw_append;
 pub mod secrets;
 pub mod service;
 #[cfg(holdfast_sim)]

@@ -56,6 +56,8 @@ pub struct ServerMetrics {
     pub client_connection_slots: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
     /// `AppendStream` calls accepted from leaders.
     pub append_streams: Counter,
+    /// Append connections of `crate::raw_append` accepted from leaders.
+    pub raw_appends: Counter,
     /// Events sent on watch streams.
     pub watch_events: Counter,
     /// Watch streams ended because they fell behind the history (`WATCH_TOO_SLOW`).
@@ -76,6 +78,7 @@ impl Default for ServerMetrics {
             http_connections_refused: Counter::default(),
             client_connection_slots: Default::default(),
             append_streams: Counter::default(),
+            raw_appends: Counter::default(),
             watch_events: Counter::default(),
             watches_cut_off: Counter::default(),
         }
@@ -143,6 +146,11 @@ pub fn registry(node: Arc<NodeShared>) -> Registry {
         "holdfast_peer_append_streams",
         "AppendStream calls accepted from a leader (each carries that leader's appends to this server for one group until it ends)",
         m.append_streams.clone(),
+    );
+    r.register(
+        "holdfast_peer_append_connections",
+        "Connections of appends outside gRPC accepted from a leader (docs/operations.md, \"Upgrades and formats\"; each carries a leader's appends to this server, one at a time, until it closes)",
+        m.raw_appends.clone(),
     );
     r.register_collector(Box::new(NodeCollector(node)));
     r

@@ -99,6 +99,14 @@ impl RaftLookup for NodeShared {
         self.metrics.append_streams.inc();
     }
 
+    fn serves_raw_appends(&self) -> bool {
+        !self.config.compat_no_raw_appends
+    }
+
+    fn raw_appends_accepted(&self) {
+        self.metrics.raw_appends.inc();
+    }
+
     fn features(&self) -> u64 {
         if self.config.compat_no_expire_sessions {
             0
@@ -353,12 +361,43 @@ impl Node {
         let peer_addr = peer_listener.local_addr()?;
         let client_addr = client_listener.local_addr()?;
 
-        let peer_service = holdfast_proto::v1::peer_server::PeerServer::new(PeerService::new(
-            shared.clone(),
-            peer_identity,
-        ))
-        .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
+        let peer_service = Arc::new(PeerService::new(shared.clone(), peer_identity));
+        // Append connections outside gRPC (`crate::raw_append`), told apart from gRPC ones by their
+        // first bytes, each served by a task of its own. `sender`: the node its certificate names.
+        // A server with `--compat-no-raw-appends` hands them to gRPC, as one that predates them does.
+        fn raw_appends<IO>(
+            service: &Arc<PeerService<NodeShared>>,
+            shutdown: &tokio::sync::watch::Receiver<bool>,
+            sender: fn(&IO) -> Option<Option<u64>>,
+        ) -> impl Fn(IO) + Send + Sync + 'static
+        where
+            IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+        {
+            let (service, shutdown) = (service.clone(), shutdown.clone());
+            move |io: IO| {
+                service.lookup().raw_appends_accepted();
+                let (service, mut shutdown) = (service.clone(), shutdown.clone());
+                let sender = sender(&io);
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = crate::raw_append::serve(&service, io, sender) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                });
+            }
+        }
+        let raw_service = peer_service.clone();
+        let raw_preface: &'static [u8] = if shared.serves_raw_appends() {
+            crate::raw_append::PREFACE
+        } else {
+            // No connection starts with these bytes and an HTTP/2 one differs at the first: so
+            // every connection goes to gRPC.
+            b"\0\0not-an-append-preface"
+        };
+        let raw_shutdown = shutdown_rx.clone();
+        let peer_service = holdfast_proto::v1::peer_server::PeerServer::from_arc(peer_service)
+            .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
         let mut rx = shutdown_rx.clone();
         let peer_tls = tls.clone();
         let peer_slots = Arc::new(tokio::sync::Semaphore::new(MAX_PEER_CONNECTIONS));
@@ -381,19 +420,43 @@ impl Node {
                         crate::tls::admit_peer,
                         tls.refused_peer.clone(),
                     );
+                    let incoming = holdfast_proto::transport::divert(
+                        incoming,
+                        raw_preface,
+                        crate::raw_append::PREFACE_TIMEOUT,
+                        raw_appends(
+                            &raw_service,
+                            &raw_shutdown,
+                            |io: &holdfast_proto::tls::TlsConn<
+                                holdfast_proto::transport::Limited<tokio::net::TcpStream>,
+                            >| {
+                                Some(crate::peer::tls_sender(io.info()))
+                            },
+                        ),
+                    );
                     server.serve_with_incoming_shutdown(incoming, stop).await
                 }
                 #[cfg(not(holdfast_sim))]
                 _ => {
                     let incoming = peer_listener.incoming_limited(peer_slots, peer_refused);
+                    let incoming = holdfast_proto::transport::divert(
+                        incoming,
+                        raw_preface,
+                        crate::raw_append::PREFACE_TIMEOUT,
+                        raw_appends(&raw_service, &raw_shutdown, |_| None),
+                    );
                     server.serve_with_incoming_shutdown(incoming, stop).await
                 }
                 #[cfg(holdfast_sim)]
                 _ => {
                     let _ = (peer_slots, peer_refused);
-                    server
-                        .serve_with_incoming_shutdown(peer_listener.incoming(), stop)
-                        .await
+                    let incoming = holdfast_proto::transport::divert(
+                        peer_listener.incoming(),
+                        raw_preface,
+                        crate::raw_append::PREFACE_TIMEOUT,
+                        raw_appends(&raw_service, &raw_shutdown, |_| None),
+                    );
+                    server.serve_with_incoming_shutdown(incoming, stop).await
                 }
             };
             if let Err(e) = served {

@@ -62,6 +62,8 @@ pub struct Peers {
     features: PeerFeatures,
     /// Connect over TLS, presenting this server's certificate (see `crate::tls`).
     tls: Option<holdfast_proto::tls::TlsConnector>,
+    /// Connections for appends outside gRPC ([`crate::raw_append`]).
+    raw: crate::raw_append::RawPool,
 }
 
 /// What each peer's latest AppendEntries reply said its lock table reads (`AppendEntriesReply.features`;
@@ -118,6 +120,7 @@ impl Peers {
             unary_until: Arc::default(),
             features: PeerFeatures::default(),
             tls,
+            raw: Default::default(),
         }
     }
 
@@ -218,6 +221,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
             group: self.group,
             target,
             channel: self.peers.channel(target, &addr),
+            addr,
             peers: self.peers.clone(),
         }
     }
@@ -227,6 +231,8 @@ pub struct PeerClient {
     group: u32,
     target: NodeId,
     channel: Result<Channel, String>,
+    /// The peer's address, for connections outside gRPC.
+    addr: String,
     peers: Peers,
 }
 
@@ -291,6 +297,100 @@ impl PeerClient {
             "malformed reply from node {}: {e}",
             self.target
         )))
+    }
+}
+
+impl PeerClient {
+    /// An AppendEntries on a connection of its own ([`crate::raw_append`]), or over gRPC if the peer
+    /// does not serve those. Reported to the peer's health log like a gRPC call.
+    async fn raw_append(
+        &self,
+        req: pb::AppendEntriesRequest,
+        timeout: Duration,
+    ) -> Result<pb::AppendEntriesReply, RPCError<TypeConfig>> {
+        use crate::raw_append::RawError;
+        let target = self.target;
+        tracing::trace!(
+            target: "holdfast::hop",
+            to = target,
+            index = req.entries.last().and_then(|e| e.log_id.as_ref()).map_or(0, |l| l.index),
+            "append sent"
+        );
+        let sent = tokio::time::timeout(
+            timeout,
+            self.peers
+                .raw
+                .append(target, &self.addr, self.peers.tls.as_ref(), &req),
+        )
+        .await;
+        let result = match sent {
+            Err(_) => Err(RPCError::Network(NetworkError::from_string(format!(
+                "no reply from node {target} within {timeout:?}"
+            )))),
+            Ok(Ok(reply)) => {
+                tracing::trace!(target: "holdfast::hop", from = target, "append reply");
+                Ok(reply)
+            }
+            Ok(Err(RawError::NotServed(_))) => {
+                return self
+                    .call(timeout, |mut c| async move { c.append_entries(req).await })
+                    .await;
+            }
+            Ok(Err(RawError::Connect(e))) => Err(RPCError::Unreachable(Unreachable::from_string(
+                format!("node {target}: cannot connect for appends: {e}"),
+            ))),
+            Ok(Err(RawError::Io(e))) => Err(RPCError::Network(NetworkError::from_string(format!(
+                "node {target}: append connection failed: {e}"
+            )))),
+            Ok(Err(RawError::Refused(status))) => Err(status_error(target, status)),
+        };
+        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        self.peers
+            .report(target, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+        result
+    }
+}
+
+impl PeerClient {
+    /// One request at a time, each answered before the next is taken: openraft's
+    /// `stream_append_sequential`, except that a session in which the peer was found not to serve
+    /// appends on connections of their own ends after that request (answered over gRPC), so that
+    /// openraft's next session uses the `AppendStream` call instead of unary calls.
+    fn append_sequential<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> futures::future::BoxFuture<'s, Result<AppendResults<'s>, RPCError<TypeConfig>>>
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 's,
+    {
+        use futures::StreamExt;
+        let results = futures::stream::unfold(Some((self, input)), move |state| {
+            let option = option.clone();
+            async move {
+                let (network, mut input) = state?;
+                let req = input.next().await?;
+                let prev = req.prev_log_id;
+                let last = req.entries.last().map(|e| e.log_id).or(prev);
+                let raw_before = network.peers.raw.serves(network.target);
+                let result = network.append_entries(req, option).await;
+                let raw_after = network.peers.raw.serves(network.target);
+                match result {
+                    Ok(resp) => {
+                        // A partial success stops the session, as in openraft's.
+                        let whole = match &resp {
+                            AppendEntriesResponse::PartialSuccess(m) => *m == last,
+                            _ => true,
+                        };
+                        let result = resp.into_stream_result(prev, last);
+                        let go_on = result.is_ok() && whole && raw_before == raw_after;
+                        Some((Ok(result), go_on.then_some((network, input))))
+                    }
+                    Err(e) => Some((Err(e), None)),
+                }
+            }
+        });
+        Box::pin(futures::future::ready(Ok(results.boxed())))
     }
 }
 
@@ -603,10 +703,13 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         } else {
             option.soft_ttl().max(APPEND_ENTRIES_MIN_TIMEOUT)
         };
-        let reply = match self
-            .call(timeout, |mut c| async move { c.append_entries(req).await })
-            .await
-        {
+        let reply = if self.peers.raw.serves(self.target) {
+            self.raw_append(req, timeout).await
+        } else {
+            self.call(timeout, |mut c| async move { c.append_entries(req).await })
+                .await
+        };
+        let reply = match reply {
             Ok(reply) => reply,
             Err(e) => {
                 // A peer that cannot be reached (not one slow to answer: heartbeats time out under
@@ -654,8 +757,10 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         // openraft sends each heartbeat as a stream of one request: a unary call costs less than
         // opening a stream for it.
         let single = input.size_hint().1.is_some_and(|n| n <= 1);
-        if unary || single {
-            return openraft::network::stream_append_sequential(self, input, option);
+        // On a connection of their own appends go one at a time, each answered before the next is
+        // taken (as `APPEND_STREAM_DEPTH` does on the gRPC stream), so openraft batches the same way.
+        if unary || single || self.peers.raw.serves(self.target) {
+            return self.append_sequential(input, option);
         }
         Box::pin(async move { self.append_stream(input, option).await })
     }
@@ -808,6 +913,13 @@ pub trait RaftLookup: Send + Sync + 'static {
     }
     /// Counts an accepted `AppendStream`.
     fn append_stream_accepted(&self) {}
+    /// Whether appends on connections of their own are served ([`crate::raw_append`]; a compatibility
+    /// test turns it off).
+    fn serves_raw_appends(&self) -> bool {
+        true
+    }
+    /// Counts an accepted connection of [`crate::raw_append`].
+    fn raw_appends_accepted(&self) {}
     /// What this server's lock table reads, as `AppendEntriesReply.features` says (a compatibility
     /// test turns it off).
     fn features(&self) -> u64 {
@@ -982,7 +1094,12 @@ impl<L: RaftLookup> PeerService<L> {
 fn sender_id<T>(r: &tonic::Request<T>) -> Option<Option<u64>> {
     r.extensions()
         .get::<holdfast_proto::tls::TlsConnectInfo>()
-        .map(|info| info.cert.as_deref().and_then(crate::tls::server_id))
+        .map(tls_sender)
+}
+
+/// What [`sender_id`] says of a TLS connection with `info`.
+pub fn tls_sender(info: &holdfast_proto::tls::TlsConnectInfo) -> Option<u64> {
+    info.cert.as_deref().and_then(crate::tls::server_id)
 }
 
 fn bad(e: String) -> tonic::Status {
@@ -1010,14 +1127,18 @@ fn vote_reply_to_pb(r: VoteResponse<TypeConfig>) -> tonic::Response<pb::VoteRepl
     })
 }
 
-#[tonic::async_trait]
-impl<L: RaftLookup> Peer for PeerService<L> {
-    async fn append_entries(
+impl<L: RaftLookup> PeerService<L> {
+    /// The lookup of groups this service answers for.
+    pub fn lookup(&self) -> &L {
+        &self.lookup
+    }
+
+    /// One AppendEntries, from gRPC or [`crate::raw_append`]: `sender` as [`PeerService::raft`] takes it.
+    pub(crate) async fn append_entries_pb(
         &self,
-        r: tonic::Request<pb::AppendEntriesRequest>,
-    ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
-        let sender = sender_id(&r);
-        let m = r.into_inner();
+        m: pb::AppendEntriesRequest,
+        sender: Option<Option<u64>>,
+    ) -> Result<pb::AppendEntriesReply, tonic::Status> {
         let raft = self.raft(&m.header, sender, m.vote.as_ref())?;
         let req = append_request_from_pb(&m).map_err(bad)?;
         use pb::append_entries_reply::Result as R;
@@ -1029,10 +1150,23 @@ impl<L: RaftLookup> Peer for PeerService<L> {
             AppendEntriesResponse::Conflict => R::Conflict(pb::Blank {}),
             AppendEntriesResponse::HigherVote(v) => R::HigherVote(formats::vote_to_pb(&v)),
         };
-        Ok(tonic::Response::new(pb::AppendEntriesReply {
+        Ok(pb::AppendEntriesReply {
             result: Some(result),
             features: self.lookup.features(),
-        }))
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl<L: RaftLookup> Peer for PeerService<L> {
+    async fn append_entries(
+        &self,
+        r: tonic::Request<pb::AppendEntriesRequest>,
+    ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
+        let sender = sender_id(&r);
+        self.append_entries_pb(r.into_inner(), sender)
+            .await
+            .map(tonic::Response::new)
     }
 
     type AppendStreamStream = std::pin::Pin<

@@ -76,6 +76,9 @@ pub struct ServerArgs {
     /// Test hook: answer AppendStream as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_append_stream: bool,
+    /// Test hook: close append connections outside gRPC, as a server older than them.
+    #[arg(long, hide = true)]
+    compat_no_raw_appends: bool,
     /// Test hook: answer Calls as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_call_streams: bool,
@@ -187,6 +190,9 @@ impl ServerArgs {
         }
         if self.compat_no_append_stream {
             c.compat_no_append_stream = true;
+        }
+        if self.compat_no_raw_appends {
+            c.compat_no_raw_appends = true;
         }
         if self.compat_no_call_streams {
             c.compat_no_call_streams = true;

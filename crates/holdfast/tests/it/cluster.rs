@@ -690,29 +690,42 @@ async fn a_client_falls_back_to_one_keepalive_per_group_against_an_older_server(
     guard.release().await.unwrap();
 }
 
-/// Leaders append over one long-lived AppendStream per follower; a follower that predates it (answers
-/// UNIMPLEMENTED) still gets every entry, one AppendEntries call at a time.
+/// Leaders append on connections of their own (`raw_append`); a follower that predates those gets
+/// its entries over one long-lived AppendStream, and one that predates that too, one AppendEntries call
+/// at a time. Each gets every entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follower() {
+async fn leaders_append_on_their_own_connections_and_fall_back_to_grpc_for_older_followers() {
     let mut c = Cluster::start(Options {
-        nodes: 3,
+        nodes: 4,
         http: true,
         ..Options::default()
     })
     .await;
     let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
-    let old = (1..=3u64).find(|&n| n != leader).unwrap();
-    let current = (1..=3u64).find(|&n| n != leader && n != old).unwrap();
-    c.kill(old).await;
-    c.servers[old as usize - 1].extra_args = vec!["--compat-no-append-stream".into()];
-    c.start_server(old);
+    let mut others = (1..=4u64).filter(|&n| n != leader);
+    let (current, previous, oldest) = (
+        others.next().unwrap(),
+        others.next().unwrap(),
+        others.next().unwrap(),
+    );
+    for (node, flags) in [
+        (previous, &["--compat-no-raw-appends"][..]),
+        (
+            oldest,
+            &["--compat-no-raw-appends", "--compat-no-append-stream"][..],
+        ),
+    ] {
+        c.kill(node).await;
+        c.servers[node as usize - 1].extra_args = flags.iter().map(|f| f.to_string()).collect();
+        c.start_server(node);
+    }
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(10)).await.unwrap();
     for i in 0..50 {
         let g = session.acquire(&format!("stream/{i}")).await.unwrap();
         g.release().await.unwrap();
     }
-    // Every entry reaches the older follower too: its applied index catches up with the current one's.
+    // Every entry reaches the older followers too: their applied indexes catch up with the leader's.
     let metric = |n: u64, name: &'static str| {
         let c = &c;
         async move { c.metrics(n).await.get(name).copied().unwrap_or(0) }
@@ -720,23 +733,30 @@ async fn leaders_stream_appends_and_fall_back_to_unary_calls_for_an_older_follow
     let applied = "holdfast_applied_index{group=\"0\"}";
     let target = metric(leader, applied).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while metric(old, applied).await < target {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the older follower did not catch up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    for n in [current, previous, oldest] {
+        while metric(n, applied).await < target {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "follower {n} did not catch up"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
+    let raw = "holdfast_peer_append_connections_total";
     let streams = "holdfast_peer_append_streams_total";
-    assert_eq!(
-        metric(old, streams).await,
-        0,
-        "the older follower accepted an append stream"
-    );
-    assert!(
-        metric(current, streams).await >= 1,
-        "the leader does not stream appends"
-    );
+    // (node, appends on their own connections, AppendStream calls)
+    for (n, want_raw, want_streams) in [
+        (current, true, false),
+        (previous, false, true),
+        (oldest, false, false),
+    ] {
+        let (got_raw, got_streams) = (metric(n, raw).await, metric(n, streams).await);
+        assert_eq!(
+            (got_raw >= 1, got_streams >= 1),
+            (want_raw, want_streams),
+            "follower {n}: {got_raw} append connections, {got_streams} append streams"
+        );
+    }
 }
 
 /// A 3-server cluster whose follower's peer port a test talks to as group 0's leader would.
@@ -840,6 +860,76 @@ async fn a_follower_refuses_an_append_stream_request_from_another_sender_with_in
         .expect_err("the stream ended without saying why");
     assert_eq!(end.code(), tonic::Code::InvalidArgument, "{end:?}");
     assert!(end.message().contains("another header"), "{end:?}");
+}
+
+/// The follower's side of appends on a connection of their own (`raw_append`), spoken byte by byte
+/// as the protocol is documented: a heartbeat is answered OK with a reply, a request from another
+/// cluster is refused with the unary call's status and the connection goes on, and a frame over the
+/// limit or an unknown version closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_answers_appends_on_their_own_connection_and_closes_one_it_cannot_read() {
+    use holdfast_proto::v1::{append_entries_reply, AppendEntriesReply, AppendEntriesRequest};
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let t = AsTheLeader::start().await;
+    let connect = |version: u32| {
+        let addr = t.c.peer_endpoint(t.follower);
+        async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"HFAPPEND").await.unwrap();
+            s.write_all(&version.to_le_bytes()).await.unwrap();
+            s
+        }
+    };
+    async fn send(s: &mut tokio::net::TcpStream, m: AppendEntriesRequest) {
+        let mut frame = (m.encoded_len() as u32).to_le_bytes().to_vec();
+        m.encode(&mut frame).unwrap();
+        s.write_all(&frame).await.unwrap();
+    }
+    // (status code, body), or None if the connection closed.
+    async fn reply(s: &mut tokio::net::TcpStream) -> Option<(u8, Vec<u8>)> {
+        let mut len = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut len))
+            .await
+            .expect("neither a reply nor a close")
+            .ok()?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body).await.ok()?;
+        let code = body.remove(0);
+        Some((code, body))
+    }
+    let heartbeat = AppendEntriesRequest {
+        header: Some(t.header(t.leader)),
+        vote: Some(t.vote()),
+        ..Default::default()
+    };
+    let mut s = connect(1).await;
+    send(&mut s, heartbeat.clone()).await;
+    let (code, body) = reply(&mut s).await.expect("a reply");
+    assert_eq!(code, 0);
+    let ok = AppendEntriesReply::decode(&body[..]).unwrap();
+    assert!(
+        matches!(ok.result, Some(append_entries_reply::Result::Success(_))),
+        "{ok:?}"
+    );
+    assert_ne!(ok.features, 0, "{ok:?}");
+    let mut foreign = heartbeat.clone();
+    foreign.header.as_mut().unwrap().cluster_id ^= 1;
+    send(&mut s, foreign).await;
+    let (code, body) = reply(&mut s).await.expect("a refusal");
+    assert_eq!(code, tonic::Code::PermissionDenied as u8);
+    let why = String::from_utf8(body).unwrap();
+    assert!(why.contains("another cluster"), "{why}");
+    // The connection goes on after a refusal.
+    send(&mut s, heartbeat.clone()).await;
+    assert_eq!(reply(&mut s).await.expect("a reply").0, 0);
+    // A length over the limit (64 MiB) closes the connection.
+    s.write_all(&(65u32 << 20).to_le_bytes()).await.unwrap();
+    assert_eq!(reply(&mut s).await, None);
+    // So does a version this server does not know.
+    let mut s = connect(2).await;
+    send(&mut s, heartbeat).await;
+    assert_eq!(reply(&mut s).await, None);
 }
 
 /// A server receives at most `max_snapshot_receives` (2) snapshots at once over all its groups, since

@@ -70,6 +70,40 @@ async fn vote_claiming(
     }
 }
 
+/// An AppendEntries on a connection of its own (`raw_append`) to server 1's peer port presenting
+/// `identity`, with a header claiming `from_node`: the reply's status code and message.
+async fn raw_append_claiming(
+    c: &Cluster,
+    identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    from_node: u64,
+) -> (u8, String) {
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = c.tls_dir.as_ref().unwrap();
+    let tls = ClientTls::from_files(dir.join("ca.pem"), identity).unwrap();
+    let mut io = holdfast_proto::transport::connect_raw(&c.peer_endpoint(1), Some(tls.connector()))
+        .await
+        .unwrap();
+    let request = holdfast_proto::v1::AppendEntriesRequest {
+        header: Some(holdfast_proto::v1::PeerHeader {
+            from_node,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut frame = b"HFAPPEND".to_vec();
+    frame.extend_from_slice(&1u32.to_le_bytes());
+    frame.extend_from_slice(&(request.encoded_len() as u32).to_le_bytes());
+    request.encode(&mut frame).unwrap();
+    io.write_all(&frame).await.unwrap();
+    let mut len = [0u8; 4];
+    io.read_exact(&mut len).await.unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    io.read_exact(&mut body).await.unwrap();
+    let code = body.remove(0);
+    (code, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// An answer from the Raft service itself, not a connection that failed or was closed under the call
 /// (TLS 1.3 finishes the client's side of the handshake before the server has checked its certificate,
 /// so a refused client sees its first call fail, not its connect).
@@ -149,6 +183,10 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
         reached_service(&itself) && itself.code() != tonic::Code::PermissionDenied,
         "{itself:?}"
     );
+    // The same on a connection of appends outside gRPC: the certificate's node, not the header's.
+    let (code, why) = raw_append_claiming(&c, pair(&dir, "server-2"), 3).await;
+    assert_eq!(code, tonic::Code::PermissionDenied as u8, "{why}");
+    assert!(why.contains("node 2's"), "{why}");
     let refused = c.metrics(1).await;
     assert!(
         refused["holdfast_tls_handshakes_refused_total{port=\"peer\"}"] >= 2,
@@ -167,6 +205,9 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
     let follower = (1..=3).find(|&i| i != leader).unwrap();
     let (code, body) = c.http_get(follower, "/readyz").await;
     assert_eq!(code, 200, "{body}");
+    // The leaders appended over TLS on connections of their own.
+    let appends = c.metrics(follower).await["holdfast_peer_append_connections_total"];
+    assert!(appends >= 1, "{appends}");
 
     // Nothing the refused clients did touched the lock.
     assert!(guard.is_valid());
