@@ -228,7 +228,7 @@ where
                 let mut read = Vec::with_capacity(preface.len());
                 let sniffed = tokio::time::timeout(timeout, async {
                     use tokio::io::AsyncReadExt;
-                    let mut buf = [0u8; 64];
+                    let mut buf = vec![0u8; preface.len()];
                     while read.len() < preface.len() {
                         let want = preface.len() - read.len();
                         let n = io.read(&mut buf[..want]).await?;

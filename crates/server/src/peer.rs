@@ -168,6 +168,17 @@ impl Peers {
         }
     }
 
+    /// The TLS connector for connections to `target` (gRPC and appends alike): over TLS, the
+    /// answering server must be `target` itself.
+    fn connector(&self, target: NodeId) -> Option<holdfast_proto::tls::TlsConnector> {
+        self.tls
+            .as_ref()
+            .map(|t| holdfast_proto::tls::TlsConnector {
+                expect_common_name: Some(format!("{}{target}", crate::tls::SERVER_NAME_PREFIX)),
+                ..t.clone()
+            })
+    }
+
     fn channel(&self, target: NodeId, addr: &str) -> Result<Channel, String> {
         let mut channels = self.channels.lock().expect("peer channel lock");
         if let Some(c) = channels.get(&(target, addr.to_string())) {
@@ -187,14 +198,7 @@ impl Peers {
             // Not too tight: a late ping answer closes the connection and fails every RPC on it.
             .keep_alive_timeout(Duration::from_secs(3))
             .keep_alive_while_idle(true);
-        // Over TLS, the answering server must be `target` itself.
-        let connector = self
-            .tls
-            .as_ref()
-            .map(|t| holdfast_proto::tls::TlsConnector {
-                expect_common_name: Some(format!("{}{target}", crate::tls::SERVER_NAME_PREFIX)),
-                ..t.clone()
-            });
+        let connector = self.connector(target);
         let channel = holdfast_proto::transport::connect_lazy_tls(channel, connector.as_ref());
         channels.insert((target, addr.to_string()), channel.clone());
         Ok(channel)
@@ -221,6 +225,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
             group: self.group,
             target,
             channel: self.peers.channel(target, &addr),
+            raw_tls: self.peers.connector(target),
             addr,
             peers: self.peers.clone(),
         }
@@ -233,6 +238,8 @@ pub struct PeerClient {
     channel: Result<Channel, String>,
     /// The peer's address, for connections outside gRPC.
     addr: String,
+    /// Their TLS connector (checks the answering server is `target`), if the cluster uses TLS.
+    raw_tls: Option<holdfast_proto::tls::TlsConnector>,
     peers: Peers,
 }
 
@@ -316,33 +323,43 @@ impl PeerClient {
             index = req.entries.last().and_then(|e| e.log_id.as_ref()).map_or(0, |l| l.index),
             "append sent"
         );
-        let sent = tokio::time::timeout(
-            timeout,
-            self.peers
-                .raw
-                .append(target, &self.addr, self.peers.tls.as_ref(), &req),
-        )
-        .await;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let sent = self
+            .peers
+            .raw
+            .append(
+                (target, &self.addr, self.group),
+                self.raw_tls.as_ref(),
+                &req,
+                deadline,
+            )
+            .await;
         let result = match sent {
-            Err(_) => Err(RPCError::Network(NetworkError::from_string(format!(
-                "no reply from node {target} within {timeout:?}"
-            )))),
-            Ok(Ok(reply)) => {
+            Ok(reply) => {
                 tracing::trace!(target: "holdfast::hop", from = target, "append reply");
                 Ok(reply)
             }
-            Ok(Err(RawError::NotServed(_))) => {
+            Err(RawError::NotServed(_)) => {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 return self
-                    .call(timeout, |mut c| async move { c.append_entries(req).await })
+                    .call(left, |mut c| async move { c.append_entries(req).await })
                     .await;
             }
-            Ok(Err(RawError::Connect(e))) => Err(RPCError::Unreachable(Unreachable::from_string(
-                format!("node {target}: cannot connect for appends: {e}"),
+            // Unreachable, not a network error: openraft backs off at once instead of after ten.
+            Err(RawError::Connect(e)) => Err(RPCError::Unreachable(Unreachable::from_string(
+                format!("node {target}: no connection for appends: {e}"),
             ))),
-            Ok(Err(RawError::Io(e))) => Err(RPCError::Network(NetworkError::from_string(format!(
+            // A network error, not unreachable: a slow follower's features are not forgotten.
+            Err(RawError::Busy(e)) => Err(RPCError::Network(NetworkError::from_string(format!(
+                "node {target}: {e}"
+            )))),
+            Err(RawError::Io(e)) => Err(RPCError::Network(NetworkError::from_string(format!(
                 "node {target}: append connection failed: {e}"
             )))),
-            Ok(Err(RawError::Refused(status))) => Err(status_error(target, status)),
+            Err(RawError::TimedOut) => Err(RPCError::Network(NetworkError::from_string(format!(
+                "no reply from node {target} within {timeout:?}"
+            )))),
+            Err(RawError::Refused(status)) => Err(status_error(target, status)),
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
         self.peers
@@ -365,6 +382,9 @@ impl PeerClient {
         S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 's,
     {
         use futures::StreamExt;
+        // Whether the session began on appends' own connections: it ends once that changes (here,
+        // or in another session to the same peer, such as the heartbeats').
+        let raw = self.peers.raw.serves(self.target);
         let results = futures::stream::unfold(Some((self, input)), move |state| {
             let option = option.clone();
             async move {
@@ -372,7 +392,6 @@ impl PeerClient {
                 let req = input.next().await?;
                 let prev = req.prev_log_id;
                 let last = req.entries.last().map(|e| e.log_id).or(prev);
-                let raw_before = network.peers.raw.serves(network.target);
                 let result = network.append_entries(req, option).await;
                 let raw_after = network.peers.raw.serves(network.target);
                 match result {
@@ -383,7 +402,7 @@ impl PeerClient {
                             _ => true,
                         };
                         let result = resp.into_stream_result(prev, last);
-                        let go_on = result.is_ok() && whole && raw_before == raw_after;
+                        let go_on = result.is_ok() && whole && raw == raw_after;
                         Some((Ok(result), go_on.then_some((network, input))))
                     }
                     Err(e) => Some((Err(e), None)),

@@ -3,7 +3,7 @@
 //! Why: an AppendEntries over gRPC passes through hyper's tasks on both sides (the request body's pipe
 //! task and the connection task on the leader, the connection task and the call's task on the
 //! follower, and the same back), each a thread wake-up; at one client, replication was most of a
-//! commit's ~450 µs of hand-offs (docs/performance.md, "Appends on a connection of their own"). Here
+//! commit's ~450 µs of hand-offs (docs/performance.md, "Appends on connections of their own"). Here
 //! the leader's replication task writes the request to the socket itself and reads the reply itself,
 //! and the follower's connection task calls Raft directly: one task per side.
 //!
@@ -20,9 +20,14 @@
 //!
 //! The peer port tells these connections from gRPC ones by their first bytes
 //! (`holdfast_proto::transport::divert`). A server that predates this protocol (or runs with
-//! `--compat-no-raw-appends`) hands such a connection to its HTTP/2 server, which closes it: a leader
-//! whose fresh connection closes before its first reply appends to that peer over gRPC (the
-//! `AppendStream` call, or unary calls) for [`RAW_FALLBACK`], then tries again.
+//! `--compat-no-raw-appends`) hands such a connection to its HTTP/2 server, which answers with its
+//! own preface (a SETTINGS frame) and closes it: a leader whose fresh connection gets bytes that are
+//! not a reply appends to that peer over gRPC (the `AppendStream` call, or unary calls) for
+//! [`RAW_FALLBACK`], then tries again. A connection that just closes or fails is a network error, as
+//! a broken gRPC connection is.
+//!
+//! A leader's connections to a follower are checked as its gRPC channel is: over TLS the answering
+//! certificate must be that follower's (`holdfast-server-<id>`).
 
 use crate::peer::{PeerService, RaftLookup, MAX_PEER_MESSAGE_BYTES};
 use crate::raft_types::NodeId;
@@ -40,41 +45,118 @@ pub const PREFACE: &[u8] = b"HFAPPEND";
 /// The protocol's version, sent after the preface. A server closes a connection of a version it does
 /// not know, which makes the leader fall back to gRPC.
 pub const VERSION: u32 = 1;
-/// How long an accepted connection may take to send its preface and version.
+/// How long an accepted connection may take to send its version once its preface is read.
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection that sends no request for this long is closed by the follower (a leader that stepped
 /// down keeps its idle connections; a leader's connections carry heartbeats many times a second).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a request's bytes may take to arrive once its length has.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Idle connections a leader keeps per peer address (one carries appends, one heartbeats; more are
-/// closed when given back).
-pub const POOL_PER_PEER: usize = 4;
-/// How long a peer that closed a fresh connection before answering gets its appends over gRPC.
+/// The largest reply a leader reads (a reply is a few bytes, a refusal's message a few hundred).
+const MAX_REPLY_BYTES: usize = 1 << 20;
+/// Connections a leader keeps open per peer, address and group: in use, idle, connecting, or
+/// finishing the read of a reply its caller stopped waiting for. One carries the group's appends,
+/// one its heartbeats; the rest cover replies still owed. With all taken, a call fails at once
+/// (openraft retries it) instead of opening more: a follower that stopped answering (a stalled
+/// process) costs at most this many connections, not one per heartbeat.
+pub const CONNECTIONS_PER_PEER: usize = 4;
+/// How long a reply that its caller stopped waiting for is still read, so that its connection can
+/// be used again (a heartbeat gives up after 37.5 ms; the follower answers it later).
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a peer that answered a fresh connection with bytes that are not a reply (an older
+/// server's HTTP/2 preface) gets its appends over gRPC before this protocol is tried again.
 pub const RAW_FALLBACK: Duration = Duration::from_secs(10);
 
 /// Why a raw append did not get a reply.
 pub enum RawError {
-    /// No connection could be made: the peer is unreachable.
+    /// No connection could be made: the peer is unreachable (refused, reset, no route).
     Connect(io::Error),
-    /// The peer closed a fresh connection, or answered in something else, before its first reply: it
-    /// does not serve this protocol (or died just then). Send the request over gRPC.
+    /// No connection in time: all [`CONNECTIONS_PER_PEER`] are taken, or opening one outlasted the
+    /// deadline. A slow peer, not an unreachable one.
+    Busy(io::Error),
+    /// The peer answered a fresh connection with something that is not a reply: it does not serve
+    /// this protocol. Send the request over gRPC.
     NotServed(io::Error),
-    /// The connection failed after the peer had answered on it: a network error.
+    /// The connection failed before the reply.
     Io(io::Error),
+    /// No reply by the deadline (its connection goes on reading it, see [`DRAIN_TIMEOUT`]).
+    TimedOut,
     /// The peer refused the request, as the unary call would have.
     Refused(tonic::Status),
 }
 
-/// Idle connections by peer and address.
-type Idle = BTreeMap<(NodeId, String), Vec<Box<dyn RawIo>>>;
+/// Fresh connections in a row that a peer may close (or reset) before its first reply before it
+/// counts as not serving this protocol. An older server's HTTP/2 side answers with its preface and
+/// closes, but when the close comes first the preface is lost with the connection; a server that
+/// crashed or is stopping closes a connection too, and does not do it three times in a row for long.
+pub const FRESH_FAILURES: u32 = 3;
 
-/// A leader's idle connections, by peer and address.
+/// A leader's connections to one peer for one group: (peer, address, group).
+type Key = (NodeId, String, u32);
+
+#[derive(Default)]
+struct Conns {
+    idle: Vec<Box<dyn RawIo>>,
+    /// Connections alive (idle or not), at most [`CONNECTIONS_PER_PEER`].
+    open: usize,
+}
+
+/// A leader's connections, by peer, address and group.
 #[derive(Clone, Default)]
 pub struct RawPool {
-    idle: Arc<Mutex<Idle>>,
+    conns: Arc<Mutex<BTreeMap<Key, Conns>>>,
     /// Peers that did not serve this protocol, until when they get gRPC.
     not_served: Arc<Mutex<BTreeMap<NodeId, tokio::time::Instant>>>,
+    /// Fresh connections in a row that a peer closed before answering (see [`FRESH_FAILURES`]).
+    fresh_failures: Arc<Mutex<BTreeMap<NodeId, u32>>>,
+}
+
+/// A connection taken from the pool (or room for one, `io` None until it is opened): counted in its
+/// key's `open` until it is dropped (closed) or given back (then the idle list holds it).
+struct Conn {
+    io: Option<Box<dyn RawIo>>,
+    pool: RawPool,
+    key: Key,
+    counted: bool,
+}
+
+impl Conn {
+    fn io(&mut self) -> &mut Box<dyn RawIo> {
+        self.io.as_mut().expect("an open connection")
+    }
+
+    /// Back to the idle list, for the next call (still counted open there).
+    fn give_back(mut self) {
+        let io = self.io.take().expect("an open connection");
+        let mut conns = self.pool.conns.lock().expect("raw pool lock");
+        conns.entry(self.key.clone()).or_default().idle.push(io);
+        self.counted = false;
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
+        let mut conns = self.pool.conns.lock().expect("raw pool lock");
+        if let Some(c) = conns.get_mut(&self.key) {
+            c.open = c.open.saturating_sub(1);
+            if c.open == 0 && c.idle.is_empty() {
+                conns.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// How one exchange on a connection went.
+enum Exchange {
+    /// A reply (an answer or a refusal); the connection went back to the pool.
+    Replied(Result<pb::AppendEntriesReply, RawError>),
+    /// The deadline passed; the connection, if the request was all written, reads the reply on.
+    TimedOut,
+    /// The connection failed, or sent something that is not a reply.
+    Failed(io::Error),
 }
 
 impl RawPool {
@@ -87,6 +169,19 @@ impl RawPool {
             .is_none_or(|&until| tokio::time::Instant::now() >= until)
     }
 
+    /// Counts a fresh connection `target` closed before answering; true when that makes
+    /// [`FRESH_FAILURES`] in a row.
+    fn failed_fresh(&self, target: NodeId) -> bool {
+        let mut failures = self.fresh_failures.lock().expect("raw pool lock");
+        let n = failures.entry(target).or_default();
+        *n += 1;
+        if *n >= FRESH_FAILURES {
+            failures.remove(&target);
+            return true;
+        }
+        false
+    }
+
     fn mark_not_served(&self, target: NodeId) {
         self.not_served
             .lock()
@@ -94,76 +189,179 @@ impl RawPool {
             .insert(target, tokio::time::Instant::now() + RAW_FALLBACK);
     }
 
-    /// Sends `req` to `target` at `addr` and reads its reply, on an idle connection or a new one. A
-    /// reused connection that fails before its reply (the peer closed it while it was idle) is
-    /// replaced by a new one once: an AppendEntries may be sent twice.
+    /// An idle connection, or room for a new one (counted open at once), or None if all
+    /// [`CONNECTIONS_PER_PEER`] are taken. `replacing`: room for one that takes the place of a
+    /// connection just closed, whatever the count.
+    fn take(&self, key: &Key, replacing: bool) -> Option<Conn> {
+        let mut conns = self.conns.lock().expect("raw pool lock");
+        let c = conns.entry(key.clone()).or_default();
+        let io = match c.idle.pop() {
+            Some(io) if !replacing => Some(io),
+            idle => {
+                if let Some(io) = idle {
+                    c.idle.push(io);
+                }
+                if c.open >= CONNECTIONS_PER_PEER && !replacing {
+                    return None;
+                }
+                c.open += 1;
+                None
+            }
+        };
+        Some(Conn {
+            io,
+            pool: self.clone(),
+            key: key.clone(),
+            counted: true,
+        })
+    }
+
+    /// Sends `req` to `target` at `addr` for `group` and reads its reply by `deadline`, on an idle
+    /// connection or a new one. A reused connection that fails before its reply (the peer closed it
+    /// while it was idle) is replaced by a new one once: an AppendEntries may be sent twice. `tls`:
+    /// the connector that checks the answering server is `target` (as the gRPC channel's does).
     pub async fn append(
         &self,
-        target: NodeId,
-        addr: &str,
+        (target, addr, group): (NodeId, &str, u32),
         tls: Option<&holdfast_proto::tls::TlsConnector>,
         req: &pb::AppendEntriesRequest,
+        deadline: tokio::time::Instant,
     ) -> Result<pb::AppendEntriesReply, RawError> {
         let mut frame = Vec::with_capacity(4 + req.encoded_len());
         frame.extend_from_slice(&(req.encoded_len() as u32).to_le_bytes());
         req.encode(&mut frame)
             .expect("encoding to a Vec cannot fail");
-        let key = (target, addr.to_string());
-        let pooled = self
-            .idle
-            .lock()
-            .expect("raw pool lock")
-            .get_mut(&key)
-            .and_then(Vec::pop);
-        if let Some(mut io) = pooled {
-            if let Ok(reply) = exchange(&mut io, &frame).await {
-                let reply = reply?;
-                self.give_back(key, io);
-                return Ok(reply);
+        let key = (target, addr.to_string(), group);
+        let Some(conn) = self.take(&key, false) else {
+            return Err(RawError::Busy(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("all {CONNECTIONS_PER_PEER} append connections to node {target} are taken"),
+            )));
+        };
+        let conn = if conn.io.is_none() {
+            conn
+        } else {
+            match self.exchange(conn, &frame, deadline).await {
+                Exchange::Replied(reply) => return reply,
+                Exchange::TimedOut => return Err(RawError::TimedOut),
+                // Closed while idle: a new connection takes its place.
+                Exchange::Failed(_) => self.take(&key, true).expect("room for a replacement"),
             }
-        }
-        let mut io = holdfast_proto::transport::connect_raw(addr, tls)
-            .await
-            .map_err(RawError::Connect)?;
-        let mut hello = PREFACE.to_vec();
-        hello.extend_from_slice(&VERSION.to_le_bytes());
-        if let Err(e) = io.write_all(&hello).await {
-            return Err(RawError::Io(e));
-        }
-        match exchange(&mut io, &frame).await {
-            Ok(reply) => {
-                let reply = reply?;
-                self.give_back(key, io);
-                Ok(reply)
+        };
+        let conn = self.connect(conn, tls, deadline).await?;
+        match self.exchange(conn, &frame, deadline).await {
+            Exchange::Replied(reply) => {
+                self.fresh_failures
+                    .lock()
+                    .expect("raw pool lock")
+                    .remove(&target);
+                reply
             }
-            Err(e) => {
+            Exchange::TimedOut => Err(RawError::TimedOut),
+            Exchange::Failed(e)
+                if e.kind() == io::ErrorKind::InvalidData || self.failed_fresh(target) =>
+            {
                 tracing::info!(
                     error = %e,
-                    "node {target} closed an append connection before answering (a release that predates them?); appending to it over gRPC for {RAW_FALLBACK:?}"
+                    "node {target} answered an append connection with something else (a release that predates them?); appending to it over gRPC for {RAW_FALLBACK:?}"
                 );
                 self.mark_not_served(target);
                 Err(RawError::NotServed(e))
             }
+            Exchange::Failed(e) => Err(RawError::Io(e)),
         }
     }
 
-    fn give_back(&self, key: (NodeId, String), io: Box<dyn RawIo>) {
-        let mut idle = self.idle.lock().expect("raw pool lock");
-        let conns = idle.entry(key).or_default();
-        if conns.len() < POOL_PER_PEER {
-            conns.push(io);
+    /// Opens `conn`'s connection and sends the preface and version, in a task of its own: if the
+    /// deadline passes first, the connection still opens and is kept for the next call (a TLS
+    /// handshake can take longer than a heartbeat's 37.5 ms deadline).
+    async fn connect(
+        &self,
+        mut conn: Conn,
+        tls: Option<&holdfast_proto::tls::TlsConnector>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Conn, RawError> {
+        let (tx, rx) = tokio::sync::oneshot::channel::<io::Result<Conn>>();
+        let tls = tls.cloned();
+        let addr = conn.key.1.clone();
+        tokio::spawn(async move {
+            let opened = async {
+                let mut io = holdfast_proto::transport::connect_raw(&addr, tls.as_ref()).await?;
+                let mut hello = PREFACE.to_vec();
+                hello.extend_from_slice(&VERSION.to_le_bytes());
+                io.write_all(&hello).await?;
+                io.flush().await?;
+                Ok(io)
+            }
+            .await;
+            let opened = opened.map(|io| {
+                conn.io = Some(io);
+                conn
+            });
+            if let Err(Ok(conn)) = tx.send(opened) {
+                conn.give_back();
+            }
+        });
+        match tokio::time::timeout_at(deadline, rx).await {
+            Err(_) => Err(RawError::Busy(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connecting took longer than the call's deadline (the connection is kept for the next call)",
+            ))),
+            Ok(Err(_)) => Err(RawError::Connect(io::Error::other(
+                "the connecting task ended",
+            ))),
+            Ok(Ok(Err(e))) => Err(RawError::Connect(e)),
+            Ok(Ok(Ok(conn))) => Ok(conn),
+        }
+    }
+
+    /// Writes one request frame and reads its reply by `deadline`. A reply still owed at the deadline
+    /// is read on in the background (at most [`DRAIN_TIMEOUT`]) and the connection then kept.
+    async fn exchange(
+        &self,
+        mut conn: Conn,
+        frame: &[u8],
+        deadline: tokio::time::Instant,
+    ) -> Exchange {
+        let write = async {
+            let io = conn.io();
+            io.write_all(frame).await?;
+            // TLS: rustls keeps what it could not write yet until flushed.
+            io.flush().await
+        };
+        match tokio::time::timeout_at(deadline, write).await {
+            // Part of a frame may be in the connection: it is closed.
+            Err(_) => return Exchange::TimedOut,
+            Ok(Err(e)) => return Exchange::Failed(e),
+            Ok(Ok(())) => {}
+        }
+        let mut read = Box::pin(async move {
+            let reply = read_frame(conn.io(), MAX_REPLY_BYTES, None).await;
+            (conn, reply)
+        });
+        let (conn, reply) = match tokio::time::timeout_at(deadline, &mut read).await {
+            Ok(done) => done,
+            Err(_) => {
+                tokio::spawn(async move {
+                    if let Ok((conn, Ok(_))) = tokio::time::timeout(DRAIN_TIMEOUT, read).await {
+                        conn.give_back();
+                    }
+                });
+                return Exchange::TimedOut;
+            }
+        };
+        match reply.and_then(|r| parse_reply(&r)) {
+            Err(e) => Exchange::Failed(e),
+            Ok(reply) => {
+                conn.give_back();
+                Exchange::Replied(reply)
+            }
         }
     }
 }
 
-/// Writes one request frame and reads its reply. `Err`: the connection failed (or sent something
-/// that is not a reply) before a reply was read; `Ok(Err)`: the peer refused the request.
-async fn exchange(
-    io: &mut Box<dyn RawIo>,
-    frame: &[u8],
-) -> io::Result<Result<pb::AppendEntriesReply, RawError>> {
-    io.write_all(frame).await?;
-    let reply = read_frame(io, None).await?;
+/// A reply frame's answer or refusal; `Err` if it is neither (it is not a reply).
+fn parse_reply(reply: &[u8]) -> io::Result<Result<pb::AppendEntriesReply, RawError>> {
     let (&code, body) = reply
         .split_first()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "an empty reply"))?;
@@ -183,10 +381,11 @@ async fn exchange(
     Ok(Ok(reply))
 }
 
-/// Reads one length-prefixed frame (at most `MAX_PEER_MESSAGE_BYTES` and a status byte). `idle`: the
-/// longest wait for its first byte.
+/// Reads one length-prefixed frame of at most `limit` bytes. `idle`: the longest wait for its first
+/// byte. The body is read as it arrives, not allocated whole from its length.
 async fn read_frame<R: AsyncRead + Unpin>(
     io: &mut R,
+    limit: usize,
     idle: Option<Duration>,
 ) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
@@ -197,16 +396,22 @@ async fn read_frame<R: AsyncRead + Unpin>(
         None => io.read_exact(&mut len).await?,
     };
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_PEER_MESSAGE_BYTES + 1 {
+    if n > limit {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("a frame of {n} bytes (the limit is {MAX_PEER_MESSAGE_BYTES})"),
+            format!("a frame of {n} bytes (the limit is {limit})"),
         ));
     }
-    let mut buf = vec![0u8; n];
-    tokio::time::timeout(BODY_TIMEOUT, io.read_exact(&mut buf))
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "a frame's bytes stopped coming"))??;
+    let mut buf = Vec::with_capacity(n.min(64 << 10));
+    let got = tokio::time::timeout(
+        BODY_TIMEOUT,
+        (&mut *io).take(n as u64).read_to_end(&mut buf),
+    )
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "a frame's bytes stopped coming"))??;
+    if got < n {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(buf)
 }
 
@@ -230,7 +435,7 @@ pub async fn serve<L: RaftLookup, IO: AsyncRead + AsyncWrite + Unpin>(
         _ => return,
     }
     loop {
-        let request = match read_frame(&mut io, Some(IDLE_TIMEOUT)).await {
+        let request = match read_frame(&mut io, MAX_PEER_MESSAGE_BYTES, Some(IDLE_TIMEOUT)).await {
             Ok(r) => r,
             Err(e) => {
                 if e.kind() == io::ErrorKind::InvalidData {
@@ -263,7 +468,8 @@ pub async fn serve<L: RaftLookup, IO: AsyncRead + AsyncWrite + Unpin>(
         }
         let n = (out.len() - 4) as u32;
         out[..4].copy_from_slice(&n.to_le_bytes());
-        if io.write_all(&out).await.is_err() {
+        // TLS: rustls keeps what it could not write yet until flushed.
+        if io.write_all(&out).await.is_err() || io.flush().await.is_err() {
             return;
         }
         tracing::trace!(target: "holdfast::hop", "append answered");

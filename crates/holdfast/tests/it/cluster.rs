@@ -718,7 +718,11 @@ async fn leaders_append_on_their_own_connections_and_fall_back_to_grpc_for_older
         c.kill(node).await;
         c.servers[node as usize - 1].extra_args = flags.iter().map(|f| f.to_string()).collect();
         c.start_server(node);
+        // Back and following before the next goes down, so three of the four are up throughout.
+        c.wait_for_known_leader(node, 0, leader, Duration::from_secs(10))
+            .await;
     }
+    assert_eq!(c.wait_for_leader(0, Duration::from_secs(10)).await, leader);
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(10)).await.unwrap();
     for i in 0..50 {

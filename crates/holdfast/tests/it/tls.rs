@@ -187,6 +187,23 @@ async fn only_holders_of_cluster_certificates_get_in_and_only_servers_reach_the_
     let (code, why) = raw_append_claiming(&c, pair(&dir, "server-2"), 3).await;
     assert_eq!(code, tonic::Code::PermissionDenied as u8, "{why}");
     assert!(why.contains("node 2's"), "{why}");
+    // A leader's append connection checks it reached the node it dialled, as its gRPC channel does:
+    // server 1 answering for node 2 is refused (the connector leaders use: `peer::Peers::connector`).
+    let expecting = |id: u64| {
+        let mut connector = ClientTls::from_files(dir.join("ca.pem"), pair(&dir, "server-2"))
+            .unwrap()
+            .connector()
+            .clone();
+        connector.expect_common_name = Some(format!("holdfast-server-{id}"));
+        connector
+    };
+    let impersonated =
+        holdfast_proto::transport::connect_raw(&c.peer_endpoint(1), Some(&expecting(2))).await;
+    let e = impersonated.err().expect("server 1 passed for node 2");
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    holdfast_proto::transport::connect_raw(&c.peer_endpoint(1), Some(&expecting(1)))
+        .await
+        .expect("server 1 is node 1");
     let refused = c.metrics(1).await;
     assert!(
         refused["holdfast_tls_handshakes_refused_total{port=\"peer\"}"] >= 2,
