@@ -128,10 +128,12 @@ pub struct Node {
     _dir_lock: Option<std::fs::File>,
 }
 
-/// Most connections open at once on the peer port. A cluster needs a few per peer; the bound keeps a
-/// flood of connections (which may hold a slot for a whole TLS handshake timeout) from taking every
-/// file descriptor the WAL and the client port need.
-pub const MAX_PEER_CONNECTIONS: usize = 256;
+/// Most connections open at once on the peer port. A cluster needs a few per peer for gRPC, and each
+/// group's leader keeps up to `raw_append::CONNECTIONS_PER_PEER` (4) append connections to each of its
+/// followers: 256 at `MAX_GROUPS` (64), as many again for former leaders' until they are closed idle.
+/// The bound keeps a flood of connections (which may hold a slot for a whole TLS handshake timeout)
+/// from taking every file descriptor the WAL and the client port need.
+pub const MAX_PEER_CONNECTIONS: usize = 1024;
 
 fn parse_addr(s: &str) -> anyhow::Result<SocketAddr> {
     s.parse()

@@ -651,8 +651,11 @@ impl PeerClient {
                         Err(e) => peers.report(target, Err(&e.to_string())),
                     }
                     // Any error ends the stream (and with it the requests): after a conflict or a higher
-                    // vote openraft starts over, and this stream must not take its next request.
-                    let next = matches!(result, Ok(Ok(_))).then_some((replies, owed, alive, true));
+                    // vote openraft starts over, and this stream must not take its next request. So
+                    // does the peer taking append connections again (this stream began in a fallback):
+                    // openraft's next session uses them.
+                    let next = (matches!(result, Ok(Ok(_))) && !peers.raw.serves(target))
+                        .then_some((replies, owed, alive, true));
                     Some((result, next))
                 }
             },

@@ -60,22 +60,31 @@ const MAX_REPLY_BYTES: usize = 1 << 20;
 /// (openraft retries it) instead of opening more: a follower that stopped answering (a stalled
 /// process) costs at most this many connections, not one per heartbeat.
 pub const CONNECTIONS_PER_PEER: usize = 4;
+/// Of a key's connections, how many heartbeats may hold (in use, or reading a reply owed): a slow
+/// follower's late heartbeat replies leave the others to appends.
+pub const HEARTBEAT_CONNECTIONS: usize = 2;
 /// How long a reply that its caller stopped waiting for is still read, so that its connection can
-/// be used again (a heartbeat gives up after 37.5 ms; the follower answers it later).
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a peer that answered a fresh connection with bytes that are not a reply (an older
-/// server's HTTP/2 preface) gets its appends over gRPC before this protocol is tried again.
+/// be used again (a heartbeat gives up after 37.5 ms; the follower answers it later). Short, because
+/// the connection holds its place among [`CONNECTIONS_PER_PEER`] meanwhile: one into a network that
+/// drops everything (a partition) is given up after this, as gRPC's keepalive gave up on a dead
+/// connection after ~4 s.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+/// An idle connection not used for this long is closed by the leader (before the follower's
+/// [`IDLE_TIMEOUT`]): those of groups it no longer leads, or of an address no longer used.
+pub const IDLE_KEEP: Duration = Duration::from_secs(30);
+/// How long a peer that answered a fresh connection with an HTTP/2 server's preface (a release that
+/// predates this protocol) gets its appends over gRPC before this protocol is tried again.
 pub const RAW_FALLBACK: Duration = Duration::from_secs(10);
 
 /// Why a raw append did not get a reply.
 pub enum RawError {
     /// No connection could be made: the peer is unreachable (refused, reset, no route).
     Connect(io::Error),
-    /// No connection in time: all [`CONNECTIONS_PER_PEER`] are taken, or opening one outlasted the
-    /// deadline. A slow peer, not an unreachable one.
+    /// No connection in time: all [`CONNECTIONS_PER_PEER`] (or a heartbeat's
+    /// [`HEARTBEAT_CONNECTIONS`]) are taken, or opening one outlasted the deadline. A slow peer, not an
+    /// unreachable one.
     Busy(io::Error),
-    /// The peer answered a fresh connection with something that is not a reply: it does not serve
-    /// this protocol. Send the request over gRPC.
+    /// The peer does not serve this protocol. Send the request over gRPC.
     NotServed(io::Error),
     /// The connection failed before the reply.
     Io(io::Error),
@@ -91,20 +100,39 @@ pub enum RawError {
 /// crashed or is stopping closes a connection too, and does not do it three times in a row for long.
 pub const FRESH_FAILURES: u32 = 3;
 
+/// How often the pool looks for connections idle past [`IDLE_KEEP`].
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
 /// A leader's connections to one peer for one group: (peer, address, group).
 type Key = (NodeId, String, u32);
 
+/// A connection waiting for its next call.
+struct Idle {
+    io: Box<dyn RawIo>,
+    /// The peer has answered on it (else it was opened for a call that gave up waiting).
+    answered: bool,
+    since: tokio::time::Instant,
+}
+
 #[derive(Default)]
 struct Conns {
-    idle: Vec<Box<dyn RawIo>>,
+    idle: Vec<Idle>,
     /// Connections alive (idle or not), at most [`CONNECTIONS_PER_PEER`].
     open: usize,
+    /// Of those, held by heartbeats, at most [`HEARTBEAT_CONNECTIONS`].
+    heartbeats: usize,
+}
+
+#[derive(Default)]
+struct Pool {
+    conns: BTreeMap<Key, Conns>,
+    swept: Option<tokio::time::Instant>,
 }
 
 /// A leader's connections, by peer, address and group.
 #[derive(Clone, Default)]
 pub struct RawPool {
-    conns: Arc<Mutex<BTreeMap<Key, Conns>>>,
+    pool: Arc<Mutex<Pool>>,
     /// Peers that did not serve this protocol, until when they get gRPC.
     not_served: Arc<Mutex<BTreeMap<NodeId, tokio::time::Instant>>>,
     /// Fresh connections in a row that a peer closed before answering (see [`FRESH_FAILURES`]).
@@ -112,9 +140,12 @@ pub struct RawPool {
 }
 
 /// A connection taken from the pool (or room for one, `io` None until it is opened): counted in its
-/// key's `open` until it is dropped (closed) or given back (then the idle list holds it).
+/// key's `open` (and `heartbeats`) until it is dropped (closed) or given back (then the idle list
+/// holds it).
 struct Conn {
     io: Option<Box<dyn RawIo>>,
+    answered: bool,
+    heartbeat: bool,
     pool: RawPool,
     key: Key,
     counted: bool,
@@ -128,8 +159,16 @@ impl Conn {
     /// Back to the idle list, for the next call (still counted open there).
     fn give_back(mut self) {
         let io = self.io.take().expect("an open connection");
-        let mut conns = self.pool.conns.lock().expect("raw pool lock");
-        conns.entry(self.key.clone()).or_default().idle.push(io);
+        let mut pool = self.pool.pool.lock().expect("raw pool lock");
+        let c = pool.conns.entry(self.key.clone()).or_default();
+        if self.heartbeat {
+            c.heartbeats = c.heartbeats.saturating_sub(1);
+        }
+        c.idle.push(Idle {
+            io,
+            answered: self.answered,
+            since: tokio::time::Instant::now(),
+        });
         self.counted = false;
     }
 }
@@ -139,11 +178,14 @@ impl Drop for Conn {
         if !self.counted {
             return;
         }
-        let mut conns = self.pool.conns.lock().expect("raw pool lock");
-        if let Some(c) = conns.get_mut(&self.key) {
+        let mut pool = self.pool.pool.lock().expect("raw pool lock");
+        if let Some(c) = pool.conns.get_mut(&self.key) {
             c.open = c.open.saturating_sub(1);
+            if self.heartbeat {
+                c.heartbeats = c.heartbeats.saturating_sub(1);
+            }
             if c.open == 0 && c.idle.is_empty() {
-                conns.remove(&self.key);
+                pool.conns.remove(&self.key);
             }
         }
     }
@@ -169,51 +211,89 @@ impl RawPool {
             .is_none_or(|&until| tokio::time::Instant::now() >= until)
     }
 
-    /// Counts a fresh connection `target` closed before answering; true when that makes
-    /// [`FRESH_FAILURES`] in a row.
-    fn failed_fresh(&self, target: NodeId) -> bool {
-        let mut failures = self.fresh_failures.lock().expect("raw pool lock");
-        let n = failures.entry(target).or_default();
-        *n += 1;
-        if *n >= FRESH_FAILURES {
-            failures.remove(&target);
-            return true;
+    /// A fresh connection (or one the peer never answered on) to `target` failed with `e` before
+    /// its first reply: not served if that was an HTTP/2 server's preface, or the
+    /// [`FRESH_FAILURES`]th such failure in a row; else a network error.
+    fn fresh_failed(&self, target: NodeId, e: io::Error) -> RawError {
+        let http2 = e.kind() == io::ErrorKind::Unsupported;
+        let in_a_row = {
+            let mut failures = self.fresh_failures.lock().expect("raw pool lock");
+            let n = failures.entry(target).or_default();
+            *n += 1;
+            *n >= FRESH_FAILURES
+        };
+        if !(http2 || in_a_row) {
+            return RawError::Io(e);
         }
-        false
-    }
-
-    fn mark_not_served(&self, target: NodeId) {
+        self.fresh_failures
+            .lock()
+            .expect("raw pool lock")
+            .remove(&target);
+        tracing::info!(
+            error = %e,
+            "node {target} does not take append connections (a release that predates them?); appending to it over gRPC for {RAW_FALLBACK:?}"
+        );
         self.not_served
             .lock()
             .expect("raw pool lock")
             .insert(target, tokio::time::Instant::now() + RAW_FALLBACK);
+        RawError::NotServed(e)
+    }
+
+    fn answered(&self, target: NodeId) {
+        self.fresh_failures
+            .lock()
+            .expect("raw pool lock")
+            .remove(&target);
     }
 
     /// An idle connection, or room for a new one (counted open at once), or None if all
-    /// [`CONNECTIONS_PER_PEER`] are taken. `replacing`: room for one that takes the place of a
-    /// connection just closed, whatever the count.
-    fn take(&self, key: &Key, replacing: bool) -> Option<Conn> {
-        let mut conns = self.conns.lock().expect("raw pool lock");
-        let c = conns.entry(key.clone()).or_default();
-        let io = match c.idle.pop() {
-            Some(io) if !replacing => Some(io),
-            idle => {
-                if let Some(io) = idle {
-                    c.idle.push(io);
-                }
-                if c.open >= CONNECTIONS_PER_PEER && !replacing {
-                    return None;
-                }
-                c.open += 1;
-                None
-            }
-        };
-        Some(Conn {
-            io,
+    /// [`CONNECTIONS_PER_PEER`] (or [`HEARTBEAT_CONNECTIONS`] for a heartbeat) are taken.
+    /// `replacing`: room for one that takes the place of a connection just closed, whatever the
+    /// counts.
+    fn take(&self, key: &Key, heartbeat: bool, replacing: bool) -> Option<Conn> {
+        let mut pool = self.pool.lock().expect("raw pool lock");
+        let now = tokio::time::Instant::now();
+        if pool.swept.is_none_or(|t| now >= t + SWEEP_EVERY) {
+            pool.swept = Some(now);
+            pool.conns.retain(|_, c| {
+                let before = c.idle.len();
+                c.idle.retain(|i| now < i.since + IDLE_KEEP);
+                c.open -= before - c.idle.len();
+                c.open > 0
+            });
+        }
+        let c = pool.conns.entry(key.clone()).or_default();
+        if heartbeat && c.heartbeats >= HEARTBEAT_CONNECTIONS && !replacing {
+            return None;
+        }
+        let mut conn = Conn {
+            io: None,
+            answered: false,
+            heartbeat,
             pool: self.clone(),
             key: key.clone(),
             counted: true,
-        })
+        };
+        match c.idle.pop() {
+            Some(idle) if !replacing => {
+                conn.io = Some(idle.io);
+                conn.answered = idle.answered;
+            }
+            idle => {
+                c.idle.extend(idle);
+                if c.open >= CONNECTIONS_PER_PEER && !replacing {
+                    // Not counted: dropping it must not count a connection closed.
+                    conn.counted = false;
+                    return None;
+                }
+                c.open += 1;
+            }
+        }
+        if heartbeat {
+            c.heartbeats += 1;
+        }
+        Some(conn)
     }
 
     /// Sends `req` to `target` at `addr` for `group` and reads its reply by `deadline`, on an idle
@@ -227,48 +307,51 @@ impl RawPool {
         req: &pb::AppendEntriesRequest,
         deadline: tokio::time::Instant,
     ) -> Result<pb::AppendEntriesReply, RawError> {
-        let mut frame = Vec::with_capacity(4 + req.encoded_len());
-        frame.extend_from_slice(&(req.encoded_len() as u32).to_le_bytes());
+        let len = req.encoded_len();
+        if len > MAX_PEER_MESSAGE_BYTES {
+            // The follower would close the connection; gRPC refuses it the same way.
+            return Err(RawError::Refused(tonic::Status::out_of_range(format!(
+                "an append of {len} bytes (the limit is {MAX_PEER_MESSAGE_BYTES})"
+            ))));
+        }
+        let mut frame = Vec::with_capacity(4 + len);
+        frame.extend_from_slice(&(len as u32).to_le_bytes());
         req.encode(&mut frame)
             .expect("encoding to a Vec cannot fail");
         let key = (target, addr.to_string(), group);
-        let Some(conn) = self.take(&key, false) else {
+        let heartbeat = req.entries.is_empty();
+        let Some(conn) = self.take(&key, heartbeat, false) else {
             return Err(RawError::Busy(io::Error::new(
                 io::ErrorKind::WouldBlock,
-                format!("all {CONNECTIONS_PER_PEER} append connections to node {target} are taken"),
+                format!("the append connections to node {target} are all taken"),
             )));
         };
         let conn = if conn.io.is_none() {
             conn
         } else {
+            let answered = conn.answered;
             match self.exchange(conn, &frame, deadline).await {
-                Exchange::Replied(reply) => return reply,
+                Exchange::Replied(reply) => {
+                    self.answered(target);
+                    return reply;
+                }
                 Exchange::TimedOut => return Err(RawError::TimedOut),
+                // Opened for an earlier call and never answered on: as a fresh one.
+                Exchange::Failed(e) if !answered => return Err(self.fresh_failed(target, e)),
                 // Closed while idle: a new connection takes its place.
-                Exchange::Failed(_) => self.take(&key, true).expect("room for a replacement"),
+                Exchange::Failed(_) => self
+                    .take(&key, heartbeat, true)
+                    .expect("room for a replacement"),
             }
         };
         let conn = self.connect(conn, tls, deadline).await?;
         match self.exchange(conn, &frame, deadline).await {
             Exchange::Replied(reply) => {
-                self.fresh_failures
-                    .lock()
-                    .expect("raw pool lock")
-                    .remove(&target);
+                self.answered(target);
                 reply
             }
             Exchange::TimedOut => Err(RawError::TimedOut),
-            Exchange::Failed(e)
-                if e.kind() == io::ErrorKind::InvalidData || self.failed_fresh(target) =>
-            {
-                tracing::info!(
-                    error = %e,
-                    "node {target} answered an append connection with something else (a release that predates them?); appending to it over gRPC for {RAW_FALLBACK:?}"
-                );
-                self.mark_not_served(target);
-                Err(RawError::NotServed(e))
-            }
-            Exchange::Failed(e) => Err(RawError::Io(e)),
+            Exchange::Failed(e) => Err(self.fresh_failed(target, e)),
         }
     }
 
@@ -298,8 +381,13 @@ impl RawPool {
                 conn.io = Some(io);
                 conn
             });
-            if let Err(Ok(conn)) = tx.send(opened) {
-                conn.give_back();
+            match tx.send(opened) {
+                Err(Ok(conn)) => conn.give_back(),
+                Err(Err(e)) => tracing::debug!(
+                    error = %e,
+                    "an append connection to {addr} failed after its caller stopped waiting"
+                ),
+                Ok(()) => {}
             }
         });
         match tokio::time::timeout_at(deadline, rx).await {
@@ -339,11 +427,12 @@ impl RawPool {
             let reply = read_frame(conn.io(), MAX_REPLY_BYTES, None).await;
             (conn, reply)
         });
-        let (conn, reply) = match tokio::time::timeout_at(deadline, &mut read).await {
+        let (mut conn, reply) = match tokio::time::timeout_at(deadline, &mut read).await {
             Ok(done) => done,
             Err(_) => {
                 tokio::spawn(async move {
-                    if let Ok((conn, Ok(_))) = tokio::time::timeout(DRAIN_TIMEOUT, read).await {
+                    if let Ok((mut conn, Ok(_))) = tokio::time::timeout(DRAIN_TIMEOUT, read).await {
+                        conn.answered = true;
                         conn.give_back();
                     }
                 });
@@ -353,6 +442,7 @@ impl RawPool {
         match reply.and_then(|r| parse_reply(&r)) {
             Err(e) => Exchange::Failed(e),
             Ok(reply) => {
+                conn.answered = true;
                 conn.give_back();
                 Exchange::Replied(reply)
             }
@@ -382,7 +472,9 @@ fn parse_reply(reply: &[u8]) -> io::Result<Result<pb::AppendEntriesReply, RawErr
 }
 
 /// Reads one length-prefixed frame of at most `limit` bytes. `idle`: the longest wait for its first
-/// byte. The body is read as it arrives, not allocated whole from its length.
+/// byte. The body is read as it arrives, not allocated whole from its length. A length over the
+/// limit that is an HTTP/2 server's first frame (a SETTINGS frame: a 3-byte big-endian length below
+/// 2^16, then type 4; read as ours, a length of at least 64 MiB) is `Unsupported`.
 async fn read_frame<R: AsyncRead + Unpin>(
     io: &mut R,
     limit: usize,
@@ -397,6 +489,12 @@ async fn read_frame<R: AsyncRead + Unpin>(
     };
     let n = u32::from_le_bytes(len) as usize;
     if n > limit {
+        if len[0] == 0 && len[3] == 4 {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "an HTTP/2 server's preface, not a reply",
+            ));
+        }
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("a frame of {n} bytes (the limit is {limit})"),
@@ -452,7 +550,14 @@ pub async fn serve<L: RaftLookup, IO: AsyncRead + AsyncWrite + Unpin>(
                     index = m.entries.last().and_then(|e| e.log_id.as_ref()).map_or(0, |l| l.index),
                     "append received"
                 );
-                service.append_entries_pb(m, sender).await
+                // A leader sends nothing more before the reply: anything read meanwhile (its close,
+                // after it gave up on this request) ends the connection, so a follower whose Raft is
+                // stuck does not keep a task and a connection slot for each one its leaders closed.
+                let mut probe = [0u8; 1];
+                tokio::select! {
+                    reply = service.append_entries_pb(m, sender) => reply,
+                    _ = io.read(&mut probe) => return,
+                }
             }
             Err(e) => Err(tonic::Status::invalid_argument(format!(
                 "malformed peer message: {e}"
@@ -473,5 +578,130 @@ pub async fn serve<L: RaftLookup, IO: AsyncRead + AsyncWrite + Unpin>(
             return;
         }
         tracing::trace!(target: "holdfast::hop", "append answered");
+    }
+}
+
+#[cfg(all(test, not(holdfast_sim)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A follower that speaks the protocol but answers nothing until `release` is notified, then
+    /// everything owed: counts the connections it accepted.
+    async fn silent_follower() -> (String, Arc<AtomicUsize>, Arc<tokio::sync::Notify>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (accepted, release) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(tokio::sync::Notify::new()),
+        );
+        let (a, r) = (accepted.clone(), release.clone());
+        tokio::spawn(async move {
+            loop {
+                let (mut io, _) = listener.accept().await.unwrap();
+                a.fetch_add(1, Ordering::SeqCst);
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let mut hello = [0u8; 12];
+                    io.read_exact(&mut hello).await.unwrap();
+                    assert_eq!(&hello[..8], PREFACE);
+                    let released = r.notified();
+                    tokio::pin!(released);
+                    let mut owed = 0;
+                    loop {
+                        tokio::select! {
+                            frame = read_frame(&mut io, MAX_PEER_MESSAGE_BYTES, None) => {
+                                if frame.is_err() {
+                                    return;
+                                }
+                                owed += 1;
+                            }
+                            () = &mut released, if owed > 0 => break,
+                        }
+                    }
+                    loop {
+                        let reply = pb::AppendEntriesReply {
+                            result: Some(pb::append_entries_reply::Result::Success(pb::Blank {})),
+                            features: 1,
+                        };
+                        let mut out = ((reply.encoded_len() + 1) as u32).to_le_bytes().to_vec();
+                        out.push(0);
+                        reply.encode(&mut out).unwrap();
+                        for _ in 0..owed {
+                            if io.write_all(&out).await.is_err() {
+                                return;
+                            }
+                        }
+                        // Released: from now on each request is answered as it comes.
+                        match read_frame(&mut io, MAX_PEER_MESSAGE_BYTES, None).await {
+                            Ok(_) => owed = 1,
+                            Err(_) => return,
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted, release)
+    }
+
+    fn request(entries: usize) -> pb::AppendEntriesRequest {
+        pb::AppendEntriesRequest {
+            entries: (0..entries).map(|_| pb::Entry::default()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// A follower that stops answering costs a leader at most `CONNECTIONS_PER_PEER` connections per
+    /// group, at most `HEARTBEAT_CONNECTIONS` of them to heartbeats (not one per heartbeat); once it
+    /// answers what is owed, the same connections carry the next calls.
+    #[tokio::test]
+    async fn a_silent_follower_costs_a_bounded_number_of_connections_and_they_are_reused() {
+        let (addr, accepted, release) = silent_follower().await;
+        let pool = RawPool::default();
+        let soon = || tokio::time::Instant::now() + Duration::from_millis(50);
+        let call = |entries| {
+            let (pool, addr) = (pool.clone(), addr.clone());
+            async move {
+                pool.append((2, &addr, 0), None, &request(entries), soon())
+                    .await
+            }
+        };
+        for _ in 0..2 {
+            assert!(matches!(call(0).await, Err(RawError::TimedOut)));
+        }
+        assert!(
+            matches!(call(0).await, Err(RawError::Busy(_))),
+            "a third heartbeat connection"
+        );
+        for _ in 0..2 {
+            assert!(matches!(call(1).await, Err(RawError::TimedOut)));
+        }
+        assert!(
+            matches!(call(1).await, Err(RawError::Busy(_))),
+            "a fifth connection"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), CONNECTIONS_PER_PEER);
+        // Another group has connections of its own.
+        let other = pool.append((2, &addr, 1), None, &request(1), soon()).await;
+        assert!(matches!(other, Err(RawError::TimedOut)));
+        // The follower answers what it owes: the drained connections go back to the pool.
+        release.notify_waiters();
+        let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+        let reply = loop {
+            let later = tokio::time::Instant::now() + Duration::from_secs(1);
+            match pool.append((2, &addr, 0), None, &request(1), later).await {
+                Ok(reply) => break reply,
+                Err(RawError::Busy(_)) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(_) => panic!("no reply from the reused connections"),
+            }
+        };
+        assert_eq!(reply.features, 1);
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            CONNECTIONS_PER_PEER + 1,
+            "a connection was opened instead of reusing one"
+        );
     }
 }
