@@ -9,6 +9,43 @@ pub mod v1 {
     tonic::include_proto!("holdfast.v1");
 }
 
+/// The methods of `tokio::io::AsyncWrite` for a wrapper whose `$field` does the writing (the
+/// connection wrappers of `tls` and `transport`: each adds something to reading or to its lifetime,
+/// nothing to writing).
+macro_rules! delegate_async_write {
+    ($field:ident) => {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::pin::Pin::new(&mut self.$field).poll_write(cx, buf)
+        }
+        fn poll_flush(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.$field).poll_flush(cx)
+        }
+        fn poll_shutdown(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.$field).poll_shutdown(cx)
+        }
+        fn poll_write_vectored(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            bufs: &[std::io::IoSlice<'_>],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::pin::Pin::new(&mut self.$field).poll_write_vectored(cx, bufs)
+        }
+        fn is_write_vectored(&self) -> bool {
+            self.$field.is_write_vectored()
+        }
+    };
+}
+
 pub mod tls;
 pub mod transport;
 
