@@ -24,7 +24,8 @@
 //! own preface (a SETTINGS frame) and closes it: a leader whose fresh connection gets bytes that are
 //! not a reply appends to that peer over gRPC (the `AppendStream` call, or unary calls) for
 //! [`RAW_FALLBACK`], then tries again. A connection that just closes or fails is a network error, as
-//! a broken gRPC connection is.
+//! a broken gRPC connection is, unless [`FRESH_FAILURES`] fresh ones in a row close before answering
+//! (an older server's close can come before its preface is read).
 //!
 //! A leader's connections to a follower are checked as its gRPC channel is: over TLS the answering
 //! certificate must be that follower's (`holdfast-server-<id>`).
@@ -43,7 +44,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// What a connection of this protocol starts with. Differs from HTTP/2's preface in its first byte.
 pub const PREFACE: &[u8] = b"HFAPPEND";
 /// The protocol's version, sent after the preface. A server closes a connection of a version it does
-/// not know, which makes the leader fall back to gRPC.
+/// not know (after [`FRESH_FAILURES`] such closes in a row the leader falls back to gRPC).
 pub const VERSION: u32 = 1;
 /// How long an accepted connection may take to send its version once its preface is read.
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -55,8 +56,8 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// The largest reply a leader reads (a reply is a few bytes, a refusal's message a few hundred).
 const MAX_REPLY_BYTES: usize = 1 << 20;
 /// Connections a leader keeps open per peer, address and group: in use, idle, connecting, or
-/// finishing the read of a reply its caller stopped waiting for. One carries the group's appends,
-/// one its heartbeats; the rest cover replies still owed. With all taken, a call fails at once
+/// finishing the read of a reply its caller stopped waiting for. Normally one carries the group's
+/// appends and one its heartbeats; the rest cover replies still owed. With all taken, a call fails at once
 /// (openraft retries it) instead of opening more: a follower that stopped answering (a stalled
 /// process) costs at most this many connections, not one per heartbeat.
 pub const CONNECTIONS_PER_PEER: usize = 4;
