@@ -532,6 +532,7 @@ impl Node {
         if let Some(tls) = &tls {
             tasks.push(tokio::spawn(tls.clone().watch(shutdown_rx.clone())));
         }
+        tasks.push(tokio::spawn(peers.clone().sweep_idle(shutdown_rx.clone())));
         if let Some(access) = &access {
             tasks.push(tokio::spawn(access.clone().watch(shutdown_rx.clone())));
         }

@@ -129,6 +129,11 @@ impl Peers {
         self.features.clone()
     }
 
+    /// Closes idle append connections until `stop` changes ([`crate::raw_append::RawPool::sweep_idle`]).
+    pub async fn sweep_idle(self, stop: tokio::sync::watch::Receiver<bool>) {
+        self.raw.sweep_idle(stop).await;
+    }
+
     /// Records the outcome of one message to `target`, logging only the changes and a summary.
     fn report(&self, target: NodeId, result: Result<(), &str>) {
         let now = tokio::time::Instant::now();

@@ -256,13 +256,7 @@ impl RawPool {
         let mut pool = self.pool.lock().expect("raw pool lock");
         let now = tokio::time::Instant::now();
         if pool.swept.is_none_or(|t| now >= t + SWEEP_EVERY) {
-            pool.swept = Some(now);
-            pool.conns.retain(|_, c| {
-                let before = c.idle.len();
-                c.idle.retain(|i| now < i.since + IDLE_KEEP);
-                c.open -= before - c.idle.len();
-                c.open > 0
-            });
+            sweep(&mut pool, now);
         }
         let c = pool.conns.entry(key.clone()).or_default();
         if heartbeat && c.heartbeats >= HEARTBEAT_CONNECTIONS && !replacing {
@@ -295,6 +289,19 @@ impl RawPool {
             c.heartbeats += 1;
         }
         Some(conn)
+    }
+
+    /// Closes the connections idle past [`IDLE_KEEP`], every [`SWEEP_EVERY`] until `stop` changes:
+    /// calls do it too, but a server that no longer leads any group makes none (`node` runs this).
+    pub async fn sweep_idle(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(SWEEP_EVERY) => {}
+                _ = stop.changed() => return,
+            }
+            let mut pool = self.pool.lock().expect("raw pool lock");
+            sweep(&mut pool, tokio::time::Instant::now());
+        }
     }
 
     /// Sends `req` to `target` at `addr` for `group` and reads its reply by `deadline`, on an idle
@@ -449,6 +456,20 @@ impl RawPool {
             }
         }
     }
+}
+
+/// Closes the idle connections older than [`IDLE_KEEP`] (an idle connection counts in `open` until
+/// then) and forgets keys with none left.
+fn sweep(pool: &mut Pool, now: tokio::time::Instant) {
+    pool.swept = Some(now);
+    pool.conns.retain(|_, c| {
+        let before = c.idle.len();
+        c.idle.retain(|i| now < i.since + IDLE_KEEP);
+        let closed = before - c.idle.len();
+        debug_assert!(c.open >= closed, "idle connections are counted open");
+        c.open = c.open.saturating_sub(closed);
+        c.open > 0
+    });
 }
 
 /// A reply frame's answer or refusal; `Err` if it is neither (it is not a reply).
