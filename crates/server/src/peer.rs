@@ -134,6 +134,14 @@ impl Peers {
         self.raw.sweep_idle(stop).await;
     }
 
+    /// [`Peers::report`] of a call's result.
+    fn report_result<T>(&self, target: NodeId, result: &Result<T, RPCError<TypeConfig>>) {
+        match result {
+            Ok(_) => self.report(target, Ok(())),
+            Err(e) => self.report(target, Err(&e.to_string())),
+        }
+    }
+
     /// Records the outcome of one message to `target`, logging only the changes and a summary.
     fn report(&self, target: NodeId, result: Result<(), &str>) {
         let now = tokio::time::Instant::now();
@@ -296,11 +304,7 @@ impl PeerClient {
                 Ok(Ok(reply)) => Ok(reply.into_inner()),
             },
         };
-        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
-        self.peers.report(
-            self.target,
-            outcome.as_ref().map(|_| ()).map_err(String::as_str),
-        );
+        self.peers.report_result(self.target, &result);
         result
     }
 
@@ -366,18 +370,17 @@ impl PeerClient {
             )))),
             Err(RawError::Refused(status)) => Err(status_error(target, status)),
         };
-        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
-        self.peers
-            .report(target, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+        self.peers.report_result(target, &result);
         result
     }
 }
 
 impl PeerClient {
     /// One request at a time, each answered before the next is taken: openraft's
-    /// `stream_append_sequential`, except that a session in which the peer was found not to serve
-    /// appends on connections of their own ends after that request (answered over gRPC), so that
-    /// openraft's next session uses the `AppendStream` call instead of unary calls.
+    /// `stream_append_sequential`, except that the session ends once whether the peer takes appends
+    /// on connections of their own changes (a request found it does not, here or in another session
+    /// to it): openraft's next session then uses the `AppendStream` call instead of unary calls, or
+    /// those connections again.
     fn append_sequential<'s, S>(
         &'s mut self,
         input: S,
@@ -651,10 +654,7 @@ impl PeerClient {
                             }
                         }
                     };
-                    match &result {
-                        Ok(_) => peers.report(target, Ok(())),
-                        Err(e) => peers.report(target, Err(&e.to_string())),
-                    }
+                    peers.report_result(target, &result);
                     // Any error ends the stream (and with it the requests): after a conflict or a higher
                     // vote openraft starts over, and this stream must not take its next request. So
                     // does the peer taking append connections again (this stream began in a fallback):
