@@ -11,6 +11,15 @@
 //! stream answers UNIMPLEMENTED; the client then uses unary calls to it from then on. A call past
 //! [`MAX_IN_FLIGHT`] calls in flight on one stream (the server's limit), or too big for one message,
 //! goes as a unary call too (on the stream, an oversized message would end it and fail every call).
+//!
+//! The stream goes on a connection of its own to the server's client port when the server serves
+//! that (`holdfast_server::raw_calls` has the protocol): the same messages, one task writing them and
+//! one reading the replies, without HTTP/2's tasks in between. A connection silent for
+//! [`PING_EVERY`] is pinged, and one whose ping goes unanswered for as long again, or whose writes
+//! stall for [`WRITE_TIMEOUT`], is closed: it ends as a broken stream does. A server that does not
+//! serve such connections (it predates them, or refuses this caller: over gRPC the refusal comes with
+//! its reasons) gets the gRPC stream, the calls already sent included, and for [`RAW_FALLBACK`] every
+//! stream opened to it after.
 
 use crate::client::Rpc;
 use holdfast_proto::v1 as pb;
@@ -19,6 +28,7 @@ use pb::call_request::Call;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 /// The server's `max_calls_per_stream`: a call beyond this many in flight goes as a unary call.
@@ -33,11 +43,66 @@ const MAX_MESSAGE_BYTES: usize = 512 << 10;
 /// with many clients in one process.
 static NEXT_CALL_ID: AtomicU64 = AtomicU64::new(1);
 
+/// A connection for calls silent this long gets a ping; one whose ping is not answered in as long
+/// again is closed (as the gRPC channel's keepalive: a dead connection found in ~4-6 s).
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(2);
+
+/// A write to the connection that takes longer than this closes it (the server stopped reading).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(6);
+
+/// How long the server may take to answer a connection's hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a server that did not take a connection for calls gets the gRPC stream instead.
+pub(crate) const RAW_FALLBACK: Duration = Duration::from_secs(30);
+
+/// The largest reply frame read (a reply is a few hundred bytes; as gRPC's default limit).
+const MAX_REPLY_BYTES: usize = 4 << 20;
+
+/// Replies and calls written together at most.
+const WRITE_BATCH_BYTES: usize = 64 << 10;
+
+/// The protocol of `holdfast_server::raw_calls`.
+const PREFACE: &[u8] = b"HFCALLS\0";
+const VERSION: u32 = 1;
+
+/// Where and how to open a connection for calls to one server.
+pub(crate) struct RawTarget {
+    pub(crate) endpoint: String,
+    pub(crate) tls: Option<holdfast_proto::tls::TlsConnector>,
+    /// The `authorization` value this client sends (`Bearer TOKEN`), if any.
+    pub(crate) authorization: Option<String>,
+    /// Until when the server gets the gRPC stream: it did not take a connection.
+    grpc_until: Mutex<Option<Instant>>,
+}
+
+impl RawTarget {
+    pub(crate) fn new(
+        endpoint: &str,
+        tls: Option<holdfast_proto::tls::TlsConnector>,
+        authorization: Option<String>,
+    ) -> RawTarget {
+        RawTarget {
+            endpoint: endpoint.to_string(),
+            tls,
+            authorization,
+            grpc_until: Mutex::new(None),
+        }
+    }
+
+    fn usable(&self) -> bool {
+        let until = self.grpc_until.lock().expect("raw target lock");
+        until.is_none_or(|t| Instant::now() >= t)
+    }
+}
+
 type Pending = BTreeMap<u64, oneshot::Sender<Result<Reply, tonic::Status>>>;
 
 /// The `Calls` stream to one server, if open.
 pub(crate) struct Calls {
     state: Mutex<State>,
+    /// Open the stream on a connection of its own to this server when it serves that.
+    raw: Option<Arc<RawTarget>>,
 }
 
 enum State {
@@ -89,10 +154,11 @@ impl Drop for InFlight<'_> {
 }
 
 impl Calls {
-    /// `streams`: use the stream (else every call is unary).
-    pub(crate) fn new(streams: bool) -> Calls {
+    /// `streams`: use the stream (else every call is unary); `raw`: on a connection of its own.
+    pub(crate) fn new(streams: bool, raw: Option<RawTarget>) -> Calls {
         Calls {
             state: Mutex::new(if streams { State::Closed } else { State::Unary }),
+            raw: raw.map(Arc::new),
         }
     }
 
@@ -131,7 +197,7 @@ impl Calls {
         let size = match &call {
             Call::Acquire(r) => prost::Message::encoded_len(r),
             Call::Release(r) => prost::Message::encoded_len(r),
-            Call::Cancel(_) => 0,
+            Call::Cancel(_) | Call::Ping(_) => 0,
         };
         // The call's own bytes, and room for its id and the tags and lengths around it.
         if size + 32 > MAX_MESSAGE_BYTES {
@@ -217,7 +283,8 @@ impl Calls {
             State::Open(s) => Some(s.clone()),
             State::Unary => None,
             State::Closed => {
-                let s = Arc::new(open(rpc.clone()));
+                let raw = self.raw.clone().filter(|r| r.usable());
+                let s = Arc::new(open(rpc.clone(), raw));
                 *state = State::Open(s.clone());
                 Some(s)
             }
@@ -249,9 +316,10 @@ fn mismatched() -> tonic::Status {
     )
 }
 
-/// Opens a `Calls` stream: the request side is fed from the returned sender; a task reads the replies
-/// and hands each to its caller, and when the stream ends fails every call still in flight.
-fn open(rpc: Rpc) -> Stream {
+/// Opens a `Calls` stream, on a connection of its own with `raw` (if the server takes it), else over
+/// gRPC: the request side is fed from the returned sender; a task reads the replies and hands each to
+/// its caller, and when the stream ends fails every call still in flight.
+fn open(rpc: Rpc, raw: Option<Arc<RawTarget>>) -> Stream {
     let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         pending: Mutex::new(Some(BTreeMap::new())),
@@ -259,47 +327,24 @@ fn open(rpc: Rpc) -> Stream {
     });
     let reader = shared.clone();
     tokio::spawn(async move {
-        let mut rpc = rpc;
-        let end = match rpc
-            .calls(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-        {
-            Err(status) => status,
-            Ok(replies) => {
-                reader.confirmed.store(true, Relaxed);
-                let mut replies = replies.into_inner();
-                loop {
-                    match replies.message().await {
-                        Ok(Some(reply)) => {
-                            tracing::trace!(target: "holdfast::hop", id = reply.id, "call reply");
-                            let waiter = reader
-                                .pending
-                                .lock()
-                                .expect("calls lock")
-                                .as_mut()
-                                .and_then(|p| p.remove(&reply.id));
-                            // No waiter: the call was cancelled meanwhile.
-                            if let Some(waiter) = waiter {
-                                let _ = waiter.send(answer(reply.reply));
-                            }
-                        }
-                        Ok(None) => {
-                            break tonic::Status::unavailable("the server ended the Calls stream")
-                        }
-                        // Whatever ended the stream (a broken connection, or the server refusing
-                        // one message by ending it), it is not the answer to the calls in flight,
-                        // whose outcome is unknown: they are retried with their request ids. So no
-                        // Holdfast detail of the stream's status passes to them.
-                        Err(status) => {
-                            break tonic::Status::unavailable(format!(
-                                "the Calls stream ended: {}: {}",
-                                status.code(),
-                                status.message()
-                            ))
-                        }
-                    }
+        let rx = match raw {
+            None => Ok(rx),
+            Some(raw) => match raw_stream(&raw, rx, &reader).await {
+                RawEnd::Ended(status) => Err(status),
+                RawEnd::NotServed(back) => {
+                    tracing::debug!(
+                        endpoint = raw.endpoint,
+                        "the server did not take a connection for calls: using the gRPC stream"
+                    );
+                    *raw.grpc_until.lock().expect("raw target lock") =
+                        Some(Instant::now() + RAW_FALLBACK);
+                    Ok(back)
                 }
-            }
+            },
+        };
+        let end = match rx {
+            Ok(rx) => grpc_stream(rpc, rx, &reader).await,
+            Err(end) => end,
         };
         let pending = reader.pending.lock().expect("calls lock").take();
         for (_, waiter) in pending.into_iter().flatten() {
@@ -307,6 +352,203 @@ fn open(rpc: Rpc) -> Stream {
         }
     });
     Stream { tx, shared }
+}
+
+/// Hands a reply to the call waiting for it (none: the call was cancelled meanwhile).
+fn deliver(shared: &Shared, reply: pb::CallReply) {
+    tracing::trace!(target: "holdfast::hop", id = reply.id, "call reply");
+    let waiter = shared
+        .pending
+        .lock()
+        .expect("calls lock")
+        .as_mut()
+        .and_then(|p| p.remove(&reply.id));
+    if let Some(waiter) = waiter {
+        let _ = waiter.send(answer(reply.reply));
+    }
+}
+
+/// The stream over gRPC, until it ends: the status its calls in flight fail with.
+async fn grpc_stream(
+    mut rpc: Rpc,
+    rx: mpsc::UnboundedReceiver<pb::CallRequest>,
+    shared: &Shared,
+) -> tonic::Status {
+    let replies = match rpc
+        .calls(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+    {
+        Err(status) => return status,
+        Ok(replies) => replies,
+    };
+    shared.confirmed.store(true, Relaxed);
+    let mut replies = replies.into_inner();
+    loop {
+        match replies.message().await {
+            Ok(Some(reply)) => deliver(shared, reply),
+            Ok(None) => return tonic::Status::unavailable("the server ended the Calls stream"),
+            // Whatever ended the stream (a broken connection, or the server refusing one message
+            // by ending it), it is not the answer to the calls in flight, whose outcome is
+            // unknown: they are retried with their request ids. So no Holdfast detail of the
+            // stream's status passes to them.
+            Err(status) => {
+                return tonic::Status::unavailable(format!(
+                    "the Calls stream ended: {}: {}",
+                    status.code(),
+                    status.message()
+                ))
+            }
+        }
+    }
+}
+
+/// How a stream on a connection of its own ended.
+enum RawEnd {
+    /// The server did not take the connection: the calls queued go to the gRPC stream.
+    NotServed(mpsc::UnboundedReceiver<pb::CallRequest>),
+    /// It ended after it was taken (or could not be opened): the status its calls fail with.
+    Ended(tonic::Status),
+}
+
+/// The stream on a connection of its own, until it ends.
+async fn raw_stream(
+    raw: &RawTarget,
+    mut rx: mpsc::UnboundedReceiver<pb::CallRequest>,
+    shared: &Arc<Shared>,
+) -> RawEnd {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let unavailable = |what: String| {
+        RawEnd::Ended(tonic::Status::unavailable(format!(
+            "the connection for calls to {}: {what}",
+            raw.endpoint
+        )))
+    };
+    let mut io = match holdfast_proto::transport::connect_raw(&raw.endpoint, raw.tls.as_ref()).await
+    {
+        Ok(io) => io,
+        Err(e) => return unavailable(format!("cannot connect: {e}")),
+    };
+    let auth = raw.authorization.as_deref().unwrap_or_default().as_bytes();
+    let mut hello = Vec::with_capacity(PREFACE.len() + 8 + auth.len());
+    hello.extend_from_slice(PREFACE);
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&(auth.len() as u32).to_le_bytes());
+    hello.extend_from_slice(auth);
+    let mut answer = [0u8; 13];
+    let answered = tokio::time::timeout(HELLO_TIMEOUT, async {
+        io.write_all(&hello).await?;
+        io.flush().await?;
+        io.read_exact(&mut answer).await
+    })
+    .await;
+    match answered {
+        Err(_) => return unavailable(format!("no answer to its hello in {HELLO_TIMEOUT:?}")),
+        // A server that predates these connections: its HTTP/2 server answers with its own preface,
+        // or closes the connection at once.
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return RawEnd::NotServed(rx)
+        }
+        Ok(Err(e)) => return unavailable(format!("the hello failed: {e}")),
+        Ok(Ok(_)) if &answer[..PREFACE.len()] != PREFACE || answer[12] != 0 => {
+            return RawEnd::NotServed(rx)
+        }
+        Ok(Ok(_)) => {}
+    }
+    shared.confirmed.store(true, Relaxed);
+    let (read, write) = tokio::io::split(io);
+    let reads = Arc::new(AtomicU64::new(0));
+    let mut reader = tokio::spawn(read_replies(
+        holdfast_proto::frames::FrameReader::new(read, MAX_REPLY_BYTES),
+        shared.clone(),
+        reads.clone(),
+    ));
+    let end = tokio::select! {
+        end = &mut reader => end.unwrap_or_else(|e| format!("its reader failed: {e}")),
+        end = write_calls(write, &mut rx, &reads) => {
+            reader.abort();
+            end
+        }
+    };
+    unavailable(end)
+}
+
+/// Hands every reply read to its call, until the connection ends: why it ended.
+async fn read_replies<R: tokio::io::AsyncRead + Unpin>(
+    mut frames: holdfast_proto::frames::FrameReader<R, pb::CallReply>,
+    shared: Arc<Shared>,
+    reads: Arc<AtomicU64>,
+) -> String {
+    use tokio_stream::StreamExt;
+    loop {
+        match frames.next().await {
+            Some(Ok(reply)) => {
+                reads.fetch_add(1, Relaxed);
+                if !matches!(reply.reply, Some(Reply::Pong(_))) {
+                    deliver(&shared, reply);
+                }
+            }
+            Some(Err(e)) => return format!("reading failed: {e}"),
+            None => return "the server closed it".into(),
+        }
+    }
+}
+
+/// Writes the calls sent, several to a write when they come together, and pings the server when
+/// nothing was read for [`PING_EVERY`], until the connection fails or every sender is gone: why.
+async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
+    mut write: W,
+    rx: &mut mpsc::UnboundedReceiver<pb::CallRequest>,
+    reads: &AtomicU64,
+) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut out = Vec::with_capacity(4096);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut seen, mut pinged) = (0, false);
+    loop {
+        tokio::select! {
+            m = rx.recv() => {
+                let Some(m) = m else {
+                    // The client is gone, and no call waits: close.
+                    let _ = write.shutdown().await;
+                    return "the client closed it".into();
+                };
+                holdfast_proto::frames::encode(&m, &mut out);
+                while out.len() < WRITE_BATCH_BYTES {
+                    match rx.try_recv() {
+                        Ok(m) => holdfast_proto::frames::encode(&m, &mut out),
+                        Err(_) => break,
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                let now = reads.load(Relaxed);
+                if now != seen {
+                    (seen, pinged) = (now, false);
+                    continue;
+                }
+                if pinged {
+                    return format!("no answer to a ping in {PING_EVERY:?}");
+                }
+                pinged = true;
+                holdfast_proto::frames::encode(
+                    &pb::CallRequest { id: 0, call: Some(Call::Ping(pb::CallPing {})) },
+                    &mut out,
+                );
+            }
+        }
+        // TLS: rustls keeps what it could not write yet until flushed.
+        let written = tokio::time::timeout(WRITE_TIMEOUT, async {
+            write.write_all(&out).await?;
+            write.flush().await
+        })
+        .await;
+        match written {
+            Ok(Ok(())) => out.clear(),
+            Ok(Err(e)) => return format!("writing failed: {e}"),
+            Err(_) => return format!("a write stalled for {WRITE_TIMEOUT:?}"),
+        }
+    }
 }
 
 /// A reply as the unary call's result.
@@ -340,13 +582,8 @@ mod tests {
     /// one that fits opens the stream.
     #[tokio::test]
     async fn an_oversized_call_goes_unary_without_touching_the_stream() {
-        // Nothing listens on port 1: a stream opened to it fails at once.
-        let channel = tonic::transport::Channel::from_static("http://127.0.0.1:1").connect_lazy();
-        let rpc = pb::holdfast_client::HoldfastClient::with_interceptor(
-            channel,
-            crate::client::Auth::new(None).expect("no token"),
-        );
-        let calls = Calls::new(true);
+        let rpc = nowhere();
+        let calls = Calls::new(true, None);
         match calls
             .call(&rpc, acquire_with_value(MAX_MESSAGE_BYTES))
             .await
@@ -367,6 +604,95 @@ mod tests {
         assert!(
             matches!(*calls.state.lock().unwrap(), State::Open(_)),
             "no stream was opened for a call that fits"
+        );
+    }
+
+    fn nowhere() -> Rpc {
+        // Nothing listens on port 1: a gRPC stream opened to it fails at once.
+        let channel = tonic::transport::Channel::from_static("http://127.0.0.1:1").connect_lazy();
+        pb::holdfast_client::HoldfastClient::with_interceptor(
+            channel,
+            crate::client::Auth::new(None).expect("no token"),
+        )
+    }
+
+    /// A server that takes the connection and then answers nothing (stopped, or cut off) is found
+    /// out by a ping: the call in flight fails UNAVAILABLE, as on a broken stream, and the server
+    /// got the call, then the ping.
+    #[tokio::test]
+    async fn a_server_that_stops_answering_is_found_by_a_ping() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio_stream::StreamExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await.unwrap();
+            let mut hello = [0u8; 16];
+            io.read_exact(&mut hello).await.unwrap();
+            assert_eq!(&hello[..8], PREFACE);
+            assert_eq!(&hello[8..], [1, 0, 0, 0, 0, 0, 0, 0], "version 1, no token");
+            let mut answer = PREFACE.to_vec();
+            answer.extend_from_slice(&VERSION.to_le_bytes());
+            answer.push(0);
+            io.write_all(&answer).await.unwrap();
+            let mut frames =
+                holdfast_proto::frames::FrameReader::<_, pb::CallRequest>::new(io, 1 << 20);
+            let mut got = Vec::new();
+            while let Some(m) = frames.next().await {
+                let m = m.expect("a good frame");
+                let ping = matches!(m.call, Some(Call::Ping(_)));
+                got.push(m);
+                if ping {
+                    break;
+                }
+            }
+            // Kept open, unanswered, until the client gives up on it.
+            assert!(frames.next().await.is_none_or(|r| r.is_err()));
+            got
+        });
+        let calls = Calls::new(true, Some(RawTarget::new(&addr.to_string(), None, None)));
+        match calls.call(&nowhere(), acquire_with_value(10)).await {
+            Err(Fallback::Failed(status)) => {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                assert!(status.message().contains("ping"), "{status:?}");
+            }
+            _ => panic!("the call on a silent connection did not fail"),
+        }
+        let got = server.await.unwrap();
+        assert!(matches!(got[0].call, Some(Call::Acquire(_))), "{got:?}");
+        assert_eq!(got.len(), 2, "{got:?}");
+    }
+
+    /// A server that answers the hello with anything else (an HTTP/2 server's preface: a server that
+    /// predates these connections) gets the call on the gRPC stream instead, and the gRPC stream for
+    /// a while after.
+    #[tokio::test]
+    async fn a_server_without_call_connections_gets_the_grpc_stream() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await.unwrap();
+            // An empty SETTINGS frame, then a close.
+            io.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
+            let mut hello = [0u8; 16];
+            let _ = io.read_exact(&mut hello).await;
+        });
+        let calls = Calls::new(true, Some(RawTarget::new(&addr.to_string(), None, None)));
+        match calls.call(&nowhere(), acquire_with_value(10)).await {
+            // Sent on the gRPC stream, to nothing.
+            Err(Fallback::Failed(status)) => {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                assert!(
+                    !status.message().contains("connection for calls"),
+                    "{status:?}"
+                );
+            }
+            _ => panic!("the call did not go to the gRPC stream"),
+        }
+        assert!(
+            !calls.raw.as_ref().unwrap().usable(),
+            "the server was not remembered to get the gRPC stream"
         );
     }
 }

@@ -49,6 +49,12 @@ pub struct ClientOptions {
     /// for calls"). Both mean the same; a server without the stream gets unary calls anyway. `false`
     /// is for comparing the two.
     pub call_streams: bool,
+    /// Carry the `Calls` stream on a connection of its own to each server (the default), instead of
+    /// a gRPC stream on the client's channel: fewer task hand-offs per call on both sides
+    /// (docs/performance.md, "Calls on connections of their own"). Both mean the same; a server
+    /// that does not take such connections gets the gRPC stream anyway. `false` is for comparing the
+    /// two. Only with [`ClientOptions::call_streams`].
+    pub call_connections: bool,
     /// Connect over TLS (see [`crate::ClientTls`]). None, the default: plaintext.
     pub tls: Option<crate::ClientTls>,
     /// A bearer token sent with every request (`authorization: Bearer TOKEN`): the principal the
@@ -68,6 +74,7 @@ impl std::fmt::Debug for ClientOptions {
             .field("discover", &self.discover)
             .field("client_cancels", &self.client_cancels)
             .field("call_streams", &self.call_streams)
+            .field("call_connections", &self.call_connections)
             .field("tls", &self.tls)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .finish()
@@ -85,6 +92,7 @@ impl Default for ClientOptions {
             discover: true,
             client_cancels: true,
             call_streams: true,
+            call_connections: true,
             tls: None,
             token: None,
         }
@@ -216,7 +224,16 @@ impl Server {
         Server {
             endpoint: endpoint.to_string(),
             channel,
-            calls: Arc::new(crate::calls::Calls::new(options.call_streams)),
+            calls: Arc::new(crate::calls::Calls::new(
+                options.call_streams,
+                options.call_connections.then(|| {
+                    crate::calls::RawTarget::new(
+                        endpoint,
+                        options.tls.as_ref().map(|t| t.connector.clone()),
+                        options.token.as_ref().map(|t| format!("Bearer {t}")),
+                    )
+                }),
+            )),
             failed: Mutex::new(None),
             marked: false.into(),
         }

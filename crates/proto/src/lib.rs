@@ -46,6 +46,7 @@ macro_rules! delegate_async_write {
     };
 }
 
+pub mod frames;
 pub mod tls;
 pub mod transport;
 

@@ -51,6 +51,10 @@ pub type ByConnection = std::sync::Arc<std::sync::Mutex<BTreeMap<std::net::Socke
 /// Inbound messages taken in one poll before the replies get a turn (then the task wakes itself).
 const INBOUND_PER_POLL: usize = 64;
 
+/// The messages of one `Calls` stream: a gRPC stream's, or a connection's of its own
+/// (`crate::raw_calls`).
+pub type Inbound = Pin<Box<dyn Stream<Item = Result<pb::CallRequest, Status>> + Send>>;
+
 type Running =
     Pin<Box<dyn Future<Output = (u64, Option<Result<pb::call_reply::Reply, Status>>)> + Send>>;
 
@@ -58,7 +62,7 @@ type Running =
 pub struct CallReplies {
     service: ClientService,
     /// None once the client ended its side (the calls in flight still finish and are answered).
-    inbound: Option<Streaming<pb::CallRequest>>,
+    inbound: Option<Inbound>,
     metadata: MetadataMap,
     extensions: tonic::codegen::http::Extensions,
     running: FuturesUnordered<Running>,
@@ -101,8 +105,6 @@ fn error_reply(id: u64, status: Status) -> pb::CallReply {
 
 impl CallReplies {
     pub fn new(service: ClientService, r: Request<Streaming<pb::CallRequest>>) -> CallReplies {
-        let streams = service.node.metrics.call_streams.clone();
-        streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // Each call gets what the access policy reads of its caller (`access::Caller::of`): the bearer
         // token and the TLS peer. Nothing else, so that a call without them allocates no maps.
         let (all_metadata, all_extensions, inbound) = r.into_parts();
@@ -118,6 +120,20 @@ impl CallReplies {
             peer = peer.or(tls.remote_addr);
             extensions.insert(tls.clone());
         }
+        CallReplies::open(service, metadata, extensions, peer, Box::pin(inbound))
+    }
+
+    /// The replies to `inbound`'s calls, each call made as by a request with `metadata` and
+    /// `extensions` (what the access policy reads of a caller), from the connection at `peer`.
+    pub fn open(
+        service: ClientService,
+        metadata: MetadataMap,
+        extensions: tonic::codegen::http::Extensions,
+        peer: Option<std::net::SocketAddr>,
+        inbound: Inbound,
+    ) -> CallReplies {
+        let streams = service.node.metrics.call_streams.clone();
+        streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let connection = peer.map(|addr| (addr, service.node.calls_by_connection.clone()));
         CallReplies {
             service,
@@ -152,6 +168,13 @@ impl CallReplies {
     /// Starts, refuses or cancels the call one message carries; an error ends the stream.
     fn take(&mut self, m: pb::CallRequest) -> Result<(), Status> {
         let id = m.id;
+        if let Some(pb::call_request::Call::Ping(ping)) = m.call {
+            self.ready.push_back(pb::CallReply {
+                id,
+                reply: Some(pb::call_reply::Reply::Pong(ping)),
+            });
+            return Ok(());
+        }
         if self.cancels.contains_key(&id)
             && !matches!(m.call, Some(pb::call_request::Call::Cancel(_)))
         {
@@ -226,7 +249,9 @@ impl CallReplies {
                     .release(Request::from_parts(metadata, extensions, r))
                     .await
                     .map(|r| pb::call_reply::Reply::Release(r.into_inner())),
-                pb::call_request::Call::Cancel(_) => unreachable!("handled above"),
+                pb::call_request::Call::Cancel(_) | pb::call_request::Call::Ping(_) => {
+                    unreachable!("handled above")
+                }
             }
         };
         self.running.push(Box::pin(async move {

@@ -90,6 +90,11 @@ pub struct ServerConfig {
     /// can check that clients fall back to unary acquires and releases. Hidden flag only.
     #[serde(skip)]
     pub compat_no_call_streams: bool,
+    /// Compatibility test hook: hand `Calls` connections of `crate::raw_calls` to the HTTP/2 server
+    /// (which closes them), as a server older than them does, so a test can check that clients fall
+    /// back to the gRPC `Calls` stream. Hidden flag only.
+    #[serde(skip)]
+    pub compat_no_raw_calls: bool,
     /// Test hook: answer as a server older than `Command::ExpireSessions` (report no features, and
     /// expire one session an entry). Hidden flag only.
     #[serde(skip)]
@@ -178,6 +183,7 @@ impl Default for ServerConfig {
             compat_no_append_stream: false,
             compat_no_raw_appends: false,
             compat_no_call_streams: false,
+            compat_no_raw_calls: false,
             compat_no_expire_sessions: false,
             wal_segment_bytes: None,
             audit_log: false,

@@ -37,6 +37,7 @@ pub mod node;
 pub mod peer;
 pub mod raft_types;
 pub mod raw_append;
+pub mod raw_calls;
 pub mod secrets;
 pub mod service;
 #[cfg(holdfast_sim)]

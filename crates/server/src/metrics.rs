@@ -58,6 +58,8 @@ pub struct ServerMetrics {
     pub append_streams: Counter,
     /// Append connections of `crate::raw_append` accepted from leaders.
     pub raw_appends: Counter,
+    /// `Calls` connections of `crate::raw_calls` accepted from clients.
+    pub raw_calls: Counter,
     /// Events sent on watch streams.
     pub watch_events: Counter,
     /// Watch streams ended because they fell behind the history (`WATCH_TOO_SLOW`).
@@ -79,6 +81,7 @@ impl Default for ServerMetrics {
             client_connection_slots: Default::default(),
             append_streams: Counter::default(),
             raw_appends: Counter::default(),
+            raw_calls: Counter::default(),
             watch_events: Counter::default(),
             watches_cut_off: Counter::default(),
         }
@@ -151,6 +154,11 @@ pub fn registry(node: Arc<NodeShared>) -> Registry {
         "holdfast_peer_append_connections",
         "Connections of appends outside gRPC accepted from a leader (docs/operations.md, \"Upgrades and formats\"; each carries a leader's appends to this server, one at a time, until it closes)",
         m.raw_appends.clone(),
+    );
+    r.register(
+        "holdfast_call_connections",
+        "Connections of calls outside gRPC accepted from clients (docs/performance.md, \"Calls on connections of their own\"; each carries one client's acquires and releases to this server until it closes)",
+        m.raw_calls.clone(),
     );
     r.register_collector(Box::new(NodeCollector(node)));
     r

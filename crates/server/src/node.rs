@@ -466,11 +466,42 @@ impl Node {
             }
         }));
 
+        let client_calls = ClientService {
+            node: shared.clone(),
+        };
         let client_service =
-            holdfast_proto::v1::holdfast_server::HoldfastServer::new(ClientService {
-                node: shared.clone(),
-            })
-            .max_decoding_message_size(MAX_REQUEST_BYTES);
+            holdfast_proto::v1::holdfast_server::HoldfastServer::new(client_calls.clone())
+                .max_decoding_message_size(MAX_REQUEST_BYTES);
+        // `Calls` connections outside gRPC (`crate::raw_calls`), told apart from gRPC ones by their
+        // first bytes, each served by a task of its own. `peer`: who the connection is from.
+        fn raw_calls<IO>(
+            service: ClientService,
+            shutdown: &tokio::sync::watch::Receiver<bool>,
+            peer: fn(&IO) -> crate::raw_calls::Peer,
+        ) -> impl Fn(IO) + Send + Sync + 'static
+        where
+            IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+        {
+            let shutdown = shutdown.clone();
+            move |io: IO| {
+                let (service, mut shutdown) = (service.clone(), shutdown.clone());
+                let peer = peer(&io);
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = crate::raw_calls::serve(service, io, peer) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                });
+            }
+        }
+        let calls_preface: &'static [u8] =
+            if config.compat_no_raw_calls || config.compat_no_call_streams {
+                // As for appends: every connection goes to gRPC, as on a server older than them.
+                b"\0\0not-a-calls-preface"
+            } else {
+                crate::raw_calls::PREFACE
+            };
+        let calls_shutdown = shutdown_rx.clone();
         let mut rx = shutdown_rx.clone();
         let slots = Arc::new(tokio::sync::Semaphore::new(config.max_client_connections));
         let _ = shared.metrics.client_connection_slots.set(slots.clone());
@@ -494,19 +525,57 @@ impl Node {
                         crate::tls::admit_client,
                         tls.refused_client.clone(),
                     );
+                    let incoming = holdfast_proto::transport::divert(
+                        incoming,
+                        calls_preface,
+                        crate::raw_calls::HELLO_TIMEOUT,
+                        raw_calls(
+                            client_calls,
+                            &calls_shutdown,
+                            |io: &holdfast_proto::tls::TlsConn<
+                                holdfast_proto::transport::Limited<tokio::net::TcpStream>,
+                            >| crate::raw_calls::Peer {
+                                addr: io.info().remote_addr,
+                                tls: Some(io.info().clone()),
+                            },
+                        ),
+                    );
                     server.serve_with_incoming_shutdown(incoming, stop).await
                 }
                 None => {
                     let incoming = client_listener.incoming_limited(slots, refused);
+                    let incoming = holdfast_proto::transport::divert(
+                        incoming,
+                        calls_preface,
+                        crate::raw_calls::HELLO_TIMEOUT,
+                        raw_calls(
+                            client_calls,
+                            &calls_shutdown,
+                            |io: &holdfast_proto::transport::Limited<tokio::net::TcpStream>| {
+                                use tonic::transport::server::Connected;
+                                crate::raw_calls::Peer {
+                                    addr: io.connect_info().remote_addr(),
+                                    tls: None,
+                                }
+                            },
+                        ),
+                    );
                     server.serve_with_incoming_shutdown(incoming, stop).await
                 }
             };
             #[cfg(holdfast_sim)]
             let served = {
                 let _ = (client_tls, slots, refused);
-                server
-                    .serve_with_incoming_shutdown(client_listener.incoming(), stop)
-                    .await
+                let incoming = holdfast_proto::transport::divert(
+                    client_listener.incoming(),
+                    calls_preface,
+                    crate::raw_calls::HELLO_TIMEOUT,
+                    raw_calls(client_calls, &calls_shutdown, |_| crate::raw_calls::Peer {
+                        addr: None,
+                        tls: None,
+                    }),
+                );
+                server.serve_with_incoming_shutdown(incoming, stop).await
             };
             if let Err(e) = served {
                 tracing::error!(%e, "client server failed");

@@ -113,6 +113,8 @@ pub async fn client_host(
         // The last host sends unary acquires and releases; the others use the Calls stream (the first
         // with the servers in charge of abandoning what goes away on it).
         call_streams: host != 2,
+        // The second host carries its Calls streams over gRPC, the first on connections of their own.
+        call_connections: host != 1,
         ..ClientOptions::default()
     };
     let client = Client::connect_with(client_endpoints(), options).await?;

@@ -32,6 +32,10 @@ pub struct BenchArgs {
     /// each server (the default), to compare the two.
     #[arg(long, global = true)]
     unary_calls: bool,
+    /// Carry each server's `Calls` stream over gRPC instead of on a connection of its own (the
+    /// default), to compare the two.
+    #[arg(long, global = true)]
+    grpc_calls: bool,
     #[command(flatten)]
     tls: super::TlsArgs,
 }
@@ -100,6 +104,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         tls: args.tls.client_tls()?,
         token: args.tls.auth_token.clone(),
         call_streams: !args.unary_calls,
+        call_connections: !args.grpc_calls,
         ..ClientOptions::default()
     };
     match args.mode {
@@ -322,10 +327,10 @@ async fn acquire_release(
     let ops = total.len();
     let per_sec = ops as f64 / elapsed.as_secs_f64();
     let q = |p: f64| total.value_at_quantile(p) as f64 / 1000.0;
-    let calls = if options.call_streams {
-        "stream"
-    } else {
-        "unary"
+    let calls = match (options.call_streams, options.call_connections) {
+        (false, _) => "unary",
+        (true, false) => "stream",
+        (true, true) => "connection",
     };
     if json {
         let us = |p: f64| ms(total.value_at_quantile(p) as f64);

@@ -82,6 +82,9 @@ pub struct ServerArgs {
     /// Test hook: answer Calls as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_call_streams: bool,
+    /// Test hook: close `Calls` connections outside gRPC, as a server older than them.
+    #[arg(long, hide = true)]
+    compat_no_raw_calls: bool,
     /// Test hook: answer as a server older than batched expiries (report no features, expire one
     /// session an entry).
     #[arg(long, hide = true)]
@@ -193,6 +196,9 @@ impl ServerArgs {
         }
         if self.compat_no_raw_appends {
             c.compat_no_raw_appends = true;
+        }
+        if self.compat_no_raw_calls {
+            c.compat_no_raw_calls = true;
         }
         if self.compat_no_call_streams {
             c.compat_no_call_streams = true;

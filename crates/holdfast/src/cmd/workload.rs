@@ -50,6 +50,9 @@ pub struct WorkloadArgs {
     /// tests run one process each way).
     #[arg(long)]
     unary_calls: bool,
+    /// Carry each server's `Calls` stream over gRPC instead of on a connection of its own.
+    #[arg(long)]
+    grpc_calls: bool,
     #[command(flatten)]
     conn: Conn,
 }
@@ -133,6 +136,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<ExitCode> {
         tls: args.conn.tls.client_tls()?,
         token: args.conn.tls.auth_token.clone(),
         call_streams: !args.unary_calls,
+        call_connections: !args.grpc_calls,
         ..ClientOptions::default()
     };
     let client = holdfast_client::Client::connect_with(args.conn.endpoint_list()?, options).await?;

@@ -146,6 +146,32 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     );
     denied(client_as(&c, None, None).await, &["\"anonymous\""]);
     denied(client_as(&c, None, Some("guess")).await, &["token"]);
+    // A `Calls` connection is taken only from a caller who may lock something (the others' calls go
+    // over gRPC, where they are refused with reasons): alice's certificate, not ci's token, an unknown
+    // token or nothing.
+    let ca = std::fs::read(tls_dir.join("ca.pem")).unwrap();
+    let (cert, key) = (
+        std::fs::read(tls_dir.join("alice.pem")).unwrap(),
+        std::fs::read(tls_dir.join("alice.key")).unwrap(),
+    );
+    for (identity, authorization, taken) in [
+        (Some((&cert[..], &key[..])), "", true),
+        (None, "Bearer ci-token", false),
+        (None, "Bearer guess", false),
+        (None, "", false),
+    ] {
+        let tls = holdfast_proto::tls::TlsConnector::new(
+            holdfast_proto::tls::client_config(&ca, identity).unwrap(),
+            None,
+        );
+        let mut io = holdfast_proto::transport::connect_raw(&c.endpoint(1), Some(&tls))
+            .await
+            .unwrap();
+        let status =
+            crate::calls::calls_hello(&mut io, holdfast_server::raw_calls::VERSION, authorization)
+                .await;
+        assert_eq!(status == 0, taken, "{authorization:?}");
+    }
     // The CLI says the same.
     let out = c
         .holdfast()

@@ -310,3 +310,167 @@ async fn a_client_falls_back_to_unary_calls_against_servers_without_the_stream()
     // 20 acquires and 20 releases, each proposed once.
     assert_eq!(m[proposals] - before, 40, "{m:?}");
 }
+
+/// Against current servers a client carries its calls on a connection of its own to each server;
+/// against servers that do not take such connections (hidden flag `--compat-no-raw-calls`, as a
+/// server older than them), on the gRPC stream. Both carry every call once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_carries_calls_on_a_connection_of_its_own_or_on_the_grpc_stream_of_older_servers()
+{
+    for (args, connections) in [(vec![], 1), (vec!["--compat-no-raw-calls".to_string()], 0)] {
+        let c = Cluster::start(Options {
+            server_args: args.clone(),
+            ..three()
+        })
+        .await;
+        let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+        let client = c.client().await;
+        let s = client.open_session(Duration::from_secs(10)).await.unwrap();
+        let proposals = "holdfast_proposals_total{group=\"0\"}";
+        let before = c.metrics(leader).await[proposals];
+        for i in 0..10 {
+            let g = s.acquire(&format!("conn/{}", i % 3)).await.unwrap();
+            g.release().await.unwrap();
+        }
+        let m = c.metrics(leader).await;
+        assert_eq!(
+            m.get("holdfast_call_connections_total").copied(),
+            Some(connections),
+            "{args:?}: {m:?}"
+        );
+        assert_eq!(m.get("holdfast_call_streams"), Some(&1), "{args:?}: {m:?}");
+        // 10 acquires and 10 releases, each proposed once.
+        assert_eq!(m[proposals] - before, 20, "{args:?}: {m:?}");
+    }
+}
+
+/// Sends a `Calls` connection's hello (`holdfast_server::raw_calls`) with `authorization` (empty: none)
+/// and reads the answer: its status byte (0: taken).
+pub(crate) async fn calls_hello<IO>(io: &mut IO, version: u32, authorization: &str) -> u8
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    use holdfast_server::raw_calls::{PREFACE, VERSION};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut hello = PREFACE.to_vec();
+    hello.extend_from_slice(&version.to_le_bytes());
+    hello.extend_from_slice(&(authorization.len() as u32).to_le_bytes());
+    hello.extend_from_slice(authorization.as_bytes());
+    io.write_all(&hello).await.unwrap();
+    io.flush().await.unwrap();
+    let mut answer = [0u8; 13];
+    tokio::time::timeout(Duration::from_secs(10), io.read_exact(&mut answer))
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    assert_eq!(&answer[..8], PREFACE);
+    assert_eq!(
+        u32::from_le_bytes(answer[8..12].try_into().unwrap()),
+        VERSION
+    );
+    answer[12]
+}
+
+/// A `Calls` connection (`holdfast_server::raw_calls`) spoken byte by byte: the hello and its answer,
+/// calls and their replies as frames, a ping answered, the connection's close abandoning its wait, and
+/// a frame over the limit or an unknown version closing the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_connection_carries_frames_and_closes_one_it_cannot_read() {
+    use holdfast_server::raw_calls::VERSION;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn hello(addr: &str, version: u32) -> (tokio::net::TcpStream, u8) {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let status = calls_hello(&mut conn, version, "").await;
+        (conn, status)
+    }
+    async fn send(conn: &mut tokio::net::TcpStream, id: u64, call: Call) {
+        let mut out = Vec::new();
+        holdfast_proto::frames::encode(
+            &pb::CallRequest {
+                id,
+                call: Some(call),
+            },
+            &mut out,
+        );
+        conn.write_all(&out).await.unwrap();
+    }
+    async fn next(conn: &mut tokio::net::TcpStream) -> pb::CallReply {
+        let mut len = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(10), conn.read_exact(&mut len))
+            .await
+            .expect("a reply within 10 s")
+            .unwrap();
+        let mut body = vec![0; u32::from_le_bytes(len) as usize];
+        conn.read_exact(&mut body).await.unwrap();
+        <pb::CallReply as prost::Message>::decode(body.as_slice()).unwrap()
+    }
+    async fn closed(conn: &mut tokio::net::TcpStream) {
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf))
+            .await
+            .expect("closed within 10 s");
+        assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    }
+
+    let c = Cluster::start(three()).await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let a = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let held = a.try_acquire("y").await.unwrap();
+    let mut raw = c.raw(leader).await;
+    let (b, secret) = raw_session(&mut raw, 120_000, 21).await;
+    let addr = c.endpoint(leader);
+
+    let (mut conn, status) = hello(&addr, VERSION).await;
+    assert_eq!(status, 0, "the connection is taken");
+    send(&mut conn, 1, acquire(b, &secret, 1, "x", 0)).await;
+    let reply = next(&mut conn).await;
+    assert_eq!(reply.id, 1);
+    let Some(Reply::Acquire(granted)) = reply.reply else {
+        panic!("expected a grant: {reply:?}")
+    };
+    send(&mut conn, 0, Call::Ping(pb::CallPing {})).await;
+    let reply = next(&mut conn).await;
+    assert_eq!(
+        (reply.id, reply.reply),
+        (0, Some(Reply::Pong(pb::CallPing {})))
+    );
+    // Refusals are the unary call's, and leave the connection open.
+    send(&mut conn, 2, release(b, &secret, 2, "x", granted.token + 1)).await;
+    let reply = next(&mut conn).await;
+    assert_eq!(reply.id, 2);
+    assert_eq!(error(&reply).1, pb::Reason::StaleToken, "{reply:?}");
+    // A wait in flight when the connection closes is abandoned, as a stream's.
+    send(&mut conn, 3, acquire(b, &secret, 3, "y", 60_000)).await;
+    until(&client, "y", "waited for by B", |l| {
+        l.is_some_and(|l| l.waiters.len() == 1)
+    })
+    .await;
+    drop(conn);
+    until(&client, "y", "rid of the closed connection's wait", |l| {
+        l.is_some_and(|l| l.waiters.is_empty())
+    })
+    .await;
+    let m = c.metrics(leader).await;
+    assert_eq!(
+        m.get("holdfast_acquires_abandoned_total{group=\"0\"}"),
+        Some(&1),
+        "{m:?}"
+    );
+
+    // A frame longer than a request may be closes the connection before its bytes are read.
+    let (mut conn, _) = hello(&addr, VERSION).await;
+    let too_long = (holdfast_server::service::MAX_REQUEST_BYTES + 1) as u32;
+    conn.write_all(&too_long.to_le_bytes()).await.unwrap();
+    closed(&mut conn).await;
+    // A version this server does not speak is answered with its own, refused, and closed.
+    let (mut conn, status) = hello(&addr, VERSION + 1).await;
+    assert_ne!(status, 0, "a version it does not know is refused");
+    closed(&mut conn).await;
+
+    let m = c.metrics(leader).await;
+    // The two taken, and the client library's (A's try went on one).
+    assert_eq!(m.get("holdfast_call_connections_total"), Some(&3), "{m:?}");
+    held.release().await.unwrap();
+}

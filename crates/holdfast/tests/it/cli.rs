@@ -268,11 +268,16 @@ async fn inspection_commands_print_tables_and_json() {
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
 }
 
-/// Both ways of sending acquires and releases: on the `Calls` streams (the default) and unary.
+/// Every way of sending acquires and releases: on the `Calls` streams on connections of their own
+/// (the default), on the streams over gRPC, and unary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_reports_json() {
     let c = Cluster::start(three()).await;
-    for (flag, calls) in [(None, "stream"), (Some("--unary-calls"), "unary")] {
+    for (flag, calls) in [
+        (None, "connection"),
+        (Some("--grpc-calls"), "stream"),
+        (Some("--unary-calls"), "unary"),
+    ] {
         let out = c
             .holdfast()
             .args([
