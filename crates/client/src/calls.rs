@@ -14,12 +14,15 @@
 //!
 //! The stream goes on a connection of its own to the server's client port when the server serves
 //! that (`holdfast_server::raw_calls` has the protocol): the same messages, one task writing them and
-//! one reading the replies, without HTTP/2's tasks in between. A connection silent for
-//! [`PING_EVERY`] is pinged, and one whose ping goes unanswered for as long again, or whose writes
-//! stall for [`WRITE_TIMEOUT`], is closed: it ends as a broken stream does. A server that does not
-//! serve such connections (it predates them, or refuses this caller: over gRPC the refusal comes with
-//! its reasons) gets the gRPC stream, the calls already sent included, and for [`RAW_FALLBACK`] every
-//! stream opened to it after.
+//! one reading the replies, without HTTP/2's tasks in between. A connection from which nothing was
+//! read for [`PING_EVERY`], or to which nothing was written for [`PING_IDLE_WRITES`] (the server
+//! closes one it has read nothing from for a minute), is pinged; one whose ping is still unanswered
+//! two ticks later, or whose writes stall for [`WRITE_TIMEOUT`], is closed: it ends as a broken
+//! stream does. When the connection cannot be had (the server predates it, refuses this caller (over
+//! gRPC the refusal comes with its reasons), or the connection failed before its hello was answered)
+//! the stream goes over gRPC instead, the calls already sent included; so does every stream to that
+//! server for [`RAW_FALLBACK`], after which the next call opens a new stream, on a connection of
+//! its own if it can, and the gRPC one ends once its calls in flight are answered.
 
 use crate::client::Rpc;
 use holdfast_proto::v1 as pb;
@@ -28,8 +31,11 @@ use pb::call_request::Call;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
+// The simulation's clock (crates/sim), not the machine's: which transport a stream takes must not
+// depend on how fast a run goes.
+use tokio::time::Instant;
 
 /// The server's `max_calls_per_stream`: a call beyond this many in flight goes as a unary call.
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
@@ -43,9 +49,15 @@ const MAX_MESSAGE_BYTES: usize = 512 << 10;
 /// with many clients in one process.
 static NEXT_CALL_ID: AtomicU64 = AtomicU64::new(1);
 
-/// A connection for calls silent this long gets a ping; one whose ping is not answered in as long
-/// again is closed (as the gRPC channel's keepalive: a dead connection found in ~4-6 s).
+/// A connection for calls from which nothing was read this long gets a ping; one whose ping is still
+/// unanswered two of these later is closed (a dead connection found in ~6-8 s; two, so that a pong
+/// read by a reader task that a stalled runtime has not run yet is not taken for a dead server).
 pub(crate) const PING_EVERY: Duration = Duration::from_secs(2);
+
+/// A connection to which nothing was written this long gets a ping, whatever was read: the server
+/// closes a connection from which it reads nothing for 60 s (`raw_calls::IDLE_TIMEOUT`), and a client
+/// whose calls are waits being granted one by one reads often and may write nothing.
+const PING_IDLE_WRITES: Duration = Duration::from_secs(20);
 
 /// A write to the connection that takes longer than this closes it (the server stopped reading).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(6);
@@ -72,6 +84,8 @@ pub(crate) struct RawTarget {
     pub(crate) tls: Option<holdfast_proto::tls::TlsConnector>,
     /// The `authorization` value this client sends (`Bearer TOKEN`), if any.
     pub(crate) authorization: Option<String>,
+    /// How long a TCP connection may take to be set up (`ClientOptions::connect_timeout`).
+    pub(crate) connect_timeout: Duration,
     /// Until when the server gets the gRPC stream: it did not take a connection.
     grpc_until: Mutex<Option<Instant>>,
 }
@@ -81,11 +95,13 @@ impl RawTarget {
         endpoint: &str,
         tls: Option<holdfast_proto::tls::TlsConnector>,
         authorization: Option<String>,
+        connect_timeout: Duration,
     ) -> RawTarget {
         RawTarget {
             endpoint: endpoint.to_string(),
             tls,
             authorization,
+            connect_timeout,
             grpc_until: Mutex::new(None),
         }
     }
@@ -123,6 +139,9 @@ struct Shared {
     pending: Mutex<Option<Pending>>,
     /// The server answered the stream's opening: it serves `Calls`.
     confirmed: AtomicBool,
+    /// The stream went over gRPC because its connection could not be had: replaced by a new stream
+    /// once the server is to be tried again ([`RAW_FALLBACK`]).
+    over_grpc_instead: AtomicBool,
 }
 
 /// A call sent and not answered yet: dropped before its reply, it cancels the call on the stream.
@@ -280,6 +299,17 @@ impl Calls {
     fn stream(&self, rpc: &Rpc) -> Option<Arc<Stream>> {
         let mut state = self.state.lock().expect("calls lock");
         match &*state {
+            // A stream that went over gRPC only because its connection could not be had is replaced
+            // when the server is to be tried again: it ends once its calls in flight are answered
+            // (its sender goes with the last of them).
+            State::Open(s)
+                if s.shared.over_grpc_instead.load(Relaxed)
+                    && self.raw.as_ref().is_some_and(|r| r.usable()) =>
+            {
+                let s = Arc::new(open(rpc.clone(), self.raw.clone()));
+                *state = State::Open(s.clone());
+                Some(s)
+            }
             State::Open(s) => Some(s.clone()),
             State::Unary => None,
             State::Closed => {
@@ -324,6 +354,7 @@ fn open(rpc: Rpc, raw: Option<Arc<RawTarget>>) -> Stream {
     let shared = Arc::new(Shared {
         pending: Mutex::new(Some(BTreeMap::new())),
         confirmed: AtomicBool::new(false),
+        over_grpc_instead: AtomicBool::new(false),
     });
     let reader = shared.clone();
     tokio::spawn(async move {
@@ -331,13 +362,15 @@ fn open(rpc: Rpc, raw: Option<Arc<RawTarget>>) -> Stream {
             None => Ok(rx),
             Some(raw) => match raw_stream(&raw, rx, &reader).await {
                 RawEnd::Ended(status) => Err(status),
-                RawEnd::NotServed(back) => {
+                RawEnd::NotServed(back, why) => {
                     tracing::debug!(
                         endpoint = raw.endpoint,
-                        "the server did not take a connection for calls: using the gRPC stream"
+                        why,
+                        "no connection of its own for calls: using the gRPC stream"
                     );
                     *raw.grpc_until.lock().expect("raw target lock") =
                         Some(Instant::now() + RAW_FALLBACK);
+                    reader.over_grpc_instead.store(true, Relaxed);
                     Ok(back)
                 }
             },
@@ -404,9 +437,11 @@ async fn grpc_stream(
 
 /// How a stream on a connection of its own ended.
 enum RawEnd {
-    /// The server did not take the connection: the calls queued go to the gRPC stream.
-    NotServed(mpsc::UnboundedReceiver<pb::CallRequest>),
-    /// It ended after it was taken (or could not be opened): the status its calls fail with.
+    /// The connection could not be had (not taken by the server, or failed before its hello was
+    /// answered: nothing but the hello was sent on it), and why: the calls queued go to the gRPC
+    /// stream.
+    NotServed(mpsc::UnboundedReceiver<pb::CallRequest>, String),
+    /// It ended after it was taken: the status its calls fail with.
     Ended(tonic::Status),
 }
 
@@ -423,10 +458,15 @@ async fn raw_stream(
             raw.endpoint
         )))
     };
-    let mut io = match holdfast_proto::transport::connect_raw(&raw.endpoint, raw.tls.as_ref()).await
+    let mut io = match holdfast_proto::transport::connect_raw_within(
+        &raw.endpoint,
+        raw.tls.as_ref(),
+        raw.connect_timeout,
+    )
+    .await
     {
         Ok(io) => io,
-        Err(e) => return unavailable(format!("cannot connect: {e}")),
+        Err(e) => return RawEnd::NotServed(rx, format!("cannot connect: {e}")),
     };
     let auth = raw.authorization.as_deref().unwrap_or_default().as_bytes();
     let mut hello = Vec::with_capacity(PREFACE.len() + 8 + auth.len());
@@ -441,16 +481,18 @@ async fn raw_stream(
         io.read_exact(&mut answer).await
     })
     .await;
+    // Whatever went wrong, nothing but the hello was sent: the calls can go over gRPC. A server that
+    // predates these connections answers with its HTTP/2 server's preface, or closes at once.
     match answered {
-        Err(_) => return unavailable(format!("no answer to its hello in {HELLO_TIMEOUT:?}")),
-        // A server that predates these connections: its HTTP/2 server answers with its own preface,
-        // or closes the connection at once.
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            return RawEnd::NotServed(rx)
+        Err(_) => {
+            return RawEnd::NotServed(rx, format!("no answer to the hello in {HELLO_TIMEOUT:?}"))
         }
-        Ok(Err(e)) => return unavailable(format!("the hello failed: {e}")),
-        Ok(Ok(_)) if &answer[..PREFACE.len()] != PREFACE || answer[12] != 0 => {
-            return RawEnd::NotServed(rx)
+        Ok(Err(e)) => return RawEnd::NotServed(rx, format!("the hello failed: {e}")),
+        Ok(Ok(_)) if &answer[..PREFACE.len()] != PREFACE => {
+            return RawEnd::NotServed(rx, "not answered by this protocol".into())
+        }
+        Ok(Ok(_)) if answer[12] != 0 => {
+            return RawEnd::NotServed(rx, "not taken by the server".into())
         }
         Ok(Ok(_)) => {}
     }
@@ -494,7 +536,8 @@ async fn read_replies<R: tokio::io::AsyncRead + Unpin>(
 }
 
 /// Writes the calls sent, several to a write when they come together, and pings the server when
-/// nothing was read for [`PING_EVERY`], until the connection fails or every sender is gone: why.
+/// nothing was read for [`PING_EVERY`] or written for [`PING_IDLE_WRITES`], until the connection
+/// fails, a ping goes unanswered, or every sender is gone: why.
 async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
     mut write: W,
     rx: &mut mpsc::UnboundedReceiver<pb::CallRequest>,
@@ -504,7 +547,9 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
     let mut out = Vec::with_capacity(4096);
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let (mut seen, mut pinged) = (0, false);
+    // The reads counted at the last tick; the ticks since a ping went unanswered (None: none out).
+    let (mut seen, mut unanswered) = (0, None::<u32>);
+    let mut last_write = Instant::now();
     loop {
         tokio::select! {
             m = rx.recv() => {
@@ -523,14 +568,23 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
             }
             _ = tick.tick() => {
                 let now = reads.load(Relaxed);
-                if now != seen {
-                    (seen, pinged) = (now, false);
+                let read = now != seen;
+                seen = now;
+                match unanswered {
+                    Some(_) if read => unanswered = None,
+                    Some(ticks) if ticks >= 1 => {
+                        return format!("no answer to a ping in {:?}", PING_EVERY * 2);
+                    }
+                    Some(ticks) => {
+                        unanswered = Some(ticks + 1);
+                        continue;
+                    }
+                    None => {}
+                }
+                if read && last_write.elapsed() < PING_IDLE_WRITES {
                     continue;
                 }
-                if pinged {
-                    return format!("no answer to a ping in {PING_EVERY:?}");
-                }
-                pinged = true;
+                unanswered = Some(0);
                 holdfast_proto::frames::encode(
                     &pb::CallRequest { id: 0, call: Some(Call::Ping(pb::CallPing {})) },
                     &mut out,
@@ -544,7 +598,10 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
         })
         .await;
         match written {
-            Ok(Ok(())) => out.clear(),
+            Ok(Ok(())) => {
+                out.clear();
+                last_write = Instant::now();
+            }
             Ok(Err(e)) => return format!("writing failed: {e}"),
             Err(_) => return format!("a write stalled for {WRITE_TIMEOUT:?}"),
         }
@@ -607,6 +664,10 @@ mod tests {
         );
     }
 
+    fn target(addr: &str) -> RawTarget {
+        RawTarget::new(addr, None, None, Duration::from_millis(500))
+    }
+
     fn nowhere() -> Rpc {
         // Nothing listens on port 1: a gRPC stream opened to it fails at once.
         let channel = tonic::transport::Channel::from_static("http://127.0.0.1:1").connect_lazy();
@@ -650,7 +711,7 @@ mod tests {
             assert!(frames.next().await.is_none_or(|r| r.is_err()));
             got
         });
-        let calls = Calls::new(true, Some(RawTarget::new(&addr.to_string(), None, None)));
+        let calls = Calls::new(true, Some(target(&addr.to_string())));
         match calls.call(&nowhere(), acquire_with_value(10)).await {
             Err(Fallback::Failed(status)) => {
                 assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
@@ -663,36 +724,42 @@ mod tests {
         assert_eq!(got.len(), 2, "{got:?}");
     }
 
-    /// A server that answers the hello with anything else (an HTTP/2 server's preface: a server that
-    /// predates these connections) gets the call on the gRPC stream instead, and the gRPC stream for
-    /// a while after.
+    /// A call whose connection cannot be had goes on the gRPC stream instead, and so do the next
+    /// streams to that server for a while: against a server that answers the hello with an HTTP/2
+    /// server's preface (one that predates these connections), and against an address where nothing
+    /// listens (the connection fails before its hello is answered).
     #[tokio::test]
-    async fn a_server_without_call_connections_gets_the_grpc_stream() {
+    async fn a_call_whose_connection_cannot_be_had_goes_on_the_grpc_stream() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let older = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let older_addr = older.local_addr().unwrap();
         tokio::spawn(async move {
-            let (mut io, _) = listener.accept().await.unwrap();
+            let (mut io, _) = older.accept().await.unwrap();
             // An empty SETTINGS frame, then a close.
             io.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
             let mut hello = [0u8; 16];
             let _ = io.read_exact(&mut hello).await;
         });
-        let calls = Calls::new(true, Some(RawTarget::new(&addr.to_string(), None, None)));
-        match calls.call(&nowhere(), acquire_with_value(10)).await {
-            // Sent on the gRPC stream, to nothing.
-            Err(Fallback::Failed(status)) => {
-                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
-                assert!(
-                    !status.message().contains("connection for calls"),
-                    "{status:?}"
-                );
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let closed_addr = closed.local_addr().unwrap();
+        drop(closed);
+        for addr in [older_addr, closed_addr] {
+            let calls = Calls::new(true, Some(target(&addr.to_string())));
+            match calls.call(&nowhere(), acquire_with_value(10)).await {
+                // Sent on the gRPC stream, to nothing.
+                Err(Fallback::Failed(status)) => {
+                    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                    assert!(
+                        !status.message().contains("connection for calls"),
+                        "{addr}: {status:?}"
+                    );
+                }
+                _ => panic!("{addr}: the call did not go to the gRPC stream"),
             }
-            _ => panic!("the call did not go to the gRPC stream"),
+            assert!(
+                !calls.raw.as_ref().unwrap().usable(),
+                "{addr}: the server was not remembered to get the gRPC stream"
+            );
         }
-        assert!(
-            !calls.raw.as_ref().unwrap().usable(),
-            "the server was not remembered to get the gRPC stream"
-        );
     }
 }

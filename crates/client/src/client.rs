@@ -231,6 +231,7 @@ impl Server {
                         endpoint,
                         options.tls.as_ref().map(|t| t.connector.clone()),
                         options.token.as_ref().map(|t| format!("Bearer {t}")),
+                        options.connect_timeout,
                     )
                 }),
             )),

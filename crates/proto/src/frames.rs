@@ -31,7 +31,8 @@ pub fn encode<M: prost::Message>(m: &M, out: &mut Vec<u8>) {
 /// (with [`FrameReader::idle`]) nothing read for that long, is an error, after which it yields nothing.
 pub struct FrameReader<R, M> {
     io: R,
-    /// Bytes read: `buf[start..end]` are not taken yet. Kept zeroed past `end` (read into as is).
+    /// Bytes read: `buf[start..end]` are not taken yet; reads go into `buf[end..]` (initialized once,
+    /// when the buffer grows).
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -97,6 +98,10 @@ impl<R: AsyncRead + Unpin, M: prost::Message + Default> FrameReader<R, M> {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
+            // A big frame does not leave its room behind for the life of the connection.
+            if self.buf.len() > 4 * READ_CHUNK {
+                self.buf = vec![0; READ_CHUNK];
+            }
         }
         Some(m)
     }
@@ -117,7 +122,6 @@ impl<R: AsyncRead + Unpin, M: prost::Message + Default> FrameReader<R, M> {
         }
         if self.start > 0 {
             self.buf.copy_within(self.start..self.end, 0);
-            self.buf[have..self.end].fill(0);
             self.start = 0;
             self.end = have;
         }

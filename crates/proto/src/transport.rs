@@ -309,13 +309,23 @@ pub async fn connect_raw(
     addr: &str,
     tls: Option<&crate::tls::TlsConnector>,
 ) -> io::Result<Box<dyn RawIo>> {
+    connect_raw_within(addr, tls, CONNECT_TIMEOUT).await
+}
+
+/// [`connect_raw`], giving the TCP connection `timeout` to be set up (and a TLS handshake as long
+/// again as [`TLS_CONNECT_TIMEOUT`] gives it beyond [`CONNECT_TIMEOUT`]).
+pub async fn connect_raw_within(
+    addr: &str,
+    tls: Option<&crate::tls::TlsConnector>,
+    timeout: Duration,
+) -> io::Result<Box<dyn RawIo>> {
     if let Some(tls) = tls {
         let uri: tonic::codegen::http::Uri = format!("http://{addr}")
             .parse()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))?;
         let mut tls = tls.clone();
         let io = tokio::time::timeout(
-            TLS_CONNECT_TIMEOUT,
+            timeout + (TLS_CONNECT_TIMEOUT - CONNECT_TIMEOUT),
             tonic::codegen::Service::call(&mut tls, uri),
         )
         .await
@@ -326,7 +336,7 @@ pub async fn connect_raw(
     let stream = tokio::net::TcpStream::connect(addr);
     #[cfg(holdfast_sim)]
     let stream = turmoil::net::TcpStream::connect(addr.to_string());
-    let stream = tokio::time::timeout(CONNECT_TIMEOUT, stream)
+    let stream = tokio::time::timeout(timeout, stream)
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
     #[cfg(not(holdfast_sim))]

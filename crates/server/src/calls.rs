@@ -196,7 +196,7 @@ impl CallReplies {
             None => {
                 self.ready.push_back(error_reply(
                     id,
-                    invalid("a CallRequest must carry acquire, release or cancel"),
+                    invalid("a CallRequest must carry acquire, release, cancel or ping"),
                 ));
                 return Ok(());
             }

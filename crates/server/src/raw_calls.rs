@@ -51,6 +51,9 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection from which nothing is read for this long is closed (a client pings one it uses every
 /// few seconds; see `holdfast_client`'s `calls`).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// A write of replies (or the close) that takes longer than this closes the connection: a client that
+/// stopped reading does not hold its task, its connection slot and its calls in flight for good.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest `authorization` value a client may send (a bearer token is far shorter).
 pub const MAX_AUTHORIZATION_BYTES: usize = 8 << 10;
 /// Replies written together at most: more ready than this wait for the next write.
@@ -98,7 +101,12 @@ where
     answer.extend_from_slice(PREFACE);
     answer.extend_from_slice(&VERSION.to_le_bytes());
     answer.push(if accepted { 0 } else { 1 });
-    if io.write_all(&answer).await.is_err() || io.flush().await.is_err() || !accepted {
+    let answered = tokio::time::timeout(WRITE_TIMEOUT, async {
+        io.write_all(&answer).await?;
+        io.flush().await
+    })
+    .await;
+    if !matches!(answered, Ok(Ok(()))) || !accepted {
         return;
     }
     service.node.metrics.raw_calls.inc();
@@ -142,14 +150,19 @@ where
             }
         }
         // TLS: rustls keeps what it could not write yet until flushed.
-        if write.write_all(&out).await.is_err() || write.flush().await.is_err() || ended {
+        let written = tokio::time::timeout(WRITE_TIMEOUT, async {
+            write.write_all(&out).await?;
+            write.flush().await
+        })
+        .await;
+        if !matches!(written, Ok(Ok(()))) || ended {
             break;
         }
         out.clear();
     }
     // Dropping the replies drops the calls still in flight: the stream ended.
     drop(replies);
-    let _ = write.shutdown().await;
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, write.shutdown()).await;
 }
 
 /// The version and `authorization` value a client sends after the preface.
