@@ -506,12 +506,22 @@ async fn raw_stream(
     ));
     let end = tokio::select! {
         end = &mut reader => end.unwrap_or_else(|e| format!("its reader failed: {e}")),
-        end = write_calls(write, &mut rx, &reads) => {
+        end = write_calls(write, &mut rx, &reads, shared) => {
             reader.abort();
             end
         }
     };
     unavailable(end)
+}
+
+/// How many calls await their reply on a stream.
+fn in_flight(shared: &Shared) -> usize {
+    shared
+        .pending
+        .lock()
+        .expect("calls lock")
+        .as_ref()
+        .map_or(0, |p| p.len())
 }
 
 /// Hands every reply read to its call, until the connection ends: why it ended.
@@ -542,6 +552,7 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
     mut write: W,
     rx: &mut mpsc::UnboundedReceiver<pb::CallRequest>,
     reads: &AtomicU64,
+    shared: &Shared,
 ) -> String {
     use tokio::io::AsyncWriteExt;
     let mut out = Vec::with_capacity(4096);
@@ -559,10 +570,23 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
                     return "the client closed it".into();
                 };
                 holdfast_proto::frames::encode(&m, &mut out);
-                while out.len() < WRITE_BATCH_BYTES {
-                    match rx.try_recv() {
-                        Ok(m) => holdfast_proto::frames::encode(&m, &mut out),
-                        Err(_) => break,
+                // With other calls in flight, once more after letting the other tasks run: their
+                // callers are often a moment from sending, and one write for many calls saves a
+                // system call and a wake-up of the server each (64 clients on one connection spent
+                // three times the system time of the gRPC stream writing each call alone). A lone
+                // call is written at once (the yield cost 4-7% at 64 clients on their own connections).
+                for round in 0..2 {
+                    if round == 1 {
+                        if in_flight(shared) <= 1 {
+                            break;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    while out.len() < WRITE_BATCH_BYTES {
+                        match rx.try_recv() {
+                            Ok(m) => holdfast_proto::frames::encode(&m, &mut out),
+                            Err(_) => break,
+                        }
                     }
                 }
             }
