@@ -21,8 +21,9 @@
 //! stream does. When the connection cannot be had (the server predates it, refuses this caller (over
 //! gRPC the refusal comes with its reasons), or the connection failed before its hello was answered)
 //! the stream goes over gRPC instead, the calls already sent included; so does every stream to that
-//! server for [`RAW_FALLBACK`], after which the next call opens a new stream, on a connection of
-//! its own if it can, and the gRPC one ends once its calls in flight are answered.
+//! server for [`RAW_FALLBACK`] (twice as long for each time in a row, up to 16 minutes), after which
+//! the next call opens a new stream, on a connection of its own if it can, and the gRPC one ends once
+//! its calls in flight are answered.
 
 use crate::client::Rpc;
 use holdfast_proto::v1 as pb;
@@ -86,8 +87,9 @@ pub(crate) struct RawTarget {
     pub(crate) authorization: Option<String>,
     /// How long a TCP connection may take to be set up (`ClientOptions::connect_timeout`).
     pub(crate) connect_timeout: Duration,
-    /// Until when the server gets the gRPC stream: it did not take a connection.
-    grpc_until: Mutex<Option<Instant>>,
+    /// Until when the server gets the gRPC stream (it did not take a connection), and how many
+    /// times in a row it did not.
+    grpc_until: Mutex<(Option<Instant>, u32)>,
 }
 
 impl RawTarget {
@@ -102,13 +104,30 @@ impl RawTarget {
             tls,
             authorization,
             connect_timeout,
-            grpc_until: Mutex::new(None),
+            grpc_until: Mutex::new((None, 0)),
         }
     }
 
     fn usable(&self) -> bool {
         let until = self.grpc_until.lock().expect("raw target lock");
-        until.is_none_or(|t| Instant::now() >= t)
+        until.0.is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// The server did not take a connection: the gRPC stream for [`RAW_FALLBACK`], twice as long
+    /// for each time in a row (up to 32 times: 16 minutes), so that a server whose hellos fail
+    /// slowly does not hold up the calls of every new stream each time.
+    fn not_taken(&self) {
+        let mut until = self.grpc_until.lock().expect("raw target lock");
+        let misses = until.1.min(5);
+        *until = (
+            Some(Instant::now() + RAW_FALLBACK * (1 << misses)),
+            misses + 1,
+        );
+    }
+
+    /// The server took a connection.
+    fn taken(&self) {
+        self.grpc_until.lock().expect("raw target lock").1 = 0;
     }
 }
 
@@ -306,15 +325,17 @@ impl Calls {
                 if s.shared.over_grpc_instead.load(Relaxed)
                     && self.raw.as_ref().is_some_and(|r| r.usable()) =>
             {
-                let s = Arc::new(open(rpc.clone(), self.raw.clone()));
+                let s = Arc::new(open(rpc.clone(), self.raw.clone(), false));
                 *state = State::Open(s.clone());
                 Some(s)
             }
             State::Open(s) => Some(s.clone()),
             State::Unary => None,
             State::Closed => {
+                // A stream opened over gRPC while the server is not to be tried is replaced too.
                 let raw = self.raw.clone().filter(|r| r.usable());
-                let s = Arc::new(open(rpc.clone(), raw));
+                let instead = self.raw.is_some() && raw.is_none();
+                let s = Arc::new(open(rpc.clone(), raw, instead));
                 *state = State::Open(s.clone());
                 Some(s)
             }
@@ -348,13 +369,14 @@ fn mismatched() -> tonic::Status {
 
 /// Opens a `Calls` stream, on a connection of its own with `raw` (if the server takes it), else over
 /// gRPC: the request side is fed from the returned sender; a task reads the replies and hands each to
-/// its caller, and when the stream ends fails every call still in flight.
-fn open(rpc: Rpc, raw: Option<Arc<RawTarget>>) -> Stream {
+/// its caller, and when the stream ends fails every call still in flight. `instead`: over gRPC only
+/// because the server is not to be tried now (to be replaced when it is).
+fn open(rpc: Rpc, raw: Option<Arc<RawTarget>>, instead: bool) -> Stream {
     let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         pending: Mutex::new(Some(BTreeMap::new())),
         confirmed: AtomicBool::new(false),
-        over_grpc_instead: AtomicBool::new(false),
+        over_grpc_instead: AtomicBool::new(instead),
     });
     let reader = shared.clone();
     tokio::spawn(async move {
@@ -368,8 +390,7 @@ fn open(rpc: Rpc, raw: Option<Arc<RawTarget>>) -> Stream {
                         why,
                         "no connection of its own for calls: using the gRPC stream"
                     );
-                    *raw.grpc_until.lock().expect("raw target lock") =
-                        Some(Instant::now() + RAW_FALLBACK);
+                    raw.not_taken();
                     reader.over_grpc_instead.store(true, Relaxed);
                     Ok(back)
                 }
@@ -497,6 +518,7 @@ async fn raw_stream(
         Ok(Ok(_)) => {}
     }
     shared.confirmed.store(true, Relaxed);
+    raw.taken();
     let (read, write) = tokio::io::split(io);
     let reads = Arc::new(AtomicU64::new(0));
     let mut reader = tokio::spawn(read_replies(
@@ -561,23 +583,31 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
     // The reads counted at the last tick; the ticks since a ping went unanswered (None: none out).
     let (mut seen, mut unanswered) = (0, None::<u32>);
     let mut last_write = Instant::now();
+    // The replies read when the last write was made: calls answered since are likely to be
+    // followed by their callers' next ones.
+    let mut reads_at_write = 0;
     loop {
         tokio::select! {
             m = rx.recv() => {
                 let Some(m) = m else {
                     // The client is gone, and no call waits: close.
-                    let _ = write.shutdown().await;
+                    let _ = tokio::time::timeout(WRITE_TIMEOUT, write.shutdown()).await;
                     return "the client closed it".into();
                 };
                 holdfast_proto::frames::encode(&m, &mut out);
-                // With other calls in flight, once more after letting the other tasks run: their
-                // callers are often a moment from sending, and one write for many calls saves a
-                // system call and a wake-up of the server each (64 clients on one connection spent
-                // three times the system time of the gRPC stream writing each call alone). A lone
-                // call is written at once (the yield cost 4-7% at 64 clients on their own connections).
+                // With other calls in flight and replies read since the last write, once more after
+                // letting the other tasks run: the callers of the calls answered are often a moment
+                // from sending their next, and one write for many calls saves a system call and a
+                // wake-up of the server each (64 clients on one connection spent three times the
+                // system time of the gRPC stream writing each call alone). A lone call is written at
+                // once (the yield cost 4-7% at 64 clients on their own connections), and so is one
+                // beside waits that nothing was answered of.
                 for round in 0..2 {
                     if round == 1 {
-                        if in_flight(shared) <= 1 {
+                        if out.len() >= WRITE_BATCH_BYTES
+                            || reads.load(Relaxed) == reads_at_write
+                            || in_flight(shared) <= 1
+                        {
                             break;
                         }
                         tokio::task::yield_now().await;
@@ -616,6 +646,7 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
             }
         }
         // TLS: rustls keeps what it could not write yet until flushed.
+        let started = Instant::now();
         let written = tokio::time::timeout(WRITE_TIMEOUT, async {
             write.write_all(&out).await?;
             write.flush().await
@@ -624,7 +655,12 @@ async fn write_calls<W: tokio::io::AsyncWrite + Unpin>(
         match written {
             Ok(Ok(())) => {
                 out.clear();
+                // A write that took ticks (the server slow to read) does not eat a ping's grace.
+                if started.elapsed() > PING_EVERY {
+                    tick.reset();
+                }
                 last_write = Instant::now();
+                reads_at_write = reads.load(Relaxed);
             }
             Ok(Err(e)) => return format!("writing failed: {e}"),
             Err(_) => return format!("a write stalled for {WRITE_TIMEOUT:?}"),
@@ -785,5 +821,24 @@ mod tests {
                 "{addr}: the server was not remembered to get the gRPC stream"
             );
         }
+    }
+
+    /// A server that did not take a connection gets the gRPC stream for 30 s, twice as long each
+    /// time in a row, and 30 s again once it took one.
+    #[tokio::test(start_paused = true)]
+    async fn a_server_not_taking_connections_is_tried_less_often() {
+        let raw = target("127.0.0.1:1");
+        assert!(raw.usable());
+        for (misses, wait) in [(1, 30), (2, 60), (3, 120)] {
+            raw.not_taken();
+            tokio::time::advance(Duration::from_secs(wait - 1)).await;
+            assert!(!raw.usable(), "{misses} in a row: usable before {wait} s");
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert!(raw.usable(), "{misses} in a row: not usable after {wait} s");
+        }
+        raw.taken();
+        raw.not_taken();
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!(raw.usable(), "the count starts over once a connection was taken");
     }
 }
