@@ -839,6 +839,9 @@ mod tests {
         raw.taken();
         raw.not_taken();
         tokio::time::advance(Duration::from_secs(30)).await;
-        assert!(raw.usable(), "the count starts over once a connection was taken");
+        assert!(
+            raw.usable(),
+            "the count starts over once a connection was taken"
+        );
     }
 }
