@@ -74,14 +74,19 @@ impl<R: AsyncRead + Unpin, M: prost::Message + Default> FrameReader<R, M> {
         self
     }
 
-    /// The frame that `buf[start..end]` begins with, if all of it is there.
-    fn take(&mut self) -> Option<io::Result<M>> {
-        let have = self.end - self.start;
-        if have < 4 {
+    /// The length of the frame `buf[start..end]` begins with, once its 4 bytes are there.
+    fn next_len(&self) -> Option<usize> {
+        if self.end - self.start < 4 {
             return None;
         }
         let head = &self.buf[self.start..self.start + 4];
-        let len = u32::from_le_bytes(head.try_into().expect("4 bytes")) as usize;
+        Some(u32::from_le_bytes(head.try_into().expect("4 bytes")) as usize)
+    }
+
+    /// The frame that `buf[start..end]` begins with, if all of it is there.
+    fn take(&mut self) -> Option<io::Result<M>> {
+        let have = self.end - self.start;
+        let len = self.next_len()?;
         if len > self.max {
             return Some(Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -110,13 +115,9 @@ impl<R: AsyncRead + Unpin, M: prost::Message + Default> FrameReader<R, M> {
     /// [`READ_CHUNK`] at a time), moving the bytes not taken to the front first if that makes room.
     fn make_room(&mut self) {
         let have = self.end - self.start;
-        let need = if have >= 4 {
-            let head = &self.buf[self.start..self.start + 4];
-            let len = u32::from_le_bytes(head.try_into().expect("4 bytes")) as usize;
-            (4 + len - have).min(READ_CHUNK)
-        } else {
-            READ_CHUNK
-        };
+        let need = self
+            .next_len()
+            .map_or(READ_CHUNK, |len| (4 + len - have).min(READ_CHUNK));
         if self.buf.len() - self.end >= need {
             return;
         }

@@ -186,6 +186,10 @@ impl Listener {
     }
 }
 
+/// A `preface` for [`divert`] that no connection begins with (and an HTTP/2 one differs from at its
+/// first byte): every connection goes to tonic, as on a server that predates the protocol diverted.
+pub const NO_PREFACE: &[u8] = b"\0\0no-protocol-of-our-own";
+
 /// Connections that begin with `preface` go to `divert` (which gets them with the preface read); every
 /// other connection is passed on, its first bytes given back, for tonic (`serve_with_incoming*`). The
 /// bytes are told apart as they arrive: an HTTP/2 connection's preface (`PRI * HTTP/2.0...`) differs from

@@ -392,9 +392,7 @@ impl Node {
         let raw_preface: &'static [u8] = if shared.serves_raw_appends() {
             crate::raw_append::PREFACE
         } else {
-            // No connection starts with these bytes and an HTTP/2 one differs at the first: so
-            // every connection goes to gRPC.
-            b"\0\0not-an-append-preface"
+            holdfast_proto::transport::NO_PREFACE
         };
         let raw_shutdown = shutdown_rx.clone();
         let peer_service = holdfast_proto::v1::peer_server::PeerServer::from_arc(peer_service)
@@ -496,8 +494,7 @@ impl Node {
         }
         let calls_preface: &'static [u8] =
             if config.compat_no_raw_calls || config.compat_no_call_streams {
-                // As for appends: every connection goes to gRPC, as on a server older than them.
-                b"\0\0not-a-calls-preface"
+                holdfast_proto::transport::NO_PREFACE
             } else {
                 crate::raw_calls::PREFACE
             };
