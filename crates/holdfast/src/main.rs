@@ -83,10 +83,14 @@ fn main() -> std::process::ExitCode {
                 .init();
         }
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Cmd::Server(cmd::server::ServerArgs {
+        workers: Some(n), ..
+    }) = &cli.command
     {
+        runtime.worker_threads(usize::from(*n));
+    }
+    let runtime = match runtime.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

@@ -68,6 +68,17 @@ impl Listener {
         self.inner.local_addr()
     }
 
+    /// The same listener, registered with the I/O driver of the runtime this is called on, so that the
+    /// connections it accepts are woken by that runtime's threads and not by the runtime that bound it:
+    /// for a port served on a runtime of its own. (In the simulation, the same listener.)
+    pub fn on_this_runtime(self) -> io::Result<Listener> {
+        #[cfg(not(holdfast_sim))]
+        let inner = tokio::net::TcpListener::from_std(self.inner.into_std()?)?;
+        #[cfg(holdfast_sim)]
+        let inner = self.inner;
+        Ok(Listener { inner })
+    }
+
     /// The accepted connections, for `tonic::transport::Server::serve_with_incoming*`.
     #[cfg(not(holdfast_sim))]
     pub fn incoming(self) -> tonic::transport::server::TcpIncoming {

@@ -138,6 +138,13 @@ pub struct ServerConfig {
     /// Most concurrent HTTP/2 streams (calls in progress) per client connection, announced to the
     /// client in the HTTP/2 settings; a client that wants more waits for one to end.
     pub max_streams_per_connection: u32,
+    /// Serve the client port (gRPC and `Calls` connections) on a runtime of its own with this many
+    /// worker threads, apart from Raft, the peer port and HTTP; 0: on the server's runtime (the
+    /// default). For servers that share a machine's cores (`holdfast dev` gives each 2 with 1 worker
+    /// for the rest): a tokio runtime with several workers wakes a second one each time the first
+    /// wakes with work, and a follower, whose client port is idle, then pays that on every append
+    /// (docs/performance.md, "The client port on threads of its own"). Ignored in the simulation.
+    pub client_workers: usize,
     /// TLS on the client, peer and HTTP ports (the `[tls]` section; see `crate::tls`). None: plaintext.
     pub tls: Option<crate::tls::TlsConfig>,
     /// The access policy file (see `crate::access`). None: every caller may do everything.
@@ -199,6 +206,7 @@ impl Default for ServerConfig {
             sim_wal_batch_bytes: None,
             max_client_connections: 4_096,
             max_streams_per_connection: 1_024,
+            client_workers: 0,
             tls: None,
             balance_leaders: false,
             policy: None,
@@ -226,6 +234,10 @@ impl std::fmt::Debug for AuditSink {
 /// 100,000 sessions) is charged in one group, and more than enough for it spread over several (each
 /// client session is charged in every group, its locks only in theirs).
 pub const DEFAULT_TABLE_BUDGET_MIB: u64 = 1_024;
+
+/// Most worker threads of a runtime (`client_workers`, `holdfast server --workers`): a bound on a
+/// typo, not a tuning hint.
+pub const MAX_WORKERS: usize = 256;
 
 /// Largest number of groups; each costs a Raft instance (tasks, timers, heartbeats) on every server.
 pub const MAX_GROUPS: u32 = 64;
@@ -294,6 +306,9 @@ impl ServerConfig {
             return Err(
                 "max_client_connections and max_streams_per_connection must be at least 1".into(),
             );
+        }
+        if self.client_workers > MAX_WORKERS {
+            return Err(format!("client_workers must be at most {MAX_WORKERS}"));
         }
         // Without TLS a policy could not tell servers from clients (they call each other's client ports),
         // and bearer tokens would cross the network in the clear.

@@ -126,6 +126,66 @@ pub struct Node {
     pub http_addr: Option<SocketAddr>,
     /// Holds the data directory's lock for the life of the server.
     _dir_lock: Option<std::fs::File>,
+    /// The client port's runtime when `client_workers` > 0. After `tasks` in the struct, so dropped
+    /// after them.
+    _client_runtime: ClientRuntime,
+}
+
+/// The runtime the client port runs on when [`ServerConfig::client_workers`] is not 0. Its tasks are
+/// the client port's: the listener, gRPC connections and calls, `Calls` connections, and what they
+/// spawn. Everything else (Raft, replication, the WAL's callbacks, session timers, the peer and HTTP
+/// ports) stays on the runtime that started the node. A call crosses between the two at its proposal
+/// and its outcome, as it crossed between the workers of one runtime before.
+struct ClientRuntime(Option<tokio::runtime::Runtime>);
+
+impl ClientRuntime {
+    /// None in the simulation: a host's tasks must all run on its simulated runtime.
+    fn new(workers: usize) -> anyhow::Result<ClientRuntime> {
+        if workers == 0 || cfg!(holdfast_sim) {
+            return Ok(ClientRuntime(None));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .thread_name("holdfast-client")
+            .enable_all()
+            .build()
+            .context("cannot start the client port's runtime")?;
+        Ok(ClientRuntime(Some(runtime)))
+    }
+
+    /// `listener`, registered with this runtime's I/O driver: the connections it accepts are then woken
+    /// by this runtime's threads, not by a thread of the server's runtime handing each event over.
+    fn adopt(&self, listener: Listener) -> std::io::Result<Listener> {
+        match &self.0 {
+            Some(runtime) => {
+                let _inside = runtime.enter();
+                listener.on_this_runtime()
+            }
+            None => Ok(listener),
+        }
+    }
+
+    fn spawn<F>(&self, task: F) -> JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match &self.0 {
+            Some(runtime) => runtime.spawn(task),
+            None => tokio::spawn(task),
+        }
+    }
+}
+
+impl Drop for ClientRuntime {
+    /// Stops its tasks without waiting for them: a runtime dropped inside another runtime's task (the
+    /// server's, when the node goes) would panic, and its tasks are the client port's, which the
+    /// shutdown signal has already ended.
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// Most connections open at once on the peer port. A cluster needs a few per peer for gRPC, and each
@@ -362,6 +422,8 @@ impl Node {
             .with_context(|| format!("cannot listen for clients on {client_listen}"))?;
         let peer_addr = peer_listener.local_addr()?;
         let client_addr = client_listener.local_addr()?;
+        let client_runtime = ClientRuntime::new(config.client_workers)?;
+        let client_listener = client_runtime.adopt(client_listener)?;
 
         let peer_service = Arc::new(PeerService::new(shared.clone(), peer_identity));
         // Append connections outside gRPC (`crate::raw_append`), told apart from gRPC ones by their
@@ -505,7 +567,7 @@ impl Node {
         let max_streams = config.max_streams_per_connection;
         let refused = shared.metrics.client_connections_refused.clone();
         let client_tls = tls.clone();
-        tasks.push(tokio::spawn(async move {
+        tasks.push(client_runtime.spawn(async move {
             let stop = async move {
                 let _ = rx.changed().await;
             };
@@ -635,6 +697,7 @@ impl Node {
             peer_addr,
             http_addr,
             _dir_lock: dir_lock,
+            _client_runtime: client_runtime,
         })
     }
 

@@ -43,6 +43,15 @@ pub struct DevArgs {
     /// (kept for the next run): the banner says which HOLDFAST_CA/CERT/KEY the client commands need.
     #[arg(long)]
     tls: bool,
+    /// Worker threads of each server's runtime (`holdfast server --workers`; 0: one per core). The
+    /// servers share this machine's cores, so each gets one for Raft and two for its client port
+    /// (--client-workers): measured in docs/performance.md, "The client port on threads of its own".
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=256))]
+    workers: u16,
+    /// Worker threads of each server's client port, on a runtime of its own (`holdfast server
+    /// --client-workers`; 0: on the server's runtime, with everything else).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(0..=256))]
+    client_workers: u16,
 }
 
 /// Commands for a running `holdfast dev` (found through its `--data-dir`).
@@ -64,6 +73,8 @@ struct Plan {
     members: String,
     /// DATA_DIR/tls when `--tls`.
     tls: Option<PathBuf>,
+    workers: u16,
+    client_workers: u16,
 }
 
 impl Plan {
@@ -102,6 +113,13 @@ impl Plan {
                     dir.join(format!("server-{n}.key")).into_os_string(),
                 ]
             }))
+            .args(
+                (self.workers > 0)
+                    .then(|| ["--workers".to_string(), self.workers.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(["--client-workers", &self.client_workers.to_string()])
             .arg("--exit-on-stdin-close")
             .stdin(std::process::Stdio::piped())
             .stdout(log.try_clone()?)
@@ -183,6 +201,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
         nodes: args.nodes,
         base_port: args.base_port,
         groups: args.groups,
+        workers: args.workers,
+        client_workers: args.client_workers,
     };
     std::fs::create_dir_all(&plan.data_dir)
         .with_context(|| format!("cannot create {}", plan.data_dir.display()))?;

@@ -112,6 +112,16 @@ pub struct ServerArgs {
     /// Most calls in progress per client connection (HTTP/2 streams; default 1024).
     #[arg(long)]
     max_streams_per_connection: Option<u32>,
+    /// Worker threads of the server's runtime: Raft, replication, the peer and HTTP ports, and the
+    /// client port unless --client-workers (default: one per core). Not in the config file: the
+    /// runtime starts before the file is read.
+    #[arg(long, env = "HOLDFAST_WORKERS", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub workers: Option<u16>,
+    /// Serve the client port on a runtime of its own with this many worker threads (default 0: on the
+    /// server's runtime). For servers sharing a machine's cores: `holdfast dev` gives each
+    /// `--workers 1 --client-workers 2`.
+    #[arg(long)]
+    client_workers: Option<usize>,
     /// TLS on every port: the cluster CA (PEM). With --tls-cert and --tls-key; overrides `[tls]`.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     tls_ca: Option<std::path::PathBuf>,
@@ -177,6 +187,7 @@ impl ServerArgs {
             max_ttl_ms,
             max_client_connections,
             max_streams_per_connection,
+            client_workers,
             table_budget_mib
         );
         if self.audit_log {

@@ -228,6 +228,12 @@ async fn check_config_judges_the_shipped_example_and_writes_nothing() {
     let out = check(&["--node-id", "1", "--min-ttl-ms", "500"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_ttl_ms"));
+    let out = check(&["--node-id", "1", "--client-workers", "257"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("client_workers must be at most 256"));
+    let out = check(&["--node-id", "1", "--workers", "0"]);
+    assert_eq!(out.status.code(), Some(2), "clap refuses it");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--workers"));
     let out = check(&["--node-id", "9"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("node id 9 is not among the members"));
@@ -249,4 +255,78 @@ async fn check_config_judges_the_shipped_example_and_writes_nothing() {
     let out = check(&["--node-id", "2"]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("node 2 of cluster 00000000000000aa"));
+}
+
+/// The names of a process's threads, from /proc.
+fn thread_names(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).unwrap())
+        .map(|name| name.trim_end().to_string())
+        .collect()
+}
+
+/// `--workers 1 --client-workers 2` (what `holdfast dev` gives each server): the client port runs on two
+/// threads of its own and the rest on one; calls are served on the `Calls` connection, keepalives over
+/// gRPC; a stopping leader still hands over and exits cleanly, its client port's runtime shut down from
+/// inside the server's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_can_serve_its_client_port_on_threads_of_its_own() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        server_args: vec!["--workers=1".into(), "--client-workers=2".into()],
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    // Exact counts: a fresh server has run no blocking work yet (whose pool threads would carry the
+    // same names as its runtime's workers).
+    let names = thread_names(c.pid(leader));
+    let count = |name: &str| names.iter().filter(|n| *n == name).count();
+    assert_eq!(count("holdfast-client"), 2, "{names:?}");
+    assert_eq!(count("tokio-rt-worker"), 1, "{names:?}");
+
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+    for i in 0..50 {
+        let guard = session.try_acquire(&format!("rt/{i}")).await.unwrap();
+        guard.release().await.unwrap();
+    }
+    // Past a TTL the lease lives only if its keepalives (gRPC, on the client port) are answered.
+    let lost = tokio::time::timeout(Duration::from_millis(2500), session.lost()).await;
+    assert!(
+        lost.is_err(),
+        "the session's keepalives went unanswered: {lost:?}"
+    );
+    session
+        .try_acquire("rt/after")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let metrics = c.http_get(leader, "/metrics").await.1;
+    let connections: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("holdfast_call_connections_total"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no holdfast_call_connections_total in {metrics}"));
+    assert!(
+        connections >= 1,
+        "calls went over gRPC: {connections} connections"
+    );
+
+    crate::harness::terminate(c.pid(leader));
+    let status = c.wait_exit(leader, Duration::from_secs(20)).await;
+    assert!(status.success(), "{status}");
+    c.wait_for_leader_except(0, leader, Duration::from_secs(10))
+        .await;
+    session
+        .try_acquire("rt/next")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 }
