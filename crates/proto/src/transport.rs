@@ -68,9 +68,11 @@ impl Listener {
         self.inner.local_addr()
     }
 
-    /// The same listener, registered with the I/O driver of the runtime this is called on, so that the
-    /// connections it accepts are woken by that runtime's threads and not by the runtime that bound it:
-    /// for a port served on a runtime of its own. (In the simulation, the same listener.)
+    /// The same listener, registered with the I/O driver of the runtime this is called on, so that its
+    /// accepts are woken by that runtime's threads and not handed over from the runtime that bound it:
+    /// for a port served on a runtime of its own. (The connections it accepts are registered with the
+    /// runtime that polls the accept, whichever registered the listener. In the simulation, the same
+    /// listener.)
     pub fn on_this_runtime(self) -> io::Result<Listener> {
         #[cfg(not(holdfast_sim))]
         let inner = tokio::net::TcpListener::from_std(self.inner.into_std()?)?;

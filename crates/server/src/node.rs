@@ -124,16 +124,17 @@ pub struct Node {
     pub client_addr: SocketAddr,
     pub peer_addr: SocketAddr,
     pub http_addr: Option<SocketAddr>,
+    /// The client port's runtime when `client_workers` > 0. Before `_dir_lock`, so that it stops
+    /// before the data directory is released.
+    _client_runtime: ClientRuntime,
     /// Holds the data directory's lock for the life of the server.
     _dir_lock: Option<std::fs::File>,
-    /// The client port's runtime when `client_workers` > 0. After `tasks` in the struct, so dropped
-    /// after them.
-    _client_runtime: ClientRuntime,
 }
 
 /// The runtime the client port runs on when [`ServerConfig::client_workers`] is not 0. Its tasks are
 /// the client port's: the listener, gRPC connections and calls, `Calls` connections, and what they
-/// spawn. Everything else (Raft, replication, the WAL's callbacks, session timers, the peer and HTTP
+/// spawn (the connections are registered with its I/O driver, as the task that accepts them runs
+/// here). Everything else (Raft, replication, the WAL's callbacks, session timers, the peer and HTTP
 /// ports) stays on the runtime that started the node. A call crosses between the two at its proposal
 /// and its outcome, as it crossed between the workers of one runtime before.
 struct ClientRuntime(Option<tokio::runtime::Runtime>);
@@ -153,8 +154,9 @@ impl ClientRuntime {
         Ok(ClientRuntime(Some(runtime)))
     }
 
-    /// `listener`, registered with this runtime's I/O driver: the connections it accepts are then woken
-    /// by this runtime's threads, not by a thread of the server's runtime handing each event over.
+    /// `listener`, registered with this runtime's I/O driver, so that a thread of the server's runtime
+    /// does not hand each accept over. (The accepted connections are this runtime's either way: a
+    /// socket is registered with the runtime of the task that creates it.)
     fn adopt(&self, listener: Listener) -> std::io::Result<Listener> {
         match &self.0 {
             Some(runtime) => {
@@ -696,8 +698,8 @@ impl Node {
             client_addr,
             peer_addr,
             http_addr,
-            _dir_lock: dir_lock,
             _client_runtime: client_runtime,
+            _dir_lock: dir_lock,
         })
     }
 

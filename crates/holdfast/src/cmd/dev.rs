@@ -43,7 +43,8 @@ pub struct DevArgs {
     /// (kept for the next run): the banner says which HOLDFAST_CA/CERT/KEY the client commands need.
     #[arg(long)]
     tls: bool,
-    /// Worker threads of each server's runtime (`holdfast server --workers`; 0: one per core). The
+    /// Worker threads of each server's runtime (`holdfast server --workers`; 0: the server's default,
+    /// one per core unless HOLDFAST_WORKERS or TOKIO_WORKER_THREADS is set). The
     /// servers share this machine's cores, so each gets one for Raft and two for its client port
     /// (--client-workers): measured in docs/performance.md, "The client port on threads of its own".
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=256))]

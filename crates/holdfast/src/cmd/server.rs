@@ -120,8 +120,8 @@ pub struct ServerArgs {
     /// Serve the client port on a runtime of its own with this many worker threads (default 0: on the
     /// server's runtime). For servers sharing a machine's cores: `holdfast dev` gives each
     /// `--workers 1 --client-workers 2`.
-    #[arg(long)]
-    client_workers: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u16).range(0..=256))]
+    client_workers: Option<u16>,
     /// TLS on every port: the cluster CA (PEM). With --tls-cert and --tls-key; overrides `[tls]`.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     tls_ca: Option<std::path::PathBuf>,
@@ -187,9 +187,11 @@ impl ServerArgs {
             max_ttl_ms,
             max_client_connections,
             max_streams_per_connection,
-            client_workers,
             table_budget_mib
         );
+        if let Some(n) = self.client_workers {
+            c.client_workers = usize::from(n);
+        }
         if self.audit_log {
             c.audit_log = true;
         }

@@ -228,12 +228,33 @@ async fn check_config_judges_the_shipped_example_and_writes_nothing() {
     let out = check(&["--node-id", "1", "--min-ttl-ms", "500"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_ttl_ms"));
-    let out = check(&["--node-id", "1", "--client-workers", "257"]);
+    for flag in ["--workers=0", "--workers=257", "--client-workers=257"] {
+        let out = check(&["--node-id", "1", flag]);
+        assert_eq!(out.status.code(), Some(2), "{flag}: refused as a bad flag");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("is not in"), "{flag}: {stderr}");
+    }
+    // The same bound on the key in the config file.
+    let too_many = dir.path().join("too-many-workers.toml");
+    let text = std::fs::read_to_string(&example).unwrap();
+    std::fs::write(
+        &too_many,
+        text.replace("client_workers = 0", "client_workers = 257"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+        .args(["server", "--check-config", "--node-id", "1", "--config"])
+        .arg(&too_many)
+        .arg("--data-dir")
+        .arg(&data)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("client_workers must be at most 256"));
-    let out = check(&["--node-id", "1", "--workers", "0"]);
-    assert_eq!(out.status.code(), Some(2), "clap refuses it");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--workers"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("client_workers must be at most 256"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = check(&["--node-id", "9"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("node id 9 is not among the members"));
@@ -257,13 +278,33 @@ async fn check_config_judges_the_shipped_example_and_writes_nothing() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("node 2 of cluster 00000000000000aa"));
 }
 
-/// The names of a process's threads, from /proc.
-fn thread_names(pid: u32) -> Vec<String> {
+/// The name and the context switches so far (voluntary and not) of each of a process's threads, from
+/// /proc.
+fn threads(pid: u32) -> Vec<(String, u64)> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
-        .map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).unwrap())
-        .map(|name| name.trim_end().to_string())
+        .filter_map(|t| {
+            let path = t.unwrap().path();
+            // A thread may end between the listing and the reads.
+            let name = std::fs::read_to_string(path.join("comm")).ok()?;
+            let status = std::fs::read_to_string(path.join("status")).ok()?;
+            let switches = status
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum();
+            Some((name.trim_end().to_string(), switches))
+        })
         .collect()
+}
+
+/// The context switches of `pid`'s threads called `name`, summed.
+fn switches_of(pid: u32, name: &str) -> u64 {
+    threads(pid)
+        .iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, s)| s)
+        .sum()
 }
 
 /// `--workers 1 --client-workers 2` (what `holdfast dev` gives each server): the client port runs on two
@@ -282,17 +323,26 @@ async fn a_server_can_serve_its_client_port_on_threads_of_its_own() {
     let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
     // Exact counts: a fresh server has run no blocking work yet (whose pool threads would carry the
     // same names as its runtime's workers).
-    let names = thread_names(c.pid(leader));
+    let pid = c.pid(leader);
+    let names: Vec<String> = threads(pid).into_iter().map(|(n, _)| n).collect();
     let count = |name: &str| names.iter().filter(|n| *n == name).count();
     assert_eq!(count("holdfast-client"), 2, "{names:?}");
     assert_eq!(count("tokio-rt-worker"), 1, "{names:?}");
 
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+    // The calls run on the client port's threads: each of the 100 wakes one of them from idle (they
+    // would sleep through all of them if the port had stayed on the server's runtime).
+    let before = switches_of(pid, "holdfast-client");
     for i in 0..50 {
         let guard = session.try_acquire(&format!("rt/{i}")).await.unwrap();
         guard.release().await.unwrap();
     }
+    let woken = switches_of(pid, "holdfast-client") - before;
+    assert!(
+        woken >= 50,
+        "the client port's threads switched {woken} times for 100 calls"
+    );
     // Past a TTL the lease lives only if its keepalives (gRPC, on the client port) are answered.
     let lost = tokio::time::timeout(Duration::from_millis(2500), session.lost()).await;
     assert!(
