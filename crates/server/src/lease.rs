@@ -459,7 +459,15 @@ impl Leases {
     }
 
     /// Follows the applied log: new sessions start their TTL now, ended ones stop.
+    ///
+    /// Events that time nothing (a waiter granted or gone) do not take the lock: apply calls this on
+    /// the Raft runtime's thread (one worker in the dev layout) holding the state machine's write lock,
+    /// and a keepalive message holds the lease lock, on a client-port thread, while it renews up to
+    /// 10,000 sessions. Waiting for it would hold up the group's Raft work and every reader of its table.
     pub fn on_events(&self, events: &[Event], now: Instant) {
+        if !events.iter().any(Self::times) {
+            return;
+        }
         let mut s = self.lock();
         if s.leading.is_none() {
             return;
@@ -507,6 +515,14 @@ impl Leases {
         if earlier {
             self.wake.notify_one();
         }
+    }
+
+    /// Whether `event` changes what the leases time: a session that starts or ends, a lock delay.
+    fn times(event: &Event) -> bool {
+        matches!(
+            event,
+            Event::SessionOpened { .. } | Event::SessionEnded { .. } | Event::LockDelayed { .. }
+        )
     }
 
     /// The remaining TTL of a session on this leader's clock.
@@ -628,6 +644,56 @@ mod tests {
         let mut out = Vec::new();
         leases.keepalive(&[id], &[], now, &mut out).ok()?;
         out.pop()
+    }
+
+    /// Apply hands every entry's events to the leases on the Raft runtime's thread, holding the state
+    /// machine's write lock. Events that time nothing (a waiter granted or gone) must not wait for the
+    /// lease lock, which a keepalive of thousands of sessions holds for milliseconds on another thread:
+    /// the whole Raft pipeline would wait with them.
+    #[tokio::test]
+    async fn events_that_time_nothing_do_not_wait_for_the_lease_lock() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        leases.start_leading(1, [(SessionId(1), 10_000, 0)].into_iter(), Vec::new(), t0);
+        let name = LockName::new("x").unwrap();
+        let events = [
+            Event::Granted {
+                name: name.clone(),
+                session: SessionId(1),
+                request: holdfast_lock_table::RequestId(2),
+                token: FencingToken(3),
+            },
+            Event::WaiterRemoved {
+                name: name.clone(),
+                session: SessionId(1),
+                request: holdfast_lock_table::RequestId(4),
+            },
+            Event::GrantAbandoned {
+                name,
+                session: SessionId(1),
+                token: FencingToken(3),
+            },
+        ];
+        let (done_tx, done) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            // Held as a keepalive holds it; dropped if the wait below fails, so the thread ends.
+            let held = leases.lock();
+            scope.spawn(|| {
+                leases.on_events(&events, t0);
+                done_tx.send(()).unwrap();
+            });
+            done.recv_timeout(Duration::from_secs(30))
+                .expect("apply's events waited for the lease lock");
+            drop(held);
+        });
+        // An event that does time something still goes in.
+        leases.on_events(
+            &[Event::SessionEnded {
+                session: SessionId(1),
+            }],
+            t0,
+        );
+        assert_eq!(leases.remaining(SessionId(1), t0), None);
     }
 
     #[tokio::test(start_paused = true)]
