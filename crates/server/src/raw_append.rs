@@ -55,6 +55,14 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// The largest reply a leader reads (a reply is a few bytes, a refusal's message a few hundred).
 const MAX_REPLY_BYTES: usize = 1 << 20;
+/// Bytes a follower's connection reads ahead: a frame's length and its body (an append of a few
+/// dozen entries, or a heartbeat) in one `recv`, where reading the length and then the body took two
+/// and the probe for a close while the append is under way a third. A longer frame is read on past
+/// the buffer.
+const REQUEST_READ_AHEAD: usize = 16 << 10;
+/// Bytes a leader's connection reads ahead: a whole reply in one `recv`, not its length and then its
+/// body.
+const REPLY_READ_AHEAD: usize = 1 << 10;
 /// Connections a leader keeps open per peer, address and group: in use, idle, connecting, or
 /// finishing the read of a reply its caller stopped waiting for. Normally one carries the group's
 /// appends and one its heartbeats; the rest cover replies still owed. With all taken, a call fails at once
@@ -377,7 +385,9 @@ impl RawPool {
         let addr = conn.key.1.clone();
         tokio::spawn(async move {
             let opened = async {
-                let mut io = holdfast_proto::transport::connect_raw(&addr, tls.as_ref()).await?;
+                let io = holdfast_proto::transport::connect_raw(&addr, tls.as_ref()).await?;
+                let mut io: Box<dyn RawIo> =
+                    Box::new(tokio::io::BufReader::with_capacity(REPLY_READ_AHEAD, io));
                 let mut hello = PREFACE.to_vec();
                 hello.extend_from_slice(&VERSION.to_le_bytes());
                 io.write_all(&hello).await?;
@@ -539,9 +549,11 @@ async fn read_frame<R: AsyncRead + Unpin>(
 /// `sender`: as for a gRPC request (`peer::sender_id`), the node the connection's certificate names.
 pub async fn serve<L: RaftLookup, IO: AsyncRead + AsyncWrite + Unpin>(
     service: &PeerService<L>,
-    mut io: IO,
+    io: IO,
     sender: Option<Option<u64>>,
 ) {
+    // Writes go straight through; reads come from the buffer.
+    let mut io = tokio::io::BufReader::with_capacity(REQUEST_READ_AHEAD, io);
     let mut version = [0u8; 4];
     match tokio::time::timeout(PREFACE_TIMEOUT, io.read_exact(&mut version)).await {
         Ok(Ok(_)) if u32::from_le_bytes(version) == VERSION => {}
