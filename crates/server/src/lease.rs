@@ -676,15 +676,15 @@ mod tests {
         ];
         let (done_tx, done) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
-            // Held as a keepalive holds it; dropped if the wait below fails, so the thread ends.
+            // Held as a keepalive holds it, and let go before the verdict, so the thread always ends.
             let held = leases.lock();
             scope.spawn(|| {
                 leases.on_events(&events, t0);
                 done_tx.send(()).unwrap();
             });
-            done.recv_timeout(Duration::from_secs(30))
-                .expect("apply's events waited for the lease lock");
+            let finished = done.recv_timeout(Duration::from_secs(30));
             drop(held);
+            finished.expect("apply's events waited for the lease lock");
         });
         // An event that does time something still goes in.
         leases.on_events(
