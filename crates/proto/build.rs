@@ -16,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .bytes(".holdfast.v1.KeepAliveRequest.session_secrets")
         .bytes(".holdfast.v1.GroupKeepAlive.session_secrets")
+        .bytes(".holdfast.v1.GroupKeepAlive.packed_secrets")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -121,6 +121,8 @@ struct Stream {
     endpoint: usize,
     tx: mpsc::Sender<pb::KeepAliveRequest>,
     rx: tonic::Streaming<pb::KeepAliveResponse>,
+    /// Its server answered compact, so it takes packed secrets (`GroupKeepAlive.packed_secrets`).
+    packed: bool,
 }
 
 /// What one round made of one group's sessions: per session open in the group (in the order of its
@@ -293,6 +295,43 @@ async fn run(client: Weak<Inner>) {
     }
 }
 
+/// Puts `g`'s secrets in `packed_secrets`, 16 bytes each (an empty one, a session without a secret,
+/// as 16 zero bytes, which is what the server reads an empty one as), for a server that answered
+/// compact. Left as they are if one is neither empty nor 16 bytes (the server refuses it either way,
+/// and says why).
+fn pack(g: &mut pb::GroupKeepAlive) {
+    if g.session_secrets.is_empty()
+        || g.session_secrets
+            .iter()
+            .any(|s| !s.is_empty() && s.len() != 16)
+    {
+        return;
+    }
+    let mut packed = Vec::with_capacity(16 * g.session_secrets.len());
+    for s in g.session_secrets.drain(..) {
+        if s.is_empty() {
+            packed.extend_from_slice(&[0; 16]);
+        } else {
+            packed.extend_from_slice(&s);
+        }
+    }
+    g.packed_secrets = packed.into();
+}
+
+/// The other way: each group's packed secrets back into `session_secrets` (slices of the same bytes),
+/// for a server not known to take them.
+fn unpack(request: &mut pb::KeepAliveRequest) {
+    for g in &mut request.groups {
+        if g.packed_secrets.is_empty() {
+            continue;
+        }
+        let packed = std::mem::take(&mut g.packed_secrets);
+        g.session_secrets = (0..packed.len() / 16)
+            .map(|i| packed.slice(i * 16..i * 16 + 16))
+            .collect();
+    }
+}
+
 /// The server answered no per-group results: it predates `KeepAliveRequest.groups`.
 struct Unsupported;
 
@@ -323,6 +362,7 @@ async fn fan_in(
             break;
         }
         for (endpoint, to_renew) in by_leader {
+            let packed = streams.get(&endpoint).is_some_and(|s| s.packed);
             let request = pb::KeepAliveRequest {
                 // A server older than `groups` checks only this (with no ids): one the client
                 // believes it leads, so that such a server answers (with no groups) instead of
@@ -333,13 +373,19 @@ async fn fan_in(
                     .map(|&group| {
                         let (session_ids, session_secrets) =
                             ids_and_secrets(chunk, &members[group as usize], group);
-                        pb::GroupKeepAlive {
+                        let mut g = pb::GroupKeepAlive {
                             group,
                             session_ids,
                             session_secrets,
+                            ..Default::default()
+                        };
+                        if packed {
+                            pack(&mut g);
                         }
+                        g
                     })
                     .collect(),
+                compact: true,
                 ..Default::default()
             };
             let reply = match exchange(client, streams, endpoint, request).await {
@@ -387,6 +433,17 @@ async fn fan_in(
             for (&group, answer) in to_renew.iter().zip(reply.groups) {
                 if answer.group != group {
                     out[group as usize] = Some(Err("keepalive answered the wrong groups".into()));
+                } else if answer.code == 0 && reply.compact {
+                    let expected = members[group as usize].len();
+                    out[group as usize] = Some(if answer.ttl_ms.len() == expected {
+                        Ok(answer
+                            .ttl_ms
+                            .iter()
+                            .map(|&ttl| (ttl > 0).then(|| Duration::from_millis(ttl)))
+                            .collect())
+                    } else {
+                        Err("keepalive answered the wrong number of sessions".into())
+                    });
                 } else if answer.code == 0 {
                     let expected = members[group as usize].len();
                     out[group as usize] = Some(if answer.results.len() == expected {
@@ -447,11 +504,19 @@ async fn exchange(
                 match tokio::time::timeout(timeout, c.keep_alive_stream(tokio_stream_from(rx)))
                     .await
                 {
-                    Ok(Ok(resp)) => e.insert(Stream {
-                        endpoint,
-                        tx,
-                        rx: resp.into_inner(),
-                    }),
+                    Ok(Ok(resp)) => {
+                        // A fresh stream's server may not take packed secrets (it may be another
+                        // process than the one that answered compact on the stream before).
+                        if let Some(r) = request.as_mut() {
+                            unpack(r);
+                        }
+                        e.insert(Stream {
+                            endpoint,
+                            tx,
+                            rx: resp.into_inner(),
+                            packed: false,
+                        })
+                    }
                     Ok(Err(status)) => return Err(Some(status)),
                     Err(_) => return Err(None),
                 }
@@ -478,6 +543,7 @@ async fn exchange(
         match tokio::time::timeout(timeout, stream.rx.message()).await {
             Ok(Ok(Some(reply))) => {
                 client.inner().registry.record(sent.elapsed());
+                stream.packed |= reply.compact;
                 client.mark_answered(endpoint);
                 return Ok(reply);
             }
@@ -517,7 +583,9 @@ async fn round(
         group,
         session_ids: ids,
         session_secrets: secrets,
+        // The legacy form, for a server older than `groups`: older than `compact` too.
         groups: Vec::new(),
+        compact: false,
     };
     let timeout = client.options().attempt_timeout;
     for _attempt in 0..client.server_count() + 1 {
@@ -537,6 +605,7 @@ async fn round(
                         endpoint,
                         tx,
                         rx: resp.into_inner(),
+                        packed: false,
                     }),
                     Ok(Err(status)) => {
                         next_target_after(client, group, endpoint, &status);
@@ -638,8 +707,44 @@ fn tokio_stream_from(
 
 #[cfg(test)]
 mod tests {
-    use super::{next_target_after, Client};
-    use holdfast_proto::v1::{ErrorDetail, Reason};
+    use super::{next_target_after, pack, unpack, Client};
+    use holdfast_proto::v1::{self as pb, ErrorDetail, Reason};
+
+    /// Packed secrets are the secrets in order, 16 bytes each (an empty one as zeros, which the server
+    /// reads an empty one as), and unpack to the same; a group with a secret of another length, or
+    /// with none, is left as it is.
+    #[test]
+    fn secrets_pack_in_order_and_unpack_to_the_same() {
+        let s = |b: u8| prost::bytes::Bytes::from(vec![b; 16]);
+        let group = |secrets: Vec<prost::bytes::Bytes>| pb::GroupKeepAlive {
+            group: 1,
+            session_ids: (0..secrets.len() as u64).collect(),
+            session_secrets: secrets,
+            ..Default::default()
+        };
+        let mut g = group(vec![s(1), prost::bytes::Bytes::new(), s(3)]);
+        pack(&mut g);
+        assert!(g.session_secrets.is_empty());
+        assert_eq!(
+            g.packed_secrets.to_vec(),
+            [vec![1; 16], vec![0; 16], vec![3; 16]].concat()
+        );
+        let mut r = pb::KeepAliveRequest {
+            groups: vec![g, group(vec![s(4)])],
+            ..Default::default()
+        };
+        pack(&mut r.groups[1]);
+        unpack(&mut r);
+        assert_eq!(r.groups[0].session_secrets, vec![s(1), s(0), s(3)]);
+        assert_eq!(r.groups[1].session_secrets, vec![s(4)]);
+        assert!(r.groups.iter().all(|g| g.packed_secrets.is_empty()));
+        for odd in [vec![s(1), prost::bytes::Bytes::from(vec![2; 15])], vec![]] {
+            let mut g = group(odd.clone());
+            pack(&mut g);
+            assert_eq!(g.session_secrets, odd);
+            assert!(g.packed_secrets.is_empty());
+        }
+    }
 
     /// `NOT_LEADER` naming `leader`, as a server sends it.
     fn redirect_to(leader: &str) -> tonic::Status {

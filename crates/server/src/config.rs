@@ -77,6 +77,10 @@ pub struct ServerConfig {
     /// (ignore that field), so a test can check that clients fall back. Set by a hidden flag only.
     #[serde(skip)]
     pub compat_ignore_keepalive_groups: bool,
+    /// Compatibility test hook: answer keepalives as a server older than compact answers did (ignore
+    /// `KeepAliveRequest.compact` and `GroupKeepAlive.packed_secrets`). Hidden flag only.
+    #[serde(skip)]
+    pub compat_no_compact_keepalives: bool,
     /// Compatibility test hook: answer `AppendStream` UNIMPLEMENTED, as a server older than it does, so
     /// a test can check that leaders fall back to one AppendEntries call at a time. Hidden flag only.
     #[serde(skip)]
@@ -187,6 +191,7 @@ impl Default for ServerConfig {
             sim_unload_voters: false,
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
+            compat_no_compact_keepalives: false,
             compat_no_append_stream: false,
             compat_no_raw_appends: false,
             compat_no_call_streams: false,

@@ -186,11 +186,16 @@ impl ClientService {
     }
 
     /// One keepalive message: its own group (unless it carries only `groups`), then each of `groups`
-    /// answered on its own. Counted as one message however many groups it renews.
+    /// answered on its own. Counted as one message however many groups it renews. Asked for
+    /// `compact`, the groups are answered with one TTL per session (`ttl_ms`) instead of a result
+    /// message each, and the response says so: at 10,000 sessions a message, the results were most of
+    /// encoding the answer here and decoding it at the client (docs/performance.md, "Compact keepalives").
     fn keepalive(&self, mut req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
         if self.node.config.compat_ignore_keepalive_groups {
             req.groups.clear();
         }
+        let compat = self.node.config.compat_no_compact_keepalives;
+        let compact = req.compact && !compat;
         let ids = req.session_ids.len()
             + req
                 .groups
@@ -213,45 +218,72 @@ impl ClientService {
         }
         let own = req.groups.is_empty() || !req.session_ids.is_empty();
         let results = if own {
-            self.renew(req.group, &req.session_ids, &req.session_secrets)?
+            let renewed = self.renew(
+                req.group,
+                &req.session_ids,
+                Secrets::Each(&req.session_secrets),
+            )?;
+            result_messages(&req.session_ids, renewed)
         } else {
             Vec::new()
         };
         let groups = req
             .groups
             .iter()
-            .map(
-                |g| match self.renew(g.group, &g.session_ids, &g.session_secrets) {
-                    Ok(results) => pb::GroupKeepAliveResult {
+            .map(|g| {
+                let secrets = if compat || g.packed_secrets.is_empty() {
+                    Secrets::Each(&g.session_secrets)
+                } else if g.session_secrets.is_empty() {
+                    Secrets::Packed(&g.packed_secrets)
+                } else {
+                    Secrets::Both
+                };
+                match self.renew(g.group, &g.session_ids, secrets) {
+                    Ok(renewed) if compact => pb::GroupKeepAliveResult {
                         group: g.group,
-                        results,
+                        ttl_ms: renewed
+                            .into_iter()
+                            .map(|k| match k {
+                                KeepAlive::Alive { ttl_ms } => ttl_ms,
+                                KeepAlive::Gone => 0,
+                            })
+                            .collect(),
+                        ..Default::default()
+                    },
+                    Ok(renewed) => pb::GroupKeepAliveResult {
+                        group: g.group,
+                        results: result_messages(&g.session_ids, renewed),
                         ..Default::default()
                     },
                     Err(status) => pb::GroupKeepAliveResult {
                         group: g.group,
-                        results: Vec::new(),
                         code: status.code() as i32,
                         message: status.message().to_string(),
                         error: errors::detail(&status),
+                        ..Default::default()
                     },
-                },
-            )
+                }
+            })
             .collect::<Vec<_>>();
         // Counted when it renewed something here: a message whose every group was refused was not
         // answered as leader.
         if own || groups.iter().any(|g| g.code == 0) {
             self.node.metrics.keepalive_messages.inc();
         }
-        Ok(pb::KeepAliveResponse { results, groups })
+        Ok(pb::KeepAliveResponse {
+            results,
+            groups,
+            compact,
+        })
     }
 
-    /// Renews `session_ids` of `group` (this server must lead it and may renew now).
+    /// Renews `session_ids` of `group` (this server must lead it and may renew now): what each is now.
     fn renew(
         &self,
         group: u32,
         session_ids: &[u64],
-        session_secrets: &[prost::bytes::Bytes],
-    ) -> Result<Vec<pb::KeepAliveResult>, Status> {
+        secrets: Secrets<'_>,
+    ) -> Result<Vec<KeepAlive>, Status> {
         let group = self.group(group)?;
         if !group.can_renew() {
             return Err(self.not_leader(
@@ -262,17 +294,7 @@ impl ClientService {
                 ),
             ));
         }
-        if !session_secrets.is_empty() && session_secrets.len() != session_ids.len() {
-            return Err(invalid(format!(
-                "{} session secrets for {} session ids: send one per id, or none",
-                session_secrets.len(),
-                session_ids.len()
-            )));
-        }
-        let secrets = session_secrets
-            .iter()
-            .map(|s| errors::session_secret(s))
-            .collect::<Result<Vec<u128>, Status>>()?;
+        let secrets = secrets.read(session_ids.len())?;
         let mut out = Vec::with_capacity(session_ids.len());
         match group
             .leases
@@ -290,23 +312,7 @@ impl ClientService {
             .metrics
             .keepalives
             .inc_by(session_ids.len() as u64);
-        let results = session_ids
-            .iter()
-            .zip(out)
-            .map(|(&session_id, k)| match k {
-                KeepAlive::Alive { ttl_ms } => pb::KeepAliveResult {
-                    session_id,
-                    alive: true,
-                    ttl_ms,
-                },
-                KeepAlive::Gone => pb::KeepAliveResult {
-                    session_id,
-                    alive: false,
-                    ttl_ms: 0,
-                },
-            })
-            .collect();
-        Ok(results)
+        Ok(out)
     }
 
     /// Waits for a queued acquire to be granted (`wait`: none for a try, which ends the wait at once),
@@ -1270,4 +1276,66 @@ fn page_size(limit: u32) -> Result<usize, Status> {
 #[allow(dead_code)]
 fn assert_session_unknown_is_used(s: u64) -> Status {
     session_unknown(s)
+}
+
+/// A group's session secrets as a keepalive carries them.
+enum Secrets<'a> {
+    /// `session_secrets`: one field per session, or none at all.
+    Each(&'a [prost::bytes::Bytes]),
+    /// `packed_secrets`: 16 bytes per session.
+    Packed(&'a [u8]),
+    /// Both fields at once: refused.
+    Both,
+}
+
+impl Secrets<'_> {
+    /// One secret per id (none: every session without one), or INVALID_ARGUMENT.
+    fn read(self, ids: usize) -> Result<Vec<u128>, Status> {
+        match self {
+            Secrets::Each(each) => {
+                if !each.is_empty() && each.len() != ids {
+                    return Err(invalid(format!(
+                        "{} session secrets for {ids} session ids: send one per id, or none",
+                        each.len()
+                    )));
+                }
+                each.iter().map(|s| errors::session_secret(s)).collect()
+            }
+            Secrets::Packed(packed) => {
+                if packed.len() != ids * 16 {
+                    return Err(invalid(format!(
+                        "packed_secrets is {} bytes for {ids} session ids: it must be 16 bytes per id",
+                        packed.len()
+                    )));
+                }
+                Ok(packed
+                    .chunks_exact(16)
+                    .map(|s| u128::from_be_bytes(s.try_into().expect("16 bytes")))
+                    .collect())
+            }
+            Secrets::Both => Err(invalid(
+                "a group's keepalive carries session_secrets and packed_secrets: send one or the other",
+            )),
+        }
+    }
+}
+
+/// The result messages of a keepalive answered in full.
+fn result_messages(session_ids: &[u64], renewed: Vec<KeepAlive>) -> Vec<pb::KeepAliveResult> {
+    session_ids
+        .iter()
+        .zip(renewed)
+        .map(|(&session_id, k)| match k {
+            KeepAlive::Alive { ttl_ms } => pb::KeepAliveResult {
+                session_id,
+                alive: true,
+                ttl_ms,
+            },
+            KeepAlive::Gone => pb::KeepAliveResult {
+                session_id,
+                alive: false,
+                ttl_ms: 0,
+            },
+        })
+        .collect()
 }

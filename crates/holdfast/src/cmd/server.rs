@@ -73,6 +73,10 @@ pub struct ServerArgs {
     /// Test hook: answer keepalives as a server older than per-group keepalives (ignore their groups).
     #[arg(long, hide = true)]
     compat_ignore_keepalive_groups: bool,
+    /// Test hook: answer keepalives as a server older than compact answers (ignore `compact` and
+    /// `packed_secrets`).
+    #[arg(long, hide = true)]
+    compat_no_compact_keepalives: bool,
     /// Test hook: answer AppendStream as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_append_stream: bool,
@@ -203,6 +207,9 @@ impl ServerArgs {
         }
         if self.compat_ignore_keepalive_groups {
             c.compat_ignore_keepalive_groups = true;
+        }
+        if self.compat_no_compact_keepalives {
+            c.compat_no_compact_keepalives = true;
         }
         if self.compat_no_append_stream {
             c.compat_no_append_stream = true;

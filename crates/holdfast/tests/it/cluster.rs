@@ -1246,3 +1246,167 @@ async fn leaders_of_several_groups_spread_over_the_servers_and_stay() {
         "a move to the dead server was tried"
     );
 }
+
+/// Keepalives answered compactly (`KeepAliveRequest.compact`): one TTL per session in the request's
+/// order, 0 for a session that is not alive, and the response says so; such a server takes each
+/// group's secrets packed in one field, and refuses a packed secret that is wrong, a packed field of
+/// the wrong length, and both fields at once, for that group alone. Asked for nothing, it answers with
+/// a result message per session as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalives_are_answered_compactly_and_take_packed_secrets() {
+    use holdfast_proto::v1::{GroupKeepAlive, KeepAliveResponse};
+    let c = Cluster::start(Options {
+        nodes: 3,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let raw = c.raw(leader).await;
+    let open = |nonce: u64| {
+        let mut raw = raw.clone();
+        async move {
+            raw.open_session(OpenSessionRequest {
+                group: 0,
+                ttl_ms: 7_000,
+                nonce_hi: nonce,
+                nonce_lo: nonce,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+        }
+    };
+    let (a, b) = (open(1).await, open(2).await);
+    assert_eq!(a.session_secret.len(), 16);
+    let group = |ids: Vec<u64>, each: Vec<Vec<u8>>, packed: Vec<u8>| GroupKeepAlive {
+        group: 0,
+        session_ids: ids,
+        session_secrets: each.into_iter().map(Into::into).collect(),
+        packed_secrets: packed.into(),
+    };
+    let ask = |groups: Vec<GroupKeepAlive>, compact: bool| {
+        let mut raw = raw.clone();
+        async move {
+            raw.keep_alive(KeepAliveRequest {
+                groups,
+                compact,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+        }
+    };
+    let code = |r: &KeepAliveResponse| tonic::Code::from(r.groups[0].code);
+
+    // One secret each, compact: a TTL per id, 0 for the unknown one.
+    let r = ask(
+        vec![group(
+            vec![a.session_id, 999_999, b.session_id],
+            vec![a.session_secret.clone(), vec![], b.session_secret.clone()],
+            vec![],
+        )],
+        true,
+    )
+    .await;
+    assert!(r.compact);
+    assert_eq!(code(&r), tonic::Code::Ok, "{r:?}");
+    assert!(r.groups[0].results.is_empty());
+    assert_eq!(r.groups[0].ttl_ms, vec![7_000, 0, 7_000]);
+
+    // Packed: the same answer.
+    let packed = [
+        a.session_secret.clone(),
+        vec![0; 16],
+        b.session_secret.clone(),
+    ]
+    .concat();
+    let r = ask(
+        vec![group(
+            vec![a.session_id, 999_999, b.session_id],
+            vec![],
+            packed.clone(),
+        )],
+        true,
+    )
+    .await;
+    assert_eq!(r.groups[0].ttl_ms, vec![7_000, 0, 7_000], "{r:?}");
+
+    // A wrong packed secret renews none of the group; a packed field of the wrong length and both
+    // fields at once are refused as malformed.
+    let mut wrong = packed.clone();
+    wrong[40] ^= 1;
+    let r = ask(
+        vec![group(
+            vec![a.session_id, 999_999, b.session_id],
+            vec![],
+            wrong,
+        )],
+        true,
+    )
+    .await;
+    assert_eq!(code(&r), tonic::Code::PermissionDenied, "{r:?}");
+    assert!(r.groups[0].ttl_ms.is_empty());
+    let r = ask(
+        vec![group(vec![a.session_id], vec![], packed[..15].to_vec())],
+        true,
+    )
+    .await;
+    assert_eq!(code(&r), tonic::Code::InvalidArgument, "{r:?}");
+    let r = ask(
+        vec![group(
+            vec![a.session_id],
+            vec![a.session_secret.clone()],
+            a.session_secret.clone(),
+        )],
+        true,
+    )
+    .await;
+    assert_eq!(code(&r), tonic::Code::InvalidArgument, "{r:?}");
+
+    // Not asked: a result message per session, as before.
+    let r = ask(
+        vec![group(
+            vec![a.session_id, 999_999],
+            vec![a.session_secret.clone(), vec![]],
+            vec![],
+        )],
+        false,
+    )
+    .await;
+    assert!(!r.compact);
+    assert!(r.groups[0].ttl_ms.is_empty());
+    let alive: Vec<(u64, bool)> = r.groups[0]
+        .results
+        .iter()
+        .map(|k| (k.session_id, k.alive))
+        .collect();
+    assert_eq!(alive, vec![(a.session_id, true), (999_999, false)]);
+}
+
+/// Against servers older than compact keepalives (hidden flag `--compat-no-compact-keepalives`: they
+/// ignore `compact` and `packed_secrets`), the client never packs its secrets (such a server would
+/// refuse them) and reads the answers in full: its session lives through three TTLs of rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_keeps_its_session_against_servers_older_than_compact_keepalives() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        server_args: vec!["--compat-no-compact-keepalives".into()],
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+    wait_for_keepalive_of(&c, leader, 1).await;
+    let [(messages, ids)] = keepalives_over(&c, [leader], 6).await;
+    assert!(
+        session.is_valid(),
+        "the session was lost against older servers"
+    );
+    assert!(messages >= 4, "{messages} keepalives in 6 s");
+    assert_eq!(ids, messages, "one session a message");
+    let guard = session.try_acquire("compat/compact").await.unwrap();
+    guard.release().await.unwrap();
+}
