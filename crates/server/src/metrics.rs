@@ -43,6 +43,8 @@ pub struct ServerMetrics {
     pub keepalives: Counter,
     /// Keepalive messages (unary calls and stream messages); each may carry many session ids.
     pub keepalive_messages: Counter,
+    /// Groups of keepalive messages renewed from packed secrets (`GroupKeepAlive.packed_secrets`).
+    pub keepalive_packed_groups: Counter,
     /// `KeepAliveStream` calls in progress.
     pub keepalive_streams: Arc<AtomicU64>,
     pub call_streams: Arc<AtomicU64>,
@@ -73,6 +75,7 @@ impl Default for ServerMetrics {
             fsync_batch_records: Histogram::new(BATCH_BUCKETS),
             keepalives: Counter::default(),
             keepalive_messages: Counter::default(),
+            keepalive_packed_groups: Counter::default(),
             keepalive_streams: Default::default(),
             call_streams: Default::default(),
             client_connections_refused: Default::default(),
@@ -144,6 +147,11 @@ pub fn registry(node: Arc<NodeShared>) -> Registry {
         "holdfast_keepalive_messages",
         "Keepalive messages answered as leader (each may renew many sessions)",
         m.keepalive_messages.clone(),
+    );
+    r.register(
+        "holdfast_keepalive_packed_groups",
+        "Groups of keepalive messages renewed as leader from packed secrets",
+        m.keepalive_packed_groups.clone(),
     );
     r.register(
         "holdfast_peer_append_streams",

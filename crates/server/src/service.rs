@@ -194,7 +194,9 @@ impl ClientService {
         if self.node.config.compat_ignore_keepalive_groups {
             req.groups.clear();
         }
-        let compat = self.node.config.compat_no_compact_keepalives;
+        // A server older than `groups` predates `compact` too.
+        let compat = self.node.config.compat_no_compact_keepalives
+            || self.node.config.compat_ignore_keepalive_groups;
         let compact = req.compact && !compat;
         let ids = req.session_ids.len()
             + req
@@ -238,7 +240,12 @@ impl ClientService {
                 } else {
                     Secrets::Both
                 };
-                match self.renew(g.group, &g.session_ids, secrets) {
+                let packed = matches!(secrets, Secrets::Packed(_));
+                let renewed = self.renew(g.group, &g.session_ids, secrets);
+                if packed && renewed.is_ok() {
+                    self.node.metrics.keepalive_packed_groups.inc();
+                }
+                match renewed {
                     Ok(renewed) if compact => pb::GroupKeepAliveResult {
                         group: g.group,
                         ttl_ms: renewed

@@ -1410,3 +1410,39 @@ async fn a_client_keeps_its_session_against_servers_older_than_compact_keepalive
     let guard = session.try_acquire("compat/compact").await.unwrap();
     guard.release().await.unwrap();
 }
+
+/// The Rust client asks for compact answers, and once its stream's server has answered so, sends its
+/// secrets packed: after the first round every message's group comes packed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_packs_its_secrets_once_a_server_has_answered_compact() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+    wait_for_keepalive_of(&c, leader, 1).await;
+    // Both counters from one reading, so that no message falls between them.
+    let counts = || async {
+        let m = c.metrics(leader).await;
+        let get = |k: &str| m.get(k).copied().unwrap_or(0);
+        (
+            get("holdfast_keepalive_messages_total"),
+            get("holdfast_keepalive_packed_groups_total"),
+        )
+    };
+    let before = counts().await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after = counts().await;
+    let messages = after.0 - before.0;
+    assert!(messages >= 3, "{messages} keepalives in 4 s");
+    assert_eq!(
+        after.1 - before.1,
+        messages,
+        "a keepalive after the first round carried its secrets unpacked"
+    );
+    assert!(session.is_valid());
+}
