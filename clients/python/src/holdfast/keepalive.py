@@ -170,6 +170,9 @@ def _fan_in(
                 # What a server older than `groups` checks alone: one the client believes it leads.
                 group=groups[0],
                 groups=[_group_request(parts, members[g], g) for g in groups],
+                # Each group's answer as one packed field of TTLs (0: not alive) instead of a message
+                # per session; a server older than `compact` answers in full (docs/api.md).
+                compact=True,
             )
             server = client._server(target)
             try:
@@ -192,6 +195,12 @@ def _fan_in(
             for g, answer in zip(groups, reply.groups):
                 if answer.group != g:
                     out[g] = "keepalive answered the wrong groups"
+                elif answer.code == 0 and reply.compact:
+                    out[g] = (
+                        [t / 1000.0 if t > 0 else None for t in answer.ttl_ms]
+                        if len(answer.ttl_ms) == len(members[g])
+                        else "keepalive answered the wrong number of sessions"
+                    )
                 elif answer.code == 0:
                     out[g] = (
                         [r.ttl_ms / 1000.0 if r.alive else None for r in answer.results]
