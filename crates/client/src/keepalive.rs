@@ -433,25 +433,19 @@ async fn fan_in(
             for (&group, answer) in to_renew.iter().zip(reply.groups) {
                 if answer.group != group {
                     out[group as usize] = Some(Err("keepalive answered the wrong groups".into()));
-                } else if answer.code == 0 && reply.compact {
-                    let expected = members[group as usize].len();
-                    out[group as usize] = Some(if answer.ttl_ms.len() == expected {
-                        Ok(answer
-                            .ttl_ms
-                            .iter()
-                            .map(|&ttl| (ttl > 0).then(|| Duration::from_millis(ttl)))
-                            .collect())
-                    } else {
-                        Err("keepalive answered the wrong number of sessions".into())
-                    });
                 } else if answer.code == 0 {
-                    let expected = members[group as usize].len();
-                    out[group as usize] = Some(if answer.results.len() == expected {
-                        Ok(answer
-                            .results
-                            .iter()
-                            .map(|r| r.alive.then(|| Duration::from_millis(r.ttl_ms)))
-                            .collect())
+                    // Per session, the TTL granted or None if not alive, from either form.
+                    let ttls: Vec<Option<Duration>> = if reply.compact {
+                        let granted = |&ttl: &u64| (ttl > 0).then(|| Duration::from_millis(ttl));
+                        answer.ttl_ms.iter().map(granted).collect()
+                    } else {
+                        let granted = |r: &pb::KeepAliveResult| {
+                            r.alive.then(|| Duration::from_millis(r.ttl_ms))
+                        };
+                        answer.results.iter().map(granted).collect()
+                    };
+                    out[group as usize] = Some(if ttls.len() == members[group as usize].len() {
+                        Ok(ttls)
                     } else {
                         Err("keepalive answered the wrong number of sessions".into())
                     });
