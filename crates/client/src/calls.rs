@@ -1,5 +1,7 @@
 //! The client's side of the `Calls` stream: acquires and releases sent to one server as messages on
-//! one long-lived gRPC stream, instead of a unary call (a new HTTP/2 request) each.
+//! one long-lived gRPC stream, instead of a unary call (a new HTTP/2 request) each. The batched
+//! keepalives go on it too ([`Calls::keep_alive`], used by [`crate::keepalive`]), and where it cannot
+//! carry them they are given back to go on `KeepAliveStream`, not sent as unary calls.
 //!
 //! One stream per server, shared by every session of the client, opened at the first acquire or
 //! release sent there and reopened at the next one after it ends. A call on it means what the unary
@@ -230,11 +232,29 @@ impl Calls {
         }
     }
 
+    /// A keepalive message as a call on the stream (`CallRequest.keep_alive`; see
+    /// [`crate::keepalive`]). `Err` gives the message back, to go on `KeepAliveStream`: this client does
+    /// not use the stream, the server does not serve it, or the message is too big for one.
+    pub(crate) async fn keep_alive(
+        &self,
+        rpc: &Rpc,
+        req: pb::KeepAliveRequest,
+    ) -> Result<Result<pb::KeepAliveResponse, tonic::Status>, pb::KeepAliveRequest> {
+        match self.call(rpc, Call::KeepAlive(req)).await {
+            Ok(Reply::KeepAlive(r)) => Ok(Ok(r)),
+            Ok(_) => Ok(Err(mismatched())),
+            Err(Fallback::Unary(Call::KeepAlive(req))) => Err(req),
+            Err(Fallback::Unary(_)) => unreachable!("the call given back is the one sent"),
+            Err(Fallback::Failed(status)) => Ok(Err(status)),
+        }
+    }
+
     /// Sends `call` on the stream and waits for its reply, or gives it back to be sent unary.
     async fn call(&self, rpc: &Rpc, call: Call) -> Result<Reply, Fallback> {
         let size = match &call {
             Call::Acquire(r) => prost::Message::encoded_len(r),
             Call::Release(r) => prost::Message::encoded_len(r),
+            Call::KeepAlive(r) => prost::Message::encoded_len(r),
             Call::Cancel(_) | Call::Ping(_) => 0,
         };
         // The call's own bytes, and room for its id and the tags and lengths around it.

@@ -691,7 +691,7 @@ impl Client {
         HoldfastClient::with_interceptor(self.channel(index), self.inner.auth.clone())
     }
 
-    fn calls(&self, index: usize) -> Arc<crate::calls::Calls> {
+    pub(crate) fn calls(&self, index: usize) -> Arc<crate::calls::Calls> {
         self.inner.servers.read().expect("servers lock")[index]
             .calls
             .clone()

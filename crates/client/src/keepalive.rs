@@ -1,8 +1,12 @@
 //! Batched keepalives: one background task per [`Client`] renews every session it opened, sending one
 //! message per round to each server that leads some of the client's groups (all the groups that server
-//! leads in one message, `KeepAliveRequest.groups`), over a long-lived `KeepAliveStream` per server. This
-//! is what keeps the load at the design's "one heartbeat per client connection" instead of one RPC per
-//! session, or one per group. A group answered NOT_LEADER is sent again, in the same round, to the
+//! leads in one message, `KeepAliveRequest.groups`). The message is a call on the client's `Calls`
+//! stream to that server ([`crate::calls`], on a connection of its own where the server takes one: no
+//! HTTP/2 tasks between this task and the server's renewals), or, where that stream does not take
+//! keepalives (a server older than them, or a client without `Calls` streams), a message on a
+//! long-lived `KeepAliveStream` per server, for [`NO_CALLS_FOR`] before the `Calls` stream is tried
+//! again. This is what keeps the load at the design's "one heartbeat per client connection" instead of
+//! one RPC per session, or one per group. A group answered NOT_LEADER is sent again, in the same round, to the
 //! leader the answer names. Against a server older than per-group answers (it answers none) the task
 //! falls back to one message per group per round, for the rest of its life.
 //!
@@ -164,6 +168,8 @@ async fn run(client: Weak<Inner>) {
     // Fan-in streams by server (endpoint index); per-group streams once `legacy`.
     let mut by_server: BTreeMap<usize, Stream> = BTreeMap::new();
     let mut by_group: BTreeMap<u32, Stream> = BTreeMap::new();
+    // Servers whose `Calls` stream did not take a keepalive, and until when they get the stream instead.
+    let mut no_calls: BTreeMap<usize, Instant> = BTreeMap::new();
     let mut legacy = false;
     // No session is due and no lease runs out before this (`None`: look at the next tick).
     let mut quiet_until: Option<Instant> = None;
@@ -238,7 +244,7 @@ async fn run(client: Weak<Inner>) {
                 }
                 outcomes
             } else {
-                let fan_in = fan_in(&client, &mut by_server, chunk, &members);
+                let fan_in = fan_in(&client, &mut by_server, &mut no_calls, chunk, &members);
                 match tokio::time::timeout(limit(), fan_in).await {
                     Ok(Ok(outcomes)) => outcomes,
                     Ok(Err(Unsupported)) => {
@@ -342,6 +348,7 @@ struct Unsupported;
 async fn fan_in(
     client: &Client,
     streams: &mut BTreeMap<usize, Stream>,
+    no_calls: &mut BTreeMap<usize, Instant>,
     chunk: &[&Arc<SessionInner>],
     members: &[Vec<usize>],
 ) -> Result<Vec<GroupOutcome>, Unsupported> {
@@ -362,7 +369,10 @@ async fn fan_in(
             break;
         }
         for (endpoint, to_renew) in by_leader {
-            let packed = streams.get(&endpoint).is_some_and(|s| s.packed);
+            // Packed on the `Calls` stream (a server that takes keepalives there takes packed
+            // secrets; `exchange` unpacks them for a stream whose server is not known to).
+            let packed =
+                takes_calls(no_calls, endpoint) || streams.get(&endpoint).is_some_and(|s| s.packed);
             let request = pb::KeepAliveRequest {
                 // A server older than `groups` checks only this (with no ids): one the client
                 // believes it leads, so that such a server answers (with no groups) instead of
@@ -388,7 +398,7 @@ async fn fan_in(
                 compact: true,
                 ..Default::default()
             };
-            let reply = match exchange(client, streams, endpoint, request).await {
+            let reply = match exchange(client, streams, no_calls, endpoint, request).await {
                 Ok(reply) => reply,
                 Err(status) => {
                     // A server of this version answers NOT_LEADER per group, never for the whole
@@ -473,14 +483,48 @@ async fn fan_in(
         .collect())
 }
 
-/// Sends one message on `endpoint`'s stream (opened if need be) and waits for its answer. `Err(None)`:
-/// no answer in time, or the stream broke; `Err(Some(status))`: the call failed with `status`.
+/// How long a server whose `Calls` stream did not take a keepalive gets its keepalives on
+/// `KeepAliveStream` before the stream is tried again (it may have been upgraded since).
+const NO_CALLS_FOR: Duration = Duration::from_secs(60);
+
+/// Whether `endpoint`'s keepalives go on its `Calls` stream first.
+fn takes_calls(no_calls: &BTreeMap<usize, Instant>, endpoint: usize) -> bool {
+    no_calls.get(&endpoint).is_none_or(|&t| Instant::now() >= t)
+}
+
+/// Sends one message to `endpoint` and waits for its answer: as a call on its `Calls` stream (the
+/// acquires' and releases', on a connection of its own: no HTTP/2 tasks between the sender and the
+/// server's renewals), else on its `KeepAliveStream` (opened if need be). `Err(None)`: no answer in
+/// time, or the stream broke; `Err(Some(status))`: the call failed with `status`.
 async fn exchange(
     client: &Client,
     streams: &mut BTreeMap<usize, Stream>,
+    no_calls: &mut BTreeMap<usize, Instant>,
     endpoint: usize,
-    request: pb::KeepAliveRequest,
+    mut request: pb::KeepAliveRequest,
 ) -> Result<pb::KeepAliveResponse, Option<tonic::Status>> {
+    if takes_calls(no_calls, endpoint) {
+        match on_calls(client, endpoint, &request).await {
+            Some(answer) => {
+                // The server's keepalive stream, if one was kept, is not needed any more.
+                if answer.is_ok() {
+                    no_calls.remove(&endpoint);
+                    streams.remove(&endpoint);
+                }
+                return answer;
+            }
+            None => {
+                tracing::debug!(
+                    endpoint,
+                    "keepalives go on KeepAliveStream: the Calls stream does not take them"
+                );
+                no_calls.insert(endpoint, Instant::now() + NO_CALLS_FOR);
+            }
+        }
+    }
+    if !streams.get(&endpoint).is_some_and(|s| s.packed) {
+        unpack(&mut request);
+    }
     let timeout = client.options().attempt_timeout;
     // A stream kept from an earlier round may have died since (its server was restarted, or ended
     // it): that says nothing about the server now. So a kept stream that fails without a server's
@@ -562,6 +606,45 @@ async fn exchange(
             }
         }
     }
+}
+
+/// Sends `request` as a call on `endpoint`'s `Calls` stream. `None`: it is for `KeepAliveStream`
+/// (this client does not use the `Calls` stream, the server does not serve it, or the server predates
+/// keepalives on it and refused the message as a call it does not know, INVALID_ARGUMENT).
+async fn on_calls(
+    client: &Client,
+    endpoint: usize,
+    request: &pb::KeepAliveRequest,
+) -> Option<Result<pb::KeepAliveResponse, Option<tonic::Status>>> {
+    let calls = client.calls(endpoint);
+    let rpc = client.rpc(endpoint);
+    let attempts = async {
+        // A stream kept from an earlier call may have died since (its server was restarted): that
+        // says nothing about the server now, so one that ends without an answer is replaced by a
+        // fresh one once (as `exchange` does with a kept `KeepAliveStream`).
+        for attempt in 0..2 {
+            let sent = Instant::now();
+            match calls.keep_alive(&rpc, request.clone()).await {
+                Err(_given_back) => return None,
+                Ok(Ok(reply)) => {
+                    client.inner().registry.record(sent.elapsed());
+                    client.mark_answered(endpoint);
+                    return Some(Ok(reply));
+                }
+                Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => return None,
+                Ok(Err(status)) if !answered_by_a_server(&status) => {
+                    if attempt == 1 {
+                        return Some(Err(None));
+                    }
+                }
+                Ok(Err(status)) => return Some(Err(Some(status))),
+            }
+        }
+        Some(Err(None))
+    };
+    tokio::time::timeout(client.options().attempt_timeout, attempts)
+        .await
+        .unwrap_or(Some(Err(None)))
 }
 
 /// Sends one keepalive message for `group` and returns, per id, the TTL granted or `None` if not alive.

@@ -236,7 +236,11 @@ pub fn client_request(bytes: &[u8]) {
             .map(|r| match r.call {
                 Some(pb::call_request::Call::Acquire(a)) => a.name,
                 Some(pb::call_request::Call::Release(r)) => r.name,
-                Some(pb::call_request::Call::Cancel(_) | pb::call_request::Call::Ping(_))
+                Some(
+                    pb::call_request::Call::Cancel(_)
+                    | pb::call_request::Call::Ping(_)
+                    | pb::call_request::Call::KeepAlive(_),
+                )
                 | None => String::new(),
             })
             .ok(),

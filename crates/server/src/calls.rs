@@ -13,6 +13,11 @@
 //! ends its side still gets the answers of the calls in flight. Replies go out in the order the calls
 //! finish.
 //!
+//! A keepalive message on the stream (`CallRequest.keep_alive`) is what a `KeepAliveStream` message is
+//! ([`ClientService::keepalive`], checked against the access policy of the moment) and is answered at
+//! once, in this stream's task: it is not a call in flight. A server with `--compat-no-keepalive-calls`
+//! (or older compat hooks) refuses it as a server older than it does, as a message without a call.
+//!
 //! Limits: at most [`MAX_CALLS_PER_STREAM`] calls in flight on one stream, and at most
 //! [`MAX_CALLS_PER_CONNECTION`] on all the `Calls` streams of one client connection together (one more
 //! is refused at once and changes nothing); a message is at most `MAX_REQUEST_BYTES`, as a unary
@@ -47,6 +52,10 @@ pub const MAX_CALLS_PER_CONNECTION: usize = 1024;
 /// Calls in flight on the `Calls` streams of each client connection, by its peer address (the key
 /// while the connection is open: the kernel does not reuse the address of an open connection).
 pub type ByConnection = std::sync::Arc<std::sync::Mutex<BTreeMap<std::net::SocketAddr, usize>>>;
+
+/// The refusal of a message without a call this server knows (what a server older than a kind of
+/// call answers it with).
+const NO_CALL: &str = "a CallRequest must carry acquire, release, cancel, ping or keep_alive";
 
 /// Inbound messages taken in one poll before the replies get a turn (then the task wakes itself).
 const INBOUND_PER_POLL: usize = 64;
@@ -165,6 +174,25 @@ impl CallReplies {
         }
     }
 
+    /// A keepalive message as a call: what a `KeepAliveStream` message gets, checked against the
+    /// access policy of the moment as each of those is, and answered at once (the renewals take no
+    /// log entry and no wait). Not a call in flight: a message of up to 10,000 sessions is answered
+    /// before the next message is read.
+    fn keep_alive(&self, req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
+        let config = &self.service.node.config;
+        // A server older than compact keepalives (or than groups) is older than these calls too.
+        if config.compat_no_keepalive_calls
+            || config.compat_no_compact_keepalives
+            || config.compat_ignore_keepalive_groups
+        {
+            return Err(invalid(NO_CALL));
+        }
+        let r = Request::from_parts(self.metadata.clone(), self.extensions.clone(), ());
+        self.service.allow(&r, Need::LockAny)?;
+        self.service.node.metrics.keepalive_calls.inc();
+        self.service.keepalive(req)
+    }
+
     /// Starts, refuses or cancels the call one message carries; an error ends the stream.
     fn take(&mut self, m: pb::CallRequest) -> Result<(), Status> {
         let id = m.id;
@@ -183,6 +211,17 @@ impl CallReplies {
             )));
         }
         let call = match m.call {
+            Some(pb::call_request::Call::KeepAlive(req)) => {
+                let reply = match self.keep_alive(req) {
+                    Ok(r) => pb::CallReply {
+                        id,
+                        reply: Some(pb::call_reply::Reply::KeepAlive(r)),
+                    },
+                    Err(status) => error_reply(id, status),
+                };
+                self.ready.push_back(reply);
+                return Ok(());
+            }
             Some(pb::call_request::Call::Cancel(_)) => {
                 // Dropping the sender ends the call's future at its next poll; an id not in flight (it
                 // finished, or never was) is nothing to cancel. A cancelled call leaves the connection's
@@ -194,10 +233,7 @@ impl CallReplies {
                 return Ok(());
             }
             None => {
-                self.ready.push_back(error_reply(
-                    id,
-                    invalid("a CallRequest must carry acquire, release, cancel or ping"),
-                ));
+                self.ready.push_back(error_reply(id, invalid(NO_CALL)));
                 return Ok(());
             }
             Some(call) => call,
@@ -249,7 +285,9 @@ impl CallReplies {
                     .release(Request::from_parts(metadata, extensions, r))
                     .await
                     .map(|r| pb::call_reply::Reply::Release(r.into_inner())),
-                pb::call_request::Call::Cancel(_) | pb::call_request::Call::Ping(_) => {
+                pb::call_request::Call::Cancel(_)
+                | pb::call_request::Call::Ping(_)
+                | pb::call_request::Call::KeepAlive(_) => {
                     unreachable!("handled above")
                 }
             }

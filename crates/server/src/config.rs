@@ -81,6 +81,12 @@ pub struct ServerConfig {
     /// `KeepAliveRequest.compact` and `GroupKeepAlive.packed_secrets`). Hidden flag only.
     #[serde(skip)]
     pub compat_no_compact_keepalives: bool,
+    /// Compatibility test hook: answer a keepalive sent as a call on a `Calls` stream
+    /// (`CallRequest.keep_alive`) as a server older than those calls does (INVALID_ARGUMENT, the
+    /// stream left open). Implied by the two hooks above (such servers are older still). Hidden flag
+    /// only.
+    #[serde(skip)]
+    pub compat_no_keepalive_calls: bool,
     /// Compatibility test hook: answer `AppendStream` UNIMPLEMENTED, as a server older than it does, so
     /// a test can check that leaders fall back to one AppendEntries call at a time. Hidden flag only.
     #[serde(skip)]
@@ -192,6 +198,7 @@ impl Default for ServerConfig {
             fault_fsync_fail_after: None,
             compat_ignore_keepalive_groups: false,
             compat_no_compact_keepalives: false,
+            compat_no_keepalive_calls: false,
             compat_no_append_stream: false,
             compat_no_raw_appends: false,
             compat_no_call_streams: false,

@@ -45,6 +45,8 @@ pub struct ServerMetrics {
     pub keepalive_messages: Counter,
     /// Groups of keepalive messages renewed from packed secrets (`GroupKeepAlive.packed_secrets`).
     pub keepalive_packed_groups: Counter,
+    /// Keepalive messages taken as calls on `Calls` streams (`CallRequest.keep_alive`).
+    pub keepalive_calls: Counter,
     /// `KeepAliveStream` calls in progress.
     pub keepalive_streams: Arc<AtomicU64>,
     pub call_streams: Arc<AtomicU64>,
@@ -76,6 +78,7 @@ impl Default for ServerMetrics {
             keepalives: Counter::default(),
             keepalive_messages: Counter::default(),
             keepalive_packed_groups: Counter::default(),
+            keepalive_calls: Counter::default(),
             keepalive_streams: Default::default(),
             call_streams: Default::default(),
             client_connections_refused: Default::default(),
@@ -152,6 +155,11 @@ pub fn registry(node: Arc<NodeShared>) -> Registry {
         "holdfast_keepalive_packed_groups",
         "Groups of keepalive messages renewed as leader from packed secrets",
         m.keepalive_packed_groups.clone(),
+    );
+    r.register(
+        "holdfast_keepalive_calls",
+        "Keepalive messages taken as calls on Calls streams (each answered as a KeepAlive call)",
+        m.keepalive_calls.clone(),
     );
     r.register(
         "holdfast_peer_append_streams",

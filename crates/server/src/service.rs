@@ -190,7 +190,10 @@ impl ClientService {
     /// `compact`, the groups are answered with one TTL per session (`ttl_ms`) instead of a result
     /// message each, and the response says so: at 10,000 sessions a message, the results were most of
     /// encoding the answer here and decoding it at the client (docs/performance.md, "Compact keepalives").
-    fn keepalive(&self, mut req: pb::KeepAliveRequest) -> Result<pb::KeepAliveResponse, Status> {
+    pub(crate) fn keepalive(
+        &self,
+        mut req: pb::KeepAliveRequest,
+    ) -> Result<pb::KeepAliveResponse, Status> {
         if self.node.config.compat_ignore_keepalive_groups {
             req.groups.clear();
         }

@@ -77,6 +77,10 @@ pub struct ServerArgs {
     /// `packed_secrets`).
     #[arg(long, hide = true)]
     compat_no_compact_keepalives: bool,
+    /// Test hook: answer keepalives sent as calls on a `Calls` stream as a server older than them
+    /// (INVALID_ARGUMENT).
+    #[arg(long, hide = true)]
+    compat_no_keepalive_calls: bool,
     /// Test hook: answer AppendStream as a server older than it (UNIMPLEMENTED).
     #[arg(long, hide = true)]
     compat_no_append_stream: bool,
@@ -210,6 +214,9 @@ impl ServerArgs {
         }
         if self.compat_no_compact_keepalives {
             c.compat_no_compact_keepalives = true;
+        }
+        if self.compat_no_keepalive_calls {
+            c.compat_no_keepalive_calls = true;
         }
         if self.compat_no_append_stream {
             c.compat_no_append_stream = true;

@@ -218,8 +218,9 @@ async fn principals_get_what_their_roles_grant_and_nothing_else() {
     b.release().await.unwrap();
     assert!(session.is_valid());
 
-    // Revoked: alice loses lock altogether. Her keepalive stream is checked on every message, so her
-    // session stops being renewed and is lost within its TTL, though its stream stays open.
+    // Revoked: alice loses lock altogether. Her keepalives (calls on her Calls stream) are checked on
+    // every message, so her session stops being renewed and is lost within its TTL, though its stream
+    // stays open.
     std::fs::write(&policy_path, policy("")).unwrap();
     for i in 1..=3 {
         c.wait_for_log(i, "policy reloaded", 3).await;

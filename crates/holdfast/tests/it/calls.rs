@@ -345,6 +345,93 @@ async fn a_client_carries_calls_on_a_connection_of_its_own_or_on_the_grpc_stream
     }
 }
 
+/// A keepalive sent as a call on the stream (`CallRequest.keep_alive`) is answered at once with what a
+/// `KeepAlive` call answers: compact TTLs (0 for a session not alive), packed secrets taken, a wrong
+/// secret refused for its group and nothing renewed. It is not a call in flight: a cancel of its id is
+/// nothing, and the id may be used again at once. A server older than these calls (hidden flag
+/// `--compat-no-keepalive-calls`) refuses it as a message without a call it knows, INVALID_ARGUMENT,
+/// and the stream goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalives_are_taken_as_calls_on_the_stream_or_refused_by_older_servers() {
+    for (args, served) in [
+        (vec![], true),
+        (vec!["--compat-no-keepalive-calls".to_string()], false),
+    ] {
+        let c = Cluster::start(Options {
+            server_args: args.clone(),
+            ..three()
+        })
+        .await;
+        let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+        let mut raw = c.raw(leader).await;
+        let (a, secret) = raw_session(&mut raw, 7_000, 31).await;
+        let mut s = RawStream::open(&mut raw).await;
+        let keep_alive = |packed: &[u8]| {
+            Some(Call::KeepAlive(pb::KeepAliveRequest {
+                groups: vec![pb::GroupKeepAlive {
+                    group: 0,
+                    session_ids: vec![a, 999_999],
+                    packed_secrets: packed.to_vec().into(),
+                    ..Default::default()
+                }],
+                compact: true,
+                ..Default::default()
+            }))
+        };
+        let packed = [secret.clone(), vec![0; 16]].concat();
+        s.send(1, keep_alive(&packed));
+        let reply = s.next().await;
+        assert_eq!(reply.id, 1);
+        if !served {
+            assert_eq!(
+                error(&reply),
+                (
+                    tonic::Code::InvalidArgument as i32,
+                    pb::Reason::InvalidArgument
+                ),
+                "{args:?}"
+            );
+            s.send(2, Some(Call::Ping(pb::CallPing {})));
+            let pong = s.next().await;
+            assert_eq!(pong.reply, Some(Reply::Pong(pb::CallPing {})), "{args:?}");
+            let m = c.metrics(leader).await;
+            assert_eq!(m.get("holdfast_keepalive_calls_total"), Some(&0), "{m:?}");
+            continue;
+        }
+        let answered = |reply: pb::CallReply| match reply.reply {
+            Some(Reply::KeepAlive(r)) => r,
+            other => panic!("expected a keepalive answer: {other:?}"),
+        };
+        let r = answered(reply);
+        assert!(r.compact, "{r:?}");
+        assert_eq!(r.groups[0].code, 0, "{r:?}");
+        assert_eq!(r.groups[0].ttl_ms, vec![7_000, 0]);
+
+        let mut wrong = packed.clone();
+        wrong[3] ^= 1;
+        s.send(2, keep_alive(&wrong));
+        let reply = s.next().await;
+        assert_eq!(reply.id, 2);
+        let r = answered(reply);
+        assert_eq!(
+            tonic::Code::from(r.groups[0].code),
+            tonic::Code::PermissionDenied,
+            "{r:?}"
+        );
+        assert!(r.groups[0].ttl_ms.is_empty(), "{r:?}");
+
+        // Not in flight: the cancel is nothing, and id 2 is taken again.
+        s.send(2, Some(Call::Cancel(pb::CallCancel {})));
+        s.send(2, keep_alive(&packed));
+        let reply = s.next().await;
+        assert_eq!(reply.id, 2);
+        assert_eq!(answered(reply).groups[0].ttl_ms, vec![7_000, 0]);
+        let m = c.metrics(leader).await;
+        assert_eq!(m.get("holdfast_keepalive_calls_total"), Some(&3), "{m:?}");
+        assert_eq!(m.get("holdfast_call_streams"), Some(&1), "{m:?}");
+    }
+}
+
 /// Sends a `Calls` connection's hello (`holdfast_server::raw_calls`) with `authorization` (empty: none)
 /// and reads the answer: its status byte (0: taken).
 pub(crate) async fn calls_hello<IO>(io: &mut IO, version: u32, authorization: &str) -> u8

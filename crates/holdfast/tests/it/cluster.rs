@@ -1411,13 +1411,66 @@ async fn a_client_keeps_its_session_against_servers_older_than_compact_keepalive
     guard.release().await.unwrap();
 }
 
-/// The Rust client asks for compact answers, and once its stream's server has answered so, sends its
-/// secrets packed: after the first round every message's group comes packed.
+/// The Rust client renews its sessions with calls on its `Calls` stream to the leader, secrets packed
+/// from the first message, and keeps no `KeepAliveStream` open; against servers older than keepalives
+/// as calls (hidden flag `--compat-no-keepalive-calls`: INVALID_ARGUMENT) or than the `Calls` stream
+/// (`--compat-no-call-streams`: UNIMPLEMENTED) it renews on `KeepAliveStream`. Either way its session
+/// lives through three TTLs of rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_renews_on_its_calls_stream_or_on_keepalive_streams_of_older_servers() {
+    for (args, as_calls) in [
+        (vec![], true),
+        (vec!["--compat-no-keepalive-calls".to_string()], false),
+        (vec!["--compat-no-call-streams".to_string()], false),
+    ] {
+        let c = Cluster::start(Options {
+            nodes: 3,
+            http: true,
+            server_args: args.clone(),
+            ..Options::default()
+        })
+        .await;
+        let leader = c.wait_for_leader(0, SECS_30).await;
+        let client = c.client().await;
+        let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+        wait_for_keepalive_of(&c, leader, 1).await;
+        let counts = || async {
+            let m = c.metrics(leader).await;
+            let get = |k: &str| m.get(k).copied().unwrap_or(0);
+            [
+                get("holdfast_keepalive_messages_total"),
+                get("holdfast_keepalive_calls_total"),
+                get("holdfast_keepalive_packed_groups_total"),
+                get("holdfast_keepalive_streams"),
+            ]
+        };
+        let before = counts().await;
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let after = counts().await;
+        let messages = after[0] - before[0];
+        assert!(messages >= 4, "{args:?}: {messages} keepalives in 6 s");
+        assert!(session.is_valid(), "{args:?}: the session was lost");
+        if as_calls {
+            assert_eq!(after[1] - before[1], messages, "{args:?}: not all as calls");
+            assert_eq!(after[2] - before[2], messages, "{args:?}: not all packed");
+            assert_eq!(after[3], 0, "{args:?}: a keepalive stream is open");
+        } else {
+            assert_eq!(after[1], 0, "{args:?}: taken as calls");
+            assert_eq!(after[3], 1, "{args:?}: no keepalive stream");
+        }
+    }
+}
+
+/// On `KeepAliveStream` (servers older than keepalives on the `Calls` stream, hidden flag
+/// `--compat-no-keepalive-calls`), the Rust client asks for compact answers, and once its stream's
+/// server has answered so, sends its secrets packed: after the first round every message's group comes
+/// packed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_packs_its_secrets_once_a_server_has_answered_compact() {
     let c = Cluster::start(Options {
         nodes: 3,
         http: true,
+        server_args: vec!["--compat-no-keepalive-calls".into()],
         ..Options::default()
     })
     .await;
