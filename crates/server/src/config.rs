@@ -16,6 +16,9 @@ pub struct Member {
     pub peer: String,
 }
 
+/// The largest `snapshot_log_percent`: a log ten times its snapshot's size.
+pub const MAX_SNAPSHOT_LOG_PERCENT: u64 = 1_000;
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
@@ -60,6 +63,11 @@ pub struct ServerConfig {
     /// Also snapshot a group once its log grew by this many bytes since its last snapshot (checked every
     /// 5 s; 0 turns it off): with large lock values, few entries can be many bytes.
     pub snapshot_every_bytes: u64,
+    /// A snapshot that `snapshot_every_entries` asks for waits until the log appended since the last
+    /// snapshot holds at least this share of that snapshot's bytes, in percent (0: never waits): a
+    /// large table is not rewritten every `snapshot_every_entries` entries. See
+    /// `state_machine::SnapshotPacing`.
+    pub snapshot_log_percent: u64,
     /// A group this server is not a voter of (it left it, or is a learner), with nothing appended or
     /// applied for this long, and not led here, is snapshotted and its table dropped from memory; the
     /// next entry to apply loads it back (see `state_machine`). 0: never. Checked every second.
@@ -192,6 +200,7 @@ impl Default for ServerConfig {
             snapshot_every_entries: 20_000,
             snapshot_keep_entries: 1_000,
             snapshot_every_bytes: 64 << 20,
+            snapshot_log_percent: 25,
             unload_after_ms: 30_000,
             #[cfg(holdfast_sim)]
             sim_unload_voters: false,
@@ -329,6 +338,11 @@ impl ServerConfig {
         }
         if self.table_budget_mib > 1 << 30 {
             return Err("table_budget_mib must be at most 1073741824 (1 PiB)".into());
+        }
+        if self.snapshot_log_percent > MAX_SNAPSHOT_LOG_PERCENT {
+            return Err(format!(
+                "snapshot_log_percent must be at most {MAX_SNAPSHOT_LOG_PERCENT} (the log between snapshots is kept in memory; snapshot_every_bytes caps it too)"
+            ));
         }
         if self.snapshot_every_bytes != 0 && self.snapshot_every_bytes < 64 << 10 {
             return Err("snapshot_every_bytes must be 0 (off) or at least 65536".into());

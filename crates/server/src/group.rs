@@ -191,6 +191,8 @@ impl Waiters {
 pub struct Group {
     /// Bytes of log entries this server appended for the group (monotonic; see `LogStore`).
     pub log_bytes: Arc<std::sync::atomic::AtomicU64>,
+    /// When the snapshots openraft's policy asks for are built (`state_machine::SnapshotPacing`).
+    pub pacing: Arc<crate::state_machine::SnapshotPacing>,
     pub id: u32,
     pub raft: Raft,
     pub state: Arc<RwLock<SmState>>,
@@ -277,6 +279,7 @@ impl Group {
         leases: Arc<Leases>,
         waiters: Arc<Waiters>,
         log_bytes: Arc<std::sync::atomic::AtomicU64>,
+        pacing: Arc<crate::state_machine::SnapshotPacing>,
         config: &ServerConfig,
         peer_features: crate::peer::PeerFeatures,
         unloader: crate::state_machine::Unloader,
@@ -300,6 +303,7 @@ impl Group {
             learned_leader: Default::default(),
             hand_over_ended: Default::default(),
             log_bytes,
+            pacing,
             table_budget: config.group_table_budget(),
             peer_features: (!config.compat_no_expire_sessions).then_some(peer_features),
             expiring: tokio::sync::Mutex::new(()),
@@ -1053,6 +1057,15 @@ impl Group {
         }
     }
 
+    /// Asks openraft for a snapshot now, one that its pacing does not defer (openraft ignores the ask
+    /// while it builds one already).
+    pub async fn snapshot_now(
+        &self,
+    ) -> Result<(), openraft::error::Fatal<crate::raft_types::TypeConfig>> {
+        self.pacing.force();
+        self.raft.trigger().snapshot().await
+    }
+
     /// Snapshots this group and purges its whole log up to the snapshot, ignoring the entries normally
     /// kept behind it: for a group whose old records keep a WAL segment on disk (see
     /// `holdfast_wal::Wal::pinning_groups`), which a group that rarely writes would otherwise do for ever.
@@ -1062,7 +1075,7 @@ impl Group {
         let applied = m.last_applied.map(|l| l.index);
         let before = m.snapshot.map(|l| l.index);
         if before < applied {
-            if let Err(e) = self.raft.trigger().snapshot().await {
+            if let Err(e) = self.snapshot_now().await {
                 tracing::warn!(group = self.id, %e, "cannot snapshot to free a wal segment");
                 return;
             }

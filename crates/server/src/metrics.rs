@@ -407,6 +407,14 @@ impl Collector for NodeCollector {
                 node.groups.iter().map(|g| (group(g), value(&g.metrics))),
             )?;
         }
+        counters(
+            &mut e,
+            "holdfast_snapshots_deferred",
+            "Snapshots due by snapshot_every_entries that waited because the log since the last one was under snapshot_log_percent of its size.",
+            node.groups
+                .iter()
+                .map(|g| (group(g), g.pacing.deferred.load(Relaxed))),
+        )?;
         let tables: Vec<(Labels, [u64; 12])> = node
             .groups
             .iter()

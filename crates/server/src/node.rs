@@ -332,9 +332,16 @@ impl Node {
             #[cfg(holdfast_sim)]
             let leases = Arc::new(Leases::with_clock_rate_ppm(config.clock_rate_ppm));
             let waiters = Arc::new(Waiters::default());
-            let (sm, state) =
-                StateMachine::open(snapshots, event_sink(leases.clone(), waiters.clone()))
-                    .map_err(|e| anyhow!("group {g}: {e}"))?;
+            let pacing = Arc::new(crate::state_machine::SnapshotPacing::new(
+                log_bytes.clone(),
+                config.snapshot_log_percent,
+            ));
+            let (sm, state) = StateMachine::open(
+                snapshots,
+                event_sink(leases.clone(), waiters.clone()),
+                pacing.clone(),
+            )
+            .map_err(|e| anyhow!("group {g}: {e}"))?;
             let unloader = sm.unloader();
             let sm = if let Some(sink) = &config.audit_sink {
                 sm.with_audit_writer((sink.0)(g))
@@ -377,6 +384,7 @@ impl Node {
                 leases,
                 waiters,
                 log_bytes,
+                pacing,
                 &config,
                 peers.features(),
                 unloader,
@@ -1155,7 +1163,7 @@ async fn compact_pinning_groups(
                     "log over snapshot_every_bytes: snapshotting"
                 );
                 mark.1 = bytes;
-                if let Err(e) = group.raft.trigger().snapshot().await {
+                if let Err(e) = group.snapshot_now().await {
                     tracing::warn!(group = g, %e, "cannot trigger a snapshot");
                 }
             }
@@ -1234,7 +1242,7 @@ async fn unload_idle_groups(shared: Arc<NodeShared>, mut shutdown: watch::Receiv
             }
             if m.snapshot != m.last_applied {
                 // openraft ignores this while it builds one; the next look sees the snapshot.
-                if let Err(e) = group.raft.trigger().snapshot().await {
+                if let Err(e) = group.snapshot_now().await {
                     tracing::warn!(group = group.id, %e, "cannot snapshot an idle group to unload it");
                 }
                 continue;

@@ -125,6 +125,74 @@ pub struct StateMachine {
     events: EventSink,
     /// `--audit-log`: one JSON line per applied command, for the fault tests' checker.
     audit: Option<Box<dyn std::io::Write + Send + Sync>>,
+    /// When a snapshot that openraft's policy asks for is built, and when it waits.
+    pacing: Arc<SnapshotPacing>,
+}
+
+/// Paces the snapshots that openraft's policy asks for (every `snapshot_every_entries` entries): one
+/// is built only once the log appended since the newest snapshot holds at least `percent`% of that
+/// snapshot's bytes; until then openraft's request is deferred (it asks again
+/// `snapshot_every_entries` entries later). Why: a snapshot writes the whole table, so at a fixed
+/// count of entries its cost per entry grows with the table. At 1,000,000 locks a snapshot is ~34 MB,
+/// and every 20,000 entries (~2 s under full load on the development machine) each server encoded
+/// and wrote one, with the state lock taken for each of its chunks (docs/performance.md, "Snapshots
+/// paced by their size"). With the default 25%, the log kept in memory between snapshots is at most
+/// about a quarter of the snapshot's size (or `snapshot_every_entries` entries, whichever is more);
+/// `snapshot_every_bytes` still caps it.
+///
+/// A snapshot someone asked for (to free a WAL segment, to unload a group, at `snapshot_every_bytes`)
+/// is never deferred: its caller says so with [`SnapshotPacing::force`] first.
+pub struct SnapshotPacing {
+    /// The group's log bytes appended since this server started (`LogStore`'s counter).
+    log_bytes: Arc<std::sync::atomic::AtomicU64>,
+    /// 0: never deferred.
+    percent: u64,
+    /// The log bytes counter when the newest snapshot was built, installed or loaded, and that
+    /// snapshot's size in bytes.
+    mark: Mutex<(u64, u64)>,
+    /// The next build is not deferred.
+    forced: std::sync::atomic::AtomicBool,
+    /// Builds deferred so far (`holdfast_snapshots_deferred_total`).
+    pub deferred: std::sync::atomic::AtomicU64,
+}
+
+impl SnapshotPacing {
+    pub fn new(log_bytes: Arc<std::sync::atomic::AtomicU64>, percent: u64) -> Self {
+        SnapshotPacing {
+            log_bytes,
+            percent,
+            mark: Mutex::new((0, 0)),
+            forced: Default::default(),
+            deferred: Default::default(),
+        }
+    }
+
+    /// The next snapshot build goes ahead, whatever the log's size.
+    pub fn force(&self) {
+        self.forced
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether a build the policy asked for waits (and counts it if so).
+    fn defer(&self) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Relaxed};
+        if self.forced.swap(false, AcqRel) {
+            return false;
+        }
+        let (at, size) = *self.mark.lock().expect("snapshot pacing lock");
+        let since = self.log_bytes.load(Relaxed).saturating_sub(at);
+        let wait = since.saturating_mul(100) < size.saturating_mul(self.percent);
+        if wait {
+            self.deferred.fetch_add(1, Relaxed);
+        }
+        wait
+    }
+
+    /// A snapshot of `size` bytes is the newest now.
+    fn made(&self, size: u64) {
+        let now = self.log_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        *self.mark.lock().expect("snapshot pacing lock") = (now, size);
+    }
 }
 
 /// One line of the audit log: what an applied entry did on this replica.
@@ -159,6 +227,7 @@ impl StateMachine {
     pub fn open(
         snapshots: SnapshotStore,
         events: EventSink,
+        pacing: Arc<SnapshotPacing>,
     ) -> Result<(Self, Arc<RwLock<SmState>>), String> {
         let mut state = SmState {
             table: LockTable::new(),
@@ -187,6 +256,7 @@ impl StateMachine {
             let index = state.last_applied.map_or(0, |l| l.index);
             state.history = crate::watch::History::new(index);
             state.applied_tx.send_replace(index);
+            pacing.made(bytes.len() as u64);
             current = Some((loaded.meta, path));
         }
         let state = Arc::new(RwLock::new(state));
@@ -198,6 +268,7 @@ impl StateMachine {
             applying: Arc::new(tokio::sync::Mutex::new(())),
             events,
             audit: None,
+            pacing,
         };
         Ok((sm, state))
     }
@@ -439,12 +510,17 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             Err(_) if force => None,
             Err(_) => return None,
         };
+        if !force && self.pacing.defer() {
+            tracing::debug!("snapshot deferred: the log since the last one is small beside it");
+            return None;
+        }
         Some(SnapshotBuilder {
             state: self.state.clone(),
             snapshots: self.snapshots.clone(),
             current: self.current.clone(),
             building: self.building.clone(),
             guard,
+            pacing: self.pacing.clone(),
         })
     }
 
@@ -455,6 +531,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             current: self.current.clone(),
             building: self.building.clone(),
             guard: None,
+            pacing: self.pacing.clone(),
         }
     }
 
@@ -479,11 +556,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         // Never under a build: it would write the replaced table's snapshot after this one.
         let _building = self.building.lock().await;
         let store = self.snapshots.clone();
+        let size = bytes.len() as u64;
         let path = crate::blocking(move || {
             store.save(index, &bytes)?;
             Ok(store.path_of(index))
         })
         .await?;
+        self.pacing.made(size);
         let old = {
             let mut s = self.state.write().expect("state machine lock poisoned");
             let old = std::mem::replace(&mut s.table, *table);
@@ -585,6 +664,7 @@ fn apply_one(s: &mut SmState, entry: Entry) -> Response {
 pub struct SnapshotBuilder {
     state: Arc<RwLock<SmState>>,
     snapshots: Arc<SnapshotStore>,
+    pacing: Arc<SnapshotPacing>,
     current: Arc<Mutex<Option<(SnapshotMeta, PathBuf)>>>,
     building: Arc<tokio::sync::Mutex<()>>,
     /// Taken when the builder was created (a forced build takes it when it starts).
@@ -719,10 +799,44 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // The last chunk thawed the table.
         unfreeze.0 = None;
         *self.current.lock().expect("snapshot meta lock") = Some((meta.clone(), path.clone()));
+        self.pacing.made(len);
         tracing::info!(index, bytes = len, "built snapshot");
         Ok(Snapshot {
             meta,
             snapshot: SnapshotData::File(path),
         })
+    }
+}
+
+#[cfg(test)]
+mod pacing_tests {
+    use super::SnapshotPacing;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+
+    #[test]
+    fn a_due_snapshot_waits_for_a_log_of_its_share_of_the_last_one() {
+        let log = Arc::new(AtomicU64::new(0));
+        let p = SnapshotPacing::new(log.clone(), 25);
+        assert!(
+            !p.defer(),
+            "before any snapshot there is nothing to wait for"
+        );
+        p.made(1_000);
+        log.store(249, Relaxed);
+        assert!(p.defer(), "249 bytes of log beside a snapshot of 1,000");
+        log.store(250, Relaxed);
+        assert!(!p.defer(), "a quarter of its size");
+        p.made(1_000);
+        log.store(400, Relaxed);
+        assert!(p.defer(), "counted from the newest snapshot");
+        p.force();
+        assert!(!p.defer(), "a forced build goes ahead");
+        assert!(p.defer(), "once");
+        assert_eq!(p.deferred.load(Relaxed), 3);
+
+        let never = SnapshotPacing::new(log, 0);
+        never.made(u64::MAX);
+        assert!(!never.defer(), "0% never waits");
     }
 }

@@ -136,6 +136,7 @@ pub fn server_config(i: usize, plan: &Plan, boot: u64, shared: &Arc<Shared>) -> 
         snapshot_every_entries: plan.knobs.snapshot_every_entries,
         snapshot_keep_entries: plan.knobs.snapshot_keep_entries,
         snapshot_every_bytes: plan.knobs.snapshot_every_bytes,
+        snapshot_log_percent: plan.knobs.snapshot_log_percent,
         wal_segment_bytes: plan.knobs.wal_segment_bytes,
         heartbeat_interval_ms: plan.knobs.heartbeat_interval_ms,
         election_timeout_min_ms: plan.knobs.election_timeout_min_ms,

@@ -33,6 +33,9 @@ pub struct Knobs {
     pub lock_delay_one_in: u64,
     pub lock_delay_ms: u64,
     pub snapshot_every_bytes: u64,
+    /// `snapshot_log_percent`: 0 (snapshots never wait), the default 25, or 1,000 (a log ten times
+    /// the snapshot's size: the workload's small tables then defer most due snapshots).
+    pub snapshot_log_percent: u64,
     /// Each group's table budget in bytes (None: the default 1 GiB). The small ones hold the
     /// workload's sessions three times over (1 KiB each) and 4 or 16 KiB more, so opens and acquires
     /// are refused for a full table now and then.
@@ -86,6 +89,7 @@ impl Knobs {
             groups: 1,
             unload_after_ms: 30_000,
             unload_voters: false,
+            snapshot_log_percent: 25,
         };
         // Drawn after the knobs above, so that adding these changed none of theirs.
         let budget_room_kib: Option<u64> = rng.pick(&[None, None, None, Some(4), Some(16)]);
@@ -100,6 +104,8 @@ impl Knobs {
         // Last again, for the same reason.
         knobs.unload_after_ms = rng.pick(&[30_000, 30_000, 300, 1_000]);
         knobs.unload_voters = knobs.unload_after_ms < 30_000;
+        // Last again.
+        knobs.snapshot_log_percent = rng.pick(&[25, 25, 0, 1_000]);
         knobs
     }
 }

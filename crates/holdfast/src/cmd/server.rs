@@ -63,6 +63,10 @@ pub struct ServerArgs {
     /// Also snapshot once a group's log grew by this many bytes (default 67108864; 0 = off).
     #[arg(long)]
     snapshot_every_bytes: Option<u64>,
+    /// A snapshot due by entries waits until the log since the last one holds this share of its size,
+    /// in percent (default 25; 0 = never waits; at most 1000).
+    #[arg(long)]
+    snapshot_log_percent: Option<u64>,
     /// Drop from memory the table of a group this server is not a voter of once idle this long
     /// (default 30000; 0 = never); it is reloaded from its snapshot when needed.
     #[arg(long)]
@@ -188,6 +192,7 @@ impl ServerArgs {
             snapshot_every_entries,
             snapshot_keep_entries,
             snapshot_every_bytes,
+            snapshot_log_percent,
             unload_after_ms,
             cluster_token,
             default_ttl_ms,

@@ -276,6 +276,83 @@ async fn churn(session: &holdfast_client::Session, prefix: &str, n: usize) {
     }
 }
 
+/// Snapshots are paced by their size (`--snapshot-log-percent`, 25 by default): with a table of
+/// large values, a snapshot due every 100 entries (`--snapshot-every-entries`) waits until the log
+/// appended since the last one holds a quarter of that snapshot's bytes, each wait counted in
+/// `holdfast_snapshots_deferred_total`, and is then taken. Without the pacing a snapshot would follow
+/// every 100 small entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_waits_until_the_log_holds_a_share_of_the_last_one() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        snapshot_every_entries: 100,
+        snapshot_keep_entries: 0,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(30)).await.unwrap();
+    // ~300 KB of values: from here on every snapshot is at least that.
+    let value = vec![7u8; 1_000];
+    let mut held = Vec::new();
+    for i in 0..300 {
+        held.push(
+            session
+                .acquire_with_value(&format!("big/{i}"), Duration::ZERO, &value)
+                .await
+                .unwrap(),
+        );
+    }
+    // A snapshot of the whole big table (due within 100 entries of its end, while the log since the
+    // one before holds ~100 big entries): the one the pacing measures against from now on.
+    let mut pairs = 0;
+    let big = loop {
+        let s = c.group_status(leader, 0).await.unwrap();
+        if s.snapshot_index >= 290 {
+            break s.snapshot_index;
+        }
+        assert!(pairs < 100, "no snapshot of the big table: {s:?}");
+        churn(&session, "marker", 1).await;
+        pairs += 1;
+    };
+    let deferred = || async {
+        c.metrics(leader)
+            .await
+            .get("holdfast_snapshots_deferred_total{group=\"0\"}")
+            .copied()
+            .unwrap_or(0)
+    };
+    let deferred_before = deferred().await;
+    // 400 small entries (~100 bytes each, ~40 KB in all, well under a quarter of the snapshot's
+    // ~310 KB): each hundred makes a snapshot due, and each waits.
+    churn(&session, "small", 200).await;
+    let waits = deferred().await - deferred_before;
+    assert!(
+        waits >= 3,
+        "{waits} snapshots deferred over 400 small entries"
+    );
+    let s = c.group_status(leader, 0).await.unwrap();
+    assert_eq!(
+        s.snapshot_index, big,
+        "a snapshot was taken after a log of small entries only: {s:?}"
+    );
+    // Once the log passes a quarter of the snapshot's bytes, the next due snapshot is taken (within
+    // 6,000 small entries, several times a quarter).
+    let mut batches = 0;
+    loop {
+        let s = c.group_status(leader, 0).await.unwrap();
+        if s.snapshot_index > big {
+            break;
+        }
+        assert!(batches < 60, "no snapshot after the log grew: {s:?}");
+        churn(&session, "more", 50).await;
+        batches += 1;
+    }
+    assert_eq!(held.len(), 300);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_catches_up_by_log_and_by_snapshot() {
     let mut c = Cluster::start(Options {

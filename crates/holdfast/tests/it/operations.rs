@@ -228,6 +228,13 @@ async fn check_config_judges_the_shipped_example_and_writes_nothing() {
     let out = check(&["--node-id", "1", "--min-ttl-ms", "500"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_ttl_ms"));
+    let out = check(&["--node-id", "1", "--snapshot-log-percent", "1001"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("snapshot_log_percent must be at most 1000"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for flag in ["--workers=0", "--workers=257", "--client-workers=257"] {
         let out = check(&["--node-id", "1", flag]);
         assert_eq!(out.status.code(), Some(2), "{flag}: refused as a bad flag");
