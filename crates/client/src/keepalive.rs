@@ -610,7 +610,8 @@ async fn exchange(
 
 /// Sends `request` as a call on `endpoint`'s `Calls` stream. `None`: it is for `KeepAliveStream`
 /// (this client does not use the `Calls` stream, the server does not serve it, or the server predates
-/// keepalives on it and refused the message as a call it does not know, INVALID_ARGUMENT).
+/// keepalives on it and refused the message as a call it does not know: INVALID_ARGUMENT, "a
+/// CallRequest must carry ...", the words of every server since the `Calls` stream).
 async fn on_calls(
     client: &Client,
     endpoint: usize,
@@ -631,7 +632,14 @@ async fn on_calls(
                     client.mark_answered(endpoint);
                     return Some(Ok(reply));
                 }
-                Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => return None,
+                // What a server answers a call it does not know with (one older than these calls,
+                // or acting so); any other refusal is the message's own.
+                Ok(Err(status))
+                    if status.code() == tonic::Code::InvalidArgument
+                        && status.message().starts_with("a CallRequest must carry") =>
+                {
+                    return None
+                }
                 Ok(Err(status)) if !answered_by_a_server(&status) => {
                     if attempt == 1 {
                         return Some(Err(None));

@@ -54,7 +54,8 @@ pub const MAX_CALLS_PER_CONNECTION: usize = 1024;
 pub type ByConnection = std::sync::Arc<std::sync::Mutex<BTreeMap<std::net::SocketAddr, usize>>>;
 
 /// The refusal of a message without a call this server knows (what a server older than a kind of
-/// call answers it with).
+/// call answers it with). Clients read its first words, "a CallRequest must carry", as "this server
+/// does not know the call": keep them.
 const NO_CALL: &str = "a CallRequest must carry acquire, release, cancel, ping or keep_alive";
 
 /// Inbound messages taken in one poll before the replies get a turn (then the task wakes itself).
@@ -318,7 +319,13 @@ impl Stream for CallReplies {
             }
             match Pin::new(inbound).poll_next(cx) {
                 Poll::Ready(Some(Ok(m))) => {
-                    taken += 1;
+                    // A keepalive renews up to 10,000 sessions where it is read: the task yields after
+                    // one, so a client cannot hold the thread for many in a row.
+                    taken += if matches!(m.call, Some(pb::call_request::Call::KeepAlive(_))) {
+                        INBOUND_PER_POLL
+                    } else {
+                        1
+                    };
                     if let Err(status) = this.take(m) {
                         return Poll::Ready(Some(Err(status)));
                     }

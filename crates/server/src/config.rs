@@ -56,7 +56,8 @@ pub struct ServerConfig {
     /// 200..350 ms) fail over in about 0.7 s; see docs/operations.md, "Timeouts", for the trade-off.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
-    /// Build a snapshot and purge the log after this many entries.
+    /// Build a snapshot and purge the log after this many entries (for a large table, once the log also
+    /// holds `snapshot_log_percent` of the last snapshot's size).
     pub snapshot_every_entries: u64,
     /// Entries kept behind a snapshot, so a briefly lagging follower catches up by log, not snapshot.
     pub snapshot_keep_entries: u64,
@@ -341,7 +342,7 @@ impl ServerConfig {
         }
         if self.snapshot_log_percent > MAX_SNAPSHOT_LOG_PERCENT {
             return Err(format!(
-                "snapshot_log_percent must be at most {MAX_SNAPSHOT_LOG_PERCENT} (the log between snapshots is kept in memory; snapshot_every_bytes caps it too)"
+                "snapshot_log_percent must be at most {MAX_SNAPSHOT_LOG_PERCENT} (the log between snapshots is kept in memory)"
             ));
         }
         if self.snapshot_every_bytes != 0 && self.snapshot_every_bytes < 64 << 10 {

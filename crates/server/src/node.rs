@@ -1122,7 +1122,8 @@ const PIN_PATIENCE: Duration = Duration::from_secs(600);
 
 /// Snapshots a group whose log grew by `snapshot_every_bytes` since its last snapshot, and keeps disk use
 /// bounded: a group whose old records keep the oldest closed WAL segment on disk, and that
-/// will not reach its own snapshot threshold soon (a group that rarely writes may never), is snapshotted
+/// will not reach its own snapshot threshold soon (a group that rarely writes may never, and one whose
+/// due snapshot would wait for a longer log may not for long), is snapshotted
 /// and its log purged. A group that writes fast enough to reach the threshold within
 /// [`PIN_PATIENCE`] is left to its normal snapshot (after a restart every group pins the segment the
 /// restart closed).
@@ -1176,8 +1177,11 @@ async fn compact_pinning_groups(
             let since_snapshot = applied - snapshot_index.min(applied);
             let rate_per_check = applied.saturating_sub(previous);
             let checks = PIN_PATIENCE.as_secs() / PIN_CHECK_INTERVAL.as_secs();
-            if since_snapshot + rate_per_check * checks >= every {
-                continue; // it will snapshot by itself soon enough
+            // It will snapshot by itself soon enough, unless its snapshots wait for a longer log
+            // (`SnapshotPacing`): a large table's group that went quiet after a due snapshot waited
+            // would never be asked again, and would keep the segment for ever.
+            if since_snapshot + rate_per_check * checks >= every && !group.pacing.would_defer() {
+                continue;
             }
             let now = tokio::time::Instant::now();
             if last

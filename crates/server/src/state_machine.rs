@@ -136,9 +136,12 @@ pub struct StateMachine {
 /// count of entries its cost per entry grows with the table. At 1,000,000 locks a snapshot is ~34 MB,
 /// and every 20,000 entries (~2 s under full load on the development machine) each server encoded
 /// and wrote one, with the state lock taken for each of its chunks (docs/performance.md, "Snapshots
-/// paced by their size"). With the default 25%, the log kept in memory between snapshots is at most
-/// about a quarter of the snapshot's size (or `snapshot_every_entries` entries, whichever is more);
-/// `snapshot_every_bytes` still caps it.
+/// paced by their size"). With the default 25%, the log kept in memory between snapshots grows to
+/// about a quarter of the snapshot's size (or `snapshot_every_entries` entries, whichever is more),
+/// plus up to `snapshot_every_entries` entries, since a deferred snapshot is asked for again only
+/// that many entries later; `snapshot_every_bytes` caps it when set. A group that goes quiet with a
+/// snapshot waiting is not asked again: `node::compact_pinning_groups` snapshots it when its log
+/// keeps the oldest WAL segment ([`SnapshotPacing::would_defer`]).
 ///
 /// A snapshot someone asked for (to free a WAL segment, to unload a group, at `snapshot_every_bytes`)
 /// is never deferred: its caller says so with [`SnapshotPacing::force`] first.
@@ -179,19 +182,28 @@ impl SnapshotPacing {
         if self.forced.swap(false, AcqRel) {
             return false;
         }
-        let (at, size) = *self.mark.lock().expect("snapshot pacing lock");
-        let since = self.log_bytes.load(Relaxed).saturating_sub(at);
-        let wait = since.saturating_mul(100) < size.saturating_mul(self.percent);
+        let wait = self.would_defer();
         if wait {
             self.deferred.fetch_add(1, Relaxed);
         }
         wait
     }
 
-    /// A snapshot of `size` bytes is the newest now.
-    fn made(&self, size: u64) {
-        let now = self.log_bytes.load(std::sync::atomic::Ordering::Relaxed);
-        *self.mark.lock().expect("snapshot pacing lock") = (now, size);
+    /// Whether a build the policy asked for now would wait for a longer log.
+    pub fn would_defer(&self) -> bool {
+        let (at, size) = *self.mark.lock().expect("snapshot pacing lock");
+        let since = self.log_bytes_now().saturating_sub(at);
+        since.saturating_mul(100) < size.saturating_mul(self.percent)
+    }
+
+    fn log_bytes_now(&self) -> u64 {
+        self.log_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A snapshot of `size` bytes, begun when the log bytes counter read `begun`, is the newest now:
+    /// the log appended while it was written counts toward the next one.
+    fn made(&self, begun: u64, size: u64) {
+        *self.mark.lock().expect("snapshot pacing lock") = (begun, size);
     }
 }
 
@@ -256,7 +268,9 @@ impl StateMachine {
             let index = state.last_applied.map_or(0, |l| l.index);
             state.history = crate::watch::History::new(index);
             state.applied_tx.send_replace(index);
-            pacing.made(bytes.len() as u64);
+            // The log replayed after it is not in the counter (it counts from this start): the first
+            // due snapshot after a restart may wait for up to that much more log.
+            pacing.made(0, bytes.len() as u64);
             current = Some((loaded.meta, path));
         }
         let state = Arc::new(RwLock::new(state));
@@ -557,12 +571,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let _building = self.building.lock().await;
         let store = self.snapshots.clone();
         let size = bytes.len() as u64;
+        let begun = self.pacing.log_bytes_now();
         let path = crate::blocking(move || {
             store.save(index, &bytes)?;
             Ok(store.path_of(index))
         })
         .await?;
-        self.pacing.made(size);
+        self.pacing.made(begun, size);
         let old = {
             let mut s = self.state.write().expect("state machine lock poisoned");
             let old = std::mem::replace(&mut s.table, *table);
@@ -722,6 +737,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             let writer = s.table.snapshot_begin(&mut header);
             (meta, writer, header, digest)
         };
+        let begun = self.pacing.log_bytes_now();
         // From here until the last chunk the table keeps copies of what changes; however the build
         // ends early (an error, or its task dropped), it must stop.
         let mut unfreeze = Unfreeze(Some(&self.state));
@@ -799,7 +815,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // The last chunk thawed the table.
         unfreeze.0 = None;
         *self.current.lock().expect("snapshot meta lock") = Some((meta.clone(), path.clone()));
-        self.pacing.made(len);
+        self.pacing.made(begun, len);
         tracing::info!(index, bytes = len, "built snapshot");
         Ok(Snapshot {
             meta,
@@ -822,21 +838,28 @@ mod pacing_tests {
             !p.defer(),
             "before any snapshot there is nothing to wait for"
         );
-        p.made(1_000);
+        p.made(0, 1_000);
         log.store(249, Relaxed);
+        assert!(p.would_defer());
         assert!(p.defer(), "249 bytes of log beside a snapshot of 1,000");
         log.store(250, Relaxed);
+        assert!(!p.would_defer());
         assert!(!p.defer(), "a quarter of its size");
-        p.made(1_000);
+        // Begun at 250 and finished at 300: the 50 bytes written meanwhile count toward the next.
+        log.store(300, Relaxed);
+        p.made(250, 1_000);
+        log.store(499, Relaxed);
+        assert!(p.defer(), "counted from the newest snapshot's beginning");
+        log.store(500, Relaxed);
+        assert!(!p.would_defer());
         log.store(400, Relaxed);
-        assert!(p.defer(), "counted from the newest snapshot");
         p.force();
         assert!(!p.defer(), "a forced build goes ahead");
         assert!(p.defer(), "once");
-        assert_eq!(p.deferred.load(Relaxed), 3);
+        assert_eq!(p.deferred.load(Relaxed), 3, "would_defer counts nothing");
 
         let never = SnapshotPacing::new(log, 0);
-        never.made(u64::MAX);
+        never.made(0, u64::MAX);
         assert!(!never.defer(), "0% never waits");
     }
 }

@@ -1528,8 +1528,18 @@ async fn a_client_renews_on_its_calls_stream_or_on_keepalive_streams_of_older_se
         assert!(messages >= 4, "{args:?}: {messages} keepalives in 6 s");
         assert!(session.is_valid(), "{args:?}: the session was lost");
         if as_calls {
-            assert_eq!(after[1] - before[1], messages, "{args:?}: not all as calls");
-            assert_eq!(after[2] - before[2], messages, "{args:?}: not all packed");
+            // Within one: a scrape may fall between a message's counters (calls, packed, messages
+            // are counted in that order).
+            let calls = after[1] - before[1];
+            let packed = after[2] - before[2];
+            assert!(
+                calls.abs_diff(messages) <= 1,
+                "{args:?}: {calls} of {messages} as calls"
+            );
+            assert!(
+                packed.abs_diff(messages) <= 1,
+                "{args:?}: {packed} of {messages} packed"
+            );
             assert_eq!(after[3], 0, "{args:?}: a keepalive stream is open");
         } else {
             assert_eq!(after[1], 0, "{args:?}: taken as calls");

@@ -329,6 +329,97 @@ async fn an_idle_group_does_not_pin_the_wal() {
     }
 }
 
+/// The same with the idle group's snapshots paced by their size: it holds 200 KB of values, then a
+/// few hundred small entries make a snapshot due that waits for a longer log (`SnapshotPacing`), and
+/// then it goes quiet. openraft asks for its next snapshot only after as many entries again, which
+/// never come; the server must still snapshot and purge it when it pins the oldest segment (it did
+/// not before it looked at the pacing: the WAL grew with the busy group's entries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_group_whose_snapshot_waits_does_not_pin_the_wal() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        groups: 2,
+        http: true,
+        snapshot_every_entries: 200,
+        snapshot_keep_entries: 20,
+        server_args: vec!["--wal-segment-bytes=65536".into()],
+        ..Options::default()
+    })
+    .await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(30)).await.unwrap();
+    let in_group = |prefix: &str, group: u32, n: usize| -> Vec<String> {
+        (0..100_000)
+            .map(|i| format!("{prefix}/{i}"))
+            .filter(|name| holdfast_lock_table::group_for(name, 2).0 == group)
+            .take(n)
+            .collect()
+    };
+    let value = vec![b'v'; holdfast_lock_table::limits::MAX_VALUE_BYTES];
+    let mut held = Vec::new();
+    for name in in_group("big", 1, 210) {
+        held.push(
+            session
+                .acquire_with_value(&name, Duration::ZERO, &value)
+                .await
+                .unwrap(),
+        );
+    }
+    // Small entries in group 1 until a due snapshot has waited on every server.
+    let small = in_group("small", 1, 1).remove(0);
+    let c = &c;
+    let deferred = |id: u64| async move {
+        c.metrics(id)
+            .await
+            .get("holdfast_snapshots_deferred_total{group=\"1\"}")
+            .copied()
+            .unwrap_or(0)
+    };
+    let mut pairs = 0;
+    loop {
+        let mut waited = true;
+        for id in 1..=3 {
+            waited &= deferred(id).await > 0;
+        }
+        if waited {
+            break;
+        }
+        assert!(pairs < 300, "no due snapshot of group 1 waited");
+        session
+            .acquire(&small)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        pairs += 1;
+    }
+    let quiet = c.group_status(1, 1).await.unwrap();
+    let busy = in_group("busy", 0, 4);
+    for i in 0..1500 {
+        let g = session.acquire(&busy[i % busy.len()]).await.unwrap();
+        g.release().await.unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let sizes: Vec<(usize, u64)> = c
+            .servers
+            .iter()
+            .map(|s| wal_segments(&s.data_dir))
+            .collect();
+        if sizes.iter().all(|(n, _)| *n <= 2) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the WAL stayed long: {sizes:?} (segments, bytes) per node; group 1 went quiet at {quiet:?}; logs in {}",
+            c.dir().display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(held.len(), 210);
+}
+
 /// A group is snapshotted by log size too: with the entry threshold out of reach, 1 KiB lock values
 /// make the log pass `--snapshot-every-bytes` (64 KiB) within ~150 acquires, and a snapshot appears.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
