@@ -1177,10 +1177,19 @@ async fn compact_pinning_groups(
             let since_snapshot = applied - snapshot_index.min(applied);
             let rate_per_check = applied.saturating_sub(previous);
             let checks = PIN_PATIENCE.as_secs() / PIN_CHECK_INTERVAL.as_secs();
-            // It will snapshot by itself soon enough, unless its snapshots wait for a longer log
-            // (`SnapshotPacing`): a large table's group that went quiet after a due snapshot waited
-            // would never be asked again, and would keep the segment for ever.
-            if since_snapshot + rate_per_check * checks >= every && !group.pacing.would_defer() {
+            // It will snapshot by itself soon enough: it reaches openraft's next ask within
+            // PIN_PATIENCE at its current rate, and that ask is not deferred. While its snapshots
+            // wait for a longer log (`SnapshotPacing`) openraft asks again only `every` entries after
+            // the last ask, so it must write that many more: a large table's group that went quiet
+            // after a due snapshot waited would never be asked again and keep the segment for ever,
+            // while a busy one (a full purge here would send lagging followers the snapshot) is
+            // left to its paced snapshot.
+            let asked_soon = if group.pacing.would_defer() {
+                rate_per_check * checks >= every
+            } else {
+                since_snapshot + rate_per_check * checks >= every
+            };
+            if asked_soon {
                 continue;
             }
             let now = tokio::time::Instant::now();
