@@ -307,6 +307,15 @@ async fn an_idle_group_does_not_pin_the_wal() {
     let written = c.group_status(1, 0).await.unwrap().last_log_index;
     // The idle group applied only its first entries and never reached its snapshot threshold.
     assert!(c.group_status(1, 1).await.unwrap().applied_index < 10);
+    let sizes = wal_becomes_short(&c, "").await;
+    eprintln!(
+        "{written} entries in group 0; at most {most} segments on node 1 while writing; now (segments, bytes) per node: {sizes:?}"
+    );
+}
+
+/// Waits (30 s at most) until every server's WAL is at most two segments long, and returns each one's
+/// (segments, bytes); `why` goes in the failure's message.
+async fn wal_becomes_short(c: &Cluster, why: &str) -> Vec<(usize, u64)> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let sizes: Vec<(usize, u64)> = c
@@ -315,14 +324,11 @@ async fn an_idle_group_does_not_pin_the_wal() {
             .map(|s| wal_segments(&s.data_dir))
             .collect();
         if sizes.iter().all(|(n, _)| *n <= 2) {
-            eprintln!(
-                "{written} entries in group 0; at most {most} segments on node 1 while writing; now (segments, bytes) per node: {sizes:?}"
-            );
-            break;
+            return sizes;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the WAL stayed long: {sizes:?} (segments, bytes) per node; logs in {}",
+            "the WAL stayed long: {sizes:?} (segments, bytes) per node{why}; logs in {}",
             c.dir().display()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -400,23 +406,7 @@ async fn a_quiet_group_whose_snapshot_waits_does_not_pin_the_wal() {
         let g = session.acquire(&busy[i % busy.len()]).await.unwrap();
         g.release().await.unwrap();
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let sizes: Vec<(usize, u64)> = c
-            .servers
-            .iter()
-            .map(|s| wal_segments(&s.data_dir))
-            .collect();
-        if sizes.iter().all(|(n, _)| *n <= 2) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the WAL stayed long: {sizes:?} (segments, bytes) per node; group 1 went quiet at {quiet:?}; logs in {}",
-            c.dir().display()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wal_becomes_short(c, &format!("; group 1 went quiet at {quiet:?}")).await;
     assert_eq!(held.len(), 210);
 }
 
