@@ -564,14 +564,25 @@ async fn four_groups_led_by_node_1() -> Cluster {
     c
 }
 
+/// Node `id`'s `names` metrics (0 for one it does not report), from one reading, so that no message
+/// falls between them.
+async fn metric_values<const N: usize>(c: &Cluster, id: u64, names: [&str; N]) -> [u64; N] {
+    let m = c.metrics(id).await;
+    names.map(|k| m.get(k).copied().unwrap_or(0))
+}
+
 /// The keepalive messages node `id` has answered, and the session ids they renewed, so far.
 async fn keepalive_counts(c: &Cluster, id: u64) -> (u64, u64) {
-    let m = c.metrics(id).await;
-    let get = |k: &str| m.get(k).copied().unwrap_or(0);
-    (
-        get("holdfast_keepalive_messages_total"),
-        get("holdfast_keepalives_total"),
+    let [messages, ids] = metric_values(
+        c,
+        id,
+        [
+            "holdfast_keepalive_messages_total",
+            "holdfast_keepalives_total",
+        ],
     )
+    .await;
+    (messages, ids)
 }
 
 /// The keepalive messages each of `nodes` answered over `secs` seconds, and the session ids they renewed.
@@ -1511,15 +1522,17 @@ async fn a_client_renews_on_its_calls_stream_or_on_keepalive_streams_of_older_se
         let client = c.client().await;
         let session = client.open_session(Duration::from_secs(2)).await.unwrap();
         wait_for_keepalive_of(&c, leader, 1).await;
-        let counts = || async {
-            let m = c.metrics(leader).await;
-            let get = |k: &str| m.get(k).copied().unwrap_or(0);
-            [
-                get("holdfast_keepalive_messages_total"),
-                get("holdfast_keepalive_calls_total"),
-                get("holdfast_keepalive_packed_groups_total"),
-                get("holdfast_keepalive_streams"),
-            ]
+        let counts = || {
+            metric_values(
+                &c,
+                leader,
+                [
+                    "holdfast_keepalive_messages_total",
+                    "holdfast_keepalive_calls_total",
+                    "holdfast_keepalive_packed_groups_total",
+                    "holdfast_keepalive_streams",
+                ],
+            )
         };
         let before = counts().await;
         tokio::time::sleep(Duration::from_secs(6)).await;
@@ -1565,22 +1578,23 @@ async fn the_client_packs_its_secrets_once_a_server_has_answered_compact() {
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(2)).await.unwrap();
     wait_for_keepalive_of(&c, leader, 1).await;
-    // Both counters from one reading, so that no message falls between them.
-    let counts = || async {
-        let m = c.metrics(leader).await;
-        let get = |k: &str| m.get(k).copied().unwrap_or(0);
-        (
-            get("holdfast_keepalive_messages_total"),
-            get("holdfast_keepalive_packed_groups_total"),
+    let counts = || {
+        metric_values(
+            &c,
+            leader,
+            [
+                "holdfast_keepalive_messages_total",
+                "holdfast_keepalive_packed_groups_total",
+            ],
         )
     };
     let before = counts().await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     let after = counts().await;
-    let messages = after.0 - before.0;
+    let messages = after[0] - before[0];
     assert!(messages >= 3, "{messages} keepalives in 4 s");
     assert_eq!(
-        after.1 - before.1,
+        after[1] - before[1],
         messages,
         "a keepalive after the first round carried its secrets unpacked"
     );

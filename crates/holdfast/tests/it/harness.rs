@@ -95,10 +95,16 @@ pub fn certs(args: &[&str]) {
 /// range that depends on the test process id, so parallel test processes do not pick the same ports.
 /// The first name `{prefix}{i}` that hashes to `group` of `groups`.
 pub fn name_in_group(group: u32, groups: u32, prefix: &str) -> String {
+    names_in_group(group, groups, prefix, 1).remove(0)
+}
+
+/// The first `n` names `{prefix}{i}` that hash to `group` of `groups`.
+pub fn names_in_group(group: u32, groups: u32, prefix: &str, n: usize) -> Vec<String> {
     (0..)
         .map(|i| format!("{prefix}{i}"))
-        .find(|n| holdfast_lock_table::group_for(n, groups).0 == group)
-        .unwrap()
+        .filter(|name| holdfast_lock_table::group_for(name, groups).0 == group)
+        .take(n)
+        .collect()
 }
 
 /// Opens `session` in each of `groups` (a session opens in a group at its first use there).

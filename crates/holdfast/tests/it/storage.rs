@@ -1,7 +1,7 @@
 //! Storage faults on real servers: a failed fsync stops the server, a full disk gives a clear error, and a
 //! torn or truncated log tail is recovered; in every case no acknowledged change is lost.
 
-use crate::harness::{Cluster, Options};
+use crate::harness::{name_in_group, names_in_group, Cluster, Options};
 use holdfast_client::{LockGuard, Session};
 use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
@@ -291,11 +291,7 @@ async fn an_idle_group_does_not_pin_the_wal() {
     .await;
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(10)).await.unwrap();
-    let busy: Vec<String> = (0..200)
-        .map(|i| format!("busy/{i}"))
-        .filter(|n| holdfast_lock_table::group_for(n, 2).0 == 0)
-        .take(4)
-        .collect();
+    let busy = names_in_group(0, 2, "busy/", 4);
     let mut most = 0;
     for i in 0..1500 {
         let g = session.acquire(&busy[i % busy.len()]).await.unwrap();
@@ -354,16 +350,9 @@ async fn a_quiet_group_whose_snapshot_waits_does_not_pin_the_wal() {
     .await;
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(30)).await.unwrap();
-    let in_group = |prefix: &str, group: u32, n: usize| -> Vec<String> {
-        (0..100_000)
-            .map(|i| format!("{prefix}/{i}"))
-            .filter(|name| holdfast_lock_table::group_for(name, 2).0 == group)
-            .take(n)
-            .collect()
-    };
     let value = vec![b'v'; holdfast_lock_table::limits::MAX_VALUE_BYTES];
     let mut held = Vec::new();
-    for name in in_group("big", 1, 210) {
+    for name in names_in_group(1, 2, "big/", 210) {
         held.push(
             session
                 .acquire_with_value(&name, Duration::ZERO, &value)
@@ -372,7 +361,7 @@ async fn a_quiet_group_whose_snapshot_waits_does_not_pin_the_wal() {
         );
     }
     // Small entries in group 1 until a due snapshot has waited on every server.
-    let small = in_group("small", 1, 1).remove(0);
+    let small = name_in_group(1, 2, "small/");
     let c = &c;
     let deferred = |id: u64| async move {
         c.metrics(id)
@@ -401,7 +390,7 @@ async fn a_quiet_group_whose_snapshot_waits_does_not_pin_the_wal() {
         pairs += 1;
     }
     let quiet = c.group_status(1, 1).await.unwrap();
-    let busy = in_group("busy", 0, 4);
+    let busy = names_in_group(0, 2, "busy/", 4);
     for i in 0..1500 {
         let g = session.acquire(&busy[i % busy.len()]).await.unwrap();
         g.release().await.unwrap();
