@@ -189,7 +189,8 @@ impl Waiters {
 }
 
 pub struct Group {
-    /// Bytes of log entries this server appended for the group (monotonic; see `LogStore`).
+    /// Bytes of log entries this server appended for the group, from the size of the log it replayed
+    /// after its snapshot at start (monotonic; see `LogStore`).
     pub log_bytes: Arc<std::sync::atomic::AtomicU64>,
     /// When the snapshots openraft's policy asks for are built (`state_machine::SnapshotPacing`).
     pub pacing: Arc<crate::state_machine::SnapshotPacing>,

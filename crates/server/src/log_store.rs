@@ -285,6 +285,21 @@ impl GroupLog {
         self.hot.clear();
     }
 
+    /// The encoded size of the entries after `index` (all of them if `None`): what a restarted server
+    /// replayed after its snapshot, counted toward the next one ([`crate::state_machine::SnapshotPacing`]).
+    pub fn bytes_after(&self, index: Option<u64>) -> u64 {
+        let skip = index.map_or(0, |i| {
+            (i + 1)
+                .saturating_sub(self.first)
+                .min(self.slots.len() as u64)
+        });
+        self.slots
+            .iter()
+            .skip(skip as usize)
+            .map(|s| u64::from(s.end - s.start))
+            .sum()
+    }
+
     fn bytes(&self, slot: usize) -> &[u8] {
         let s = self.slots[slot];
         &self.chunks[(s.chunk - self.first_chunk) as usize][s.start as usize..s.end as usize]
@@ -357,7 +372,8 @@ pub struct LogStore {
     group: u32,
     log: Arc<Mutex<GroupLog>>,
     wal: Arc<Wal>,
-    /// Bytes of entry records appended so far (monotonic): the server snapshots a group by log size too.
+    /// Bytes of entry records appended so far, from the size of the log replayed after the snapshot at
+    /// start (monotonic): the server snapshots a group by log size too.
     appended_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -823,6 +839,14 @@ mod model {
             .collect();
         let mut log = GroupLog::replay(records.iter()).unwrap();
         assert!(log.hot.is_empty());
+        // What a restarted server counts toward its next snapshot: the entries after its snapshot's.
+        let size =
+            |from: usize| -> u64 { records[from..].iter().map(|r| r.payload.len() as u64).sum() };
+        assert_eq!(log.bytes_after(None), size(0));
+        assert_eq!(log.bytes_after(Some(0)), size(0));
+        assert_eq!(log.bytes_after(Some(30)), size(30));
+        assert_eq!(log.bytes_after(Some(40)), 0);
+        assert_eq!(log.bytes_after(Some(99)), 0);
         let want: Vec<Entry> = (1..=40).map(|i| entry(i, 2, i as usize * 13)).collect();
         assert_eq!(log.read(..).unwrap(), want);
         assert_eq!(log.last_log_id().unwrap(), Some(want[39].log_id));

@@ -324,7 +324,6 @@ impl Node {
             let log = GroupLog::replay(recovered.records.iter().filter(|r| r.group == g))
                 .map_err(|e| anyhow!("group {g}: {e}"))?;
             let log_bytes = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let log_store = LogStore::new(g, log, wal.clone(), log_bytes.clone());
             let snapshots =
                 SnapshotStore::open(config.data_dir.join("snapshots").join(format!("g{g}")))?;
             #[cfg(not(holdfast_sim))]
@@ -342,6 +341,19 @@ impl Node {
                 pacing.clone(),
             )
             .map_err(|e| anyhow!("group {g}: {e}"))?;
+            // The log replayed after the snapshot counts toward the next one, as the log appended
+            // since does (the pacing and `snapshot_every_bytes` measure from it): without it a
+            // restarted server's first due snapshot could wait for that much more log in memory.
+            let snapshot_index = state
+                .read()
+                .expect("state lock")
+                .last_applied
+                .map(|l| l.index);
+            log_bytes.store(
+                log.bytes_after(snapshot_index),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            let log_store = LogStore::new(g, log, wal.clone(), log_bytes.clone());
             let unloader = sm.unloader();
             let sm = if let Some(sink) = &config.audit_sink {
                 sm.with_audit_writer((sink.0)(g))
@@ -1153,7 +1165,7 @@ async fn compact_pinning_groups(
             // many bytes). The normal purge follows, keeping `snapshot_keep_entries`.
             let bytes = group.log_bytes.load(Relaxed);
             let snapshot_index = m.snapshot.map_or(0, |l| l.index);
-            // Counted from this start: the first mark is at 0 bytes.
+            // The counter starts at the log replayed after the snapshot: the first mark is at 0 bytes.
             let mark = size_marks.entry(g).or_insert((snapshot_index, 0));
             if mark.0 != snapshot_index {
                 *mark = (snapshot_index, bytes);

@@ -146,7 +146,8 @@ pub struct StateMachine {
 /// A snapshot someone asked for (to free a WAL segment, to unload a group, at `snapshot_every_bytes`)
 /// is never deferred: its caller says so with [`SnapshotPacing::force`] first.
 pub struct SnapshotPacing {
-    /// The group's log bytes appended since this server started (`LogStore`'s counter).
+    /// The group's log bytes appended since this server started, plus those it replayed after its
+    /// snapshot (`LogStore`'s counter).
     log_bytes: Arc<std::sync::atomic::AtomicU64>,
     /// 0: never deferred.
     percent: u64,
@@ -268,8 +269,7 @@ impl StateMachine {
             let index = state.last_applied.map_or(0, |l| l.index);
             state.history = crate::watch::History::new(index);
             state.applied_tx.send_replace(index);
-            // The log replayed after it is not in the counter (it counts from this start): the first
-            // due snapshot after a restart may wait for up to that much more log.
+            // The counter starts at the size of the log replayed after this snapshot (`Node::start`).
             pacing.made(0, bytes.len() as u64);
             current = Some((loaded.meta, path));
         }

@@ -353,6 +353,88 @@ async fn a_snapshot_waits_until_the_log_holds_a_share_of_the_last_one() {
     assert_eq!(held.len(), 300);
 }
 
+/// A restarted server counts the log it replayed after its snapshot toward the next one: a follower
+/// restarted with ~95 KB of large entries after its ~310 KB snapshot (more than a quarter of it) takes
+/// the next snapshot due (100 entries after its last) instead of waiting 100 entries more for log
+/// appended since the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_counts_the_log_it_replayed_toward_its_next_snapshot() {
+    let mut c = Cluster::start(Options {
+        nodes: 3,
+        snapshot_every_entries: 100,
+        snapshot_keep_entries: 0,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, SECS_30).await;
+    let follower = (1..=3).find(|&i| i != leader).unwrap();
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(30)).await.unwrap();
+    let mut held = Vec::new();
+    for i in 0..300 {
+        held.push(
+            session
+                .acquire_with_value(&format!("big/{i}"), Duration::ZERO, &[7u8; 1_000])
+                .await
+                .unwrap(),
+        );
+    }
+    // The follower's snapshot of the whole big table.
+    let mut pairs = 0;
+    let big = loop {
+        let s = c.group_status(follower, 0).await.unwrap();
+        if s.snapshot_index >= 290 {
+            break s.snapshot_index;
+        }
+        assert!(pairs < 100, "no snapshot of the big table: {s:?}");
+        churn(&session, "marker", 1).await;
+        pairs += 1;
+    };
+    // 90 large entries (~95 KB, over a quarter of the snapshot), all in the follower's log, then a
+    // restart before the follower's next snapshot is due.
+    for i in 0..90 {
+        held.push(
+            session
+                .acquire_with_value(&format!("more/{i}"), Duration::ZERO, &[8u8; 1_024])
+                .await
+                .unwrap(),
+        );
+    }
+    let last = c.group_status(leader, 0).await.unwrap().last_log_index;
+    let deadline = Instant::now() + SECS_30;
+    loop {
+        let s = c.group_status(follower, 0).await.unwrap();
+        assert_eq!(s.snapshot_index, big, "a snapshot came too early: {s:?}");
+        assert!(
+            s.applied_index < big + 100,
+            "the test wrote too much: {s:?}"
+        );
+        if s.last_log_index >= last {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the follower lags: {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    c.kill(follower).await;
+    c.start_server(follower);
+    // Small entries from here: the snapshot due 100 entries after `big` is taken (and not the one
+    // 200 after, which is what the log appended since the restart would bring).
+    let mut pairs = 0;
+    loop {
+        match c.group_status(follower, 0).await {
+            Some(s) if s.snapshot_index > big => break,
+            Some(s) => assert!(
+                s.applied_index < big + 180,
+                "no snapshot by 80 entries after the due one: {s:?}"
+            ),
+            None => assert!(pairs < 200, "the follower did not come back"),
+        }
+        churn(&session, "small", 1).await;
+        pairs += 1;
+    }
+    assert_eq!(held.len(), 390);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_catches_up_by_log_and_by_snapshot() {
     let mut c = Cluster::start(Options {
