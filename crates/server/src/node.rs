@@ -1165,8 +1165,11 @@ async fn compact_pinning_groups(
             // many bytes). The normal purge follows, keeping `snapshot_keep_entries`.
             let bytes = group.log_bytes.load(Relaxed);
             let snapshot_index = m.snapshot.map_or(0, |l| l.index);
-            // The counter starts at the log replayed after the snapshot: the first mark is at 0 bytes.
-            let mark = size_marks.entry(g).or_insert((snapshot_index, 0));
+            // The first mark is where the newest snapshot began on the counter (0 for the one loaded
+            // at start: the counter starts at the log replayed after it; later for one built since).
+            let mark = size_marks
+                .entry(g)
+                .or_insert_with(|| (snapshot_index, group.pacing.begun()));
             if mark.0 != snapshot_index {
                 *mark = (snapshot_index, bytes);
             } else if size_limit > 0 && bytes - mark.1 >= size_limit {

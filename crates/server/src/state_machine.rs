@@ -197,6 +197,11 @@ impl SnapshotPacing {
         since.saturating_mul(100) < size.saturating_mul(self.percent)
     }
 
+    /// The log bytes counter when the newest snapshot was begun (0 for the one loaded at start).
+    pub fn begun(&self) -> u64 {
+        self.mark.lock().expect("snapshot pacing lock").0
+    }
+
     fn log_bytes_now(&self) -> u64 {
         self.log_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -848,6 +853,7 @@ mod pacing_tests {
         // Begun at 250 and finished at 300: the 50 bytes written meanwhile count toward the next.
         log.store(300, Relaxed);
         p.made(250, 1_000);
+        assert_eq!(p.begun(), 250, "where the size trigger counts from");
         log.store(499, Relaxed);
         assert!(p.defer(), "counted from the newest snapshot's beginning");
         log.store(500, Relaxed);

@@ -355,13 +355,13 @@ async fn a_snapshot_waits_until_the_log_holds_a_share_of_the_last_one() {
 
 /// A restarted server counts the log it replayed after its snapshot toward the next one: a follower
 /// restarted with ~95 KB of large entries after its ~310 KB snapshot (more than a quarter of it) takes
-/// the next snapshot due (100 entries after its last) instead of waiting 100 entries more for log
+/// the next snapshot due (150 entries after its last) instead of waiting 150 entries more for log
 /// appended since the restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_counts_the_log_it_replayed_toward_its_next_snapshot() {
     let mut c = Cluster::start(Options {
         nodes: 3,
-        snapshot_every_entries: 100,
+        snapshot_every_entries: 150,
         snapshot_keep_entries: 0,
         ..Options::default()
     })
@@ -406,7 +406,7 @@ async fn a_restarted_server_counts_the_log_it_replayed_toward_its_next_snapshot(
         let s = c.group_status(follower, 0).await.unwrap();
         assert_eq!(s.snapshot_index, big, "a snapshot came too early: {s:?}");
         assert!(
-            s.applied_index < big + 100,
+            s.applied_index < big + 150,
             "the test wrote too much: {s:?}"
         );
         if s.last_log_index >= last {
@@ -417,20 +417,35 @@ async fn a_restarted_server_counts_the_log_it_replayed_toward_its_next_snapshot(
     }
     c.kill(follower).await;
     c.start_server(follower);
-    // Small entries from here: the snapshot due 100 entries after `big` is taken (and not the one
-    // 200 after, which is what the log appended since the restart would bring).
-    let mut pairs = 0;
+    let deadline = Instant::now() + SECS_30;
     loop {
         match c.group_status(follower, 0).await {
-            Some(s) if s.snapshot_index > big => break,
-            Some(s) => assert!(
-                s.applied_index < big + 180,
-                "no snapshot by 80 entries after the due one: {s:?}"
+            Some(s) if s.applied_index >= last => {
+                assert_eq!(
+                    s.snapshot_index, big,
+                    "a snapshot before any new entry: {s:?}"
+                );
+                break;
+            }
+            s => assert!(
+                Instant::now() < deadline,
+                "the follower did not come back: {s:?}"
             ),
-            None => assert!(pairs < 200, "the follower did not come back"),
         }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Small entries from here: the snapshot due 150 entries after `big` is taken (and not the one
+    // 300 after, which is what the log appended since the restart would bring).
+    loop {
+        let s = c.group_status(follower, 0).await.unwrap();
+        if s.snapshot_index > big {
+            break;
+        }
+        assert!(
+            s.applied_index < big + 250,
+            "no snapshot by 100 entries after the due one: {s:?}"
+        );
         churn(&session, "small", 1).await;
-        pairs += 1;
     }
     assert_eq!(held.len(), 390);
 }
