@@ -276,6 +276,36 @@ async fn churn(session: &holdfast_client::Session, prefix: &str, n: usize) {
     }
 }
 
+/// Holds 300 locks with 1,000-byte values (~300 KB of table: from then on every snapshot is at least
+/// that), then churns small pairs until `node` has a snapshot of group 0 that covers them (index ≥
+/// 290). Returns the guards and that snapshot's index.
+async fn snapshot_of_a_big_table(
+    c: &Cluster,
+    node: u64,
+    session: &holdfast_client::Session,
+) -> (Vec<holdfast_client::LockGuard>, u64) {
+    let value = vec![7u8; 1_000];
+    let mut held = Vec::new();
+    for i in 0..300 {
+        held.push(
+            session
+                .acquire_with_value(&format!("big/{i}"), Duration::ZERO, &value)
+                .await
+                .unwrap(),
+        );
+    }
+    let mut pairs = 0;
+    loop {
+        let s = c.group_status(node, 0).await.unwrap();
+        if s.snapshot_index >= 290 {
+            return (held, s.snapshot_index);
+        }
+        assert!(pairs < 100, "no snapshot of the big table: {s:?}");
+        churn(session, "marker", 1).await;
+        pairs += 1;
+    }
+}
+
 /// Snapshots are paced by their size (`--snapshot-log-percent`, 25 by default): with a table of
 /// large values, a snapshot due every 100 entries (`--snapshot-every-entries`) waits until the log
 /// appended since the last one holds a quarter of that snapshot's bytes, each wait counted in
@@ -294,29 +324,9 @@ async fn a_snapshot_waits_until_the_log_holds_a_share_of_the_last_one() {
     let leader = c.wait_for_leader(0, SECS_30).await;
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(30)).await.unwrap();
-    // ~300 KB of values: from here on every snapshot is at least that.
-    let value = vec![7u8; 1_000];
-    let mut held = Vec::new();
-    for i in 0..300 {
-        held.push(
-            session
-                .acquire_with_value(&format!("big/{i}"), Duration::ZERO, &value)
-                .await
-                .unwrap(),
-        );
-    }
     // A snapshot of the whole big table (due within 100 entries of its end, while the log since the
     // one before holds ~100 big entries): the one the pacing measures against from now on.
-    let mut pairs = 0;
-    let big = loop {
-        let s = c.group_status(leader, 0).await.unwrap();
-        if s.snapshot_index >= 290 {
-            break s.snapshot_index;
-        }
-        assert!(pairs < 100, "no snapshot of the big table: {s:?}");
-        churn(&session, "marker", 1).await;
-        pairs += 1;
-    };
+    let (held, big) = snapshot_of_a_big_table(&c, leader, &session).await;
     let deferred = || async {
         c.metrics(leader)
             .await
@@ -370,26 +380,8 @@ async fn a_restarted_server_counts_the_log_it_replayed_toward_its_next_snapshot(
     let follower = (1..=3).find(|&i| i != leader).unwrap();
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(30)).await.unwrap();
-    let mut held = Vec::new();
-    for i in 0..300 {
-        held.push(
-            session
-                .acquire_with_value(&format!("big/{i}"), Duration::ZERO, &[7u8; 1_000])
-                .await
-                .unwrap(),
-        );
-    }
     // The follower's snapshot of the whole big table.
-    let mut pairs = 0;
-    let big = loop {
-        let s = c.group_status(follower, 0).await.unwrap();
-        if s.snapshot_index >= 290 {
-            break s.snapshot_index;
-        }
-        assert!(pairs < 100, "no snapshot of the big table: {s:?}");
-        churn(&session, "marker", 1).await;
-        pairs += 1;
-    };
+    let (mut held, big) = snapshot_of_a_big_table(&c, follower, &session).await;
     // 90 large entries (~95 KB, over a quarter of the snapshot), all in the follower's log, then a
     // restart before the follower's next snapshot is due.
     for i in 0..90 {
