@@ -1,0 +1,559 @@
+//! The floor: the least a replicated, synced log entry costs on this machine, measured, to hold
+//! Holdfast's figures against (docs/performance.md, "The floor").
+//!
+//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3]` (which runs
+//! `cargo run --release -p holdfast-wal --example floor -- run ...`) starts five server processes and a
+//! load generator, all of them this program in other roles, on loopback TCP and files under the
+//! temporary directory (`--dir DIR` for another), as `holdfast dev` and `holdfast bench` do. The load
+//! generator runs CLIENTS threads, each with a connection of its own, each sending one 64-byte request
+//! at a time, twice per pair (as an acquire and its release). It is the message and sync pattern the
+//! design asks of every log entry and nothing else:
+//! - the leader reads the requests that have arrived (a batch), sends them to each of four followers
+//!   whose previous batch is answered (one batch in flight per follower, as Holdfast's replication),
+//!   writes them to its own file and `fdatasync`s it, waits until two followers have answered, and
+//!   answers each request;
+//! - a follower reads a batch, writes it to its file, `fdatasync`s, and answers with its last index.
+//!
+//! No Raft (no terms, votes or log matching), no lock table, no encoding, no async runtime: each
+//! process is one thread that blocks in `poll`, `read` or `fdatasync`, so it sleeps and wakes only
+//! where the pattern must. Whatever Holdfast spends beyond these figures is its own; what these
+//! figures spend is the machine's (the kernel's loopback TCP, its wake-ups and the disk).
+//!
+//! It prints, per client count, the medians of RUNS runs of DURATION seconds (after a 1 s warm-up):
+//! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry (summed from
+//! `/proc/PID/task/*/schedstat`), their context switches per entry (`/proc/PID/task/*/status`,
+//! voluntary and not, as `scripts/bench-figures` counts them), the load generator's CPU per entry, and
+//! the leader's entries per sync (over the whole run, warm-up included). The leader keeps every entry in
+//! memory (64 bytes each, ~30 MB for a 10 s run at the speeds measured here), which is all a run of
+//! minutes needs.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A request: an 8-byte id and 56 bytes of payload, about an acquire's encoded command.
+const REQUEST: usize = 64;
+/// Followers, and the answers the leader waits for (with its own sync, 3 of 5).
+const FOLLOWERS: usize = 4;
+const QUORUM_OF_FOLLOWERS: usize = 2;
+const WARM_UP: Duration = Duration::from_secs(1);
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // The roles are started by `run` with their arguments; say so rather than index past the end.
+    let wants = match args.first().map(String::as_str) {
+        Some("follower") => 2,
+        Some("leader") => 3 + FOLLOWERS,
+        Some("client") => 4,
+        _ => 0,
+    };
+    if args.len() < wants {
+        eprintln!(
+            "floor: the {} role takes {} arguments from `run`",
+            args[0],
+            wants - 1
+        );
+        std::process::exit(2);
+    }
+    let result = match args.first().map(String::as_str) {
+        Some("follower") => follower(Path::new(&args[1])),
+        Some("leader") => leader(&args[1..]),
+        Some("client") => client(&args[1..]),
+        Some("run") | None => run(&args[args.len().min(1)..]),
+        Some(other) => Err(io::Error::other(format!("unknown role {other}"))),
+    };
+    if let Err(e) = result {
+        eprintln!("floor: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Listens on a port of the system's choosing and says which on stdout, for `run` to read.
+fn listen() -> io::Result<TcpListener> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    println!("port {}", listener.local_addr()?.port());
+    io::stdout().flush()?;
+    Ok(listener)
+}
+
+fn follower(dir: &Path) -> io::Result<()> {
+    let listener = listen()?;
+    let (socket, _) = listener.accept()?;
+    socket.set_nodelay(true)?;
+    let mut file = open_log(dir, &format!("follower-{}", std::process::id()))?;
+    let mut writer = socket.try_clone()?;
+    // Reads ahead, so a batch that arrived whole is one `recv`.
+    let mut reader = BufReader::with_capacity(64 << 10, socket);
+    let mut header = [0u8; 12];
+    let mut body = Vec::new();
+    loop {
+        match reader.read_exact(&mut header) {
+            Ok(()) => {}
+            // The leader closed (with an answer unread, a close is a reset).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return Ok(())
+            }
+            Err(e) => return Err(e),
+        }
+        let len = u32::from_le_bytes(header[..4].try_into().unwrap()) as usize;
+        let last = &header[4..12];
+        body.resize(len, 0);
+        reader.read_exact(&mut body)?;
+        file.write_all(&body)?;
+        file.sync_data()?;
+        writer.write_all(last)?;
+    }
+}
+
+struct Peer {
+    socket: TcpStream,
+    /// Entries sent to it, and entries it has synced.
+    sent: u64,
+    acked: u64,
+}
+
+struct Caller {
+    socket: TcpStream,
+    pending: Vec<u8>,
+    open: bool,
+}
+
+/// `leader DIR CLIENTS PORT PORT PORT PORT`.
+fn leader(args: &[String]) -> io::Result<()> {
+    let dir = Path::new(&args[0]);
+    let clients: usize = args[1].parse().map_err(io::Error::other)?;
+    let mut peers = Vec::new();
+    for port in &args[2..2 + FOLLOWERS] {
+        let socket =
+            TcpStream::connect(("127.0.0.1", port.parse::<u16>().map_err(io::Error::other)?))?;
+        socket.set_nodelay(true)?;
+        peers.push(Peer {
+            socket,
+            sent: 0,
+            acked: 0,
+        });
+    }
+    let listener = listen()?;
+    let mut callers = Vec::new();
+    for _ in 0..clients {
+        let (socket, _) = listener.accept()?;
+        socket.set_nodelay(true)?;
+        callers.push(Caller {
+            socket,
+            pending: Vec::new(),
+            open: true,
+        });
+    }
+    let mut file = open_log(dir, "leader")?;
+    // Every entry, so that a follower that falls behind is sent all it has not had.
+    let mut log: Vec<u8> = Vec::new();
+    let mut waiting: Vec<(usize, [u8; 8])> = Vec::new();
+    let mut frame = Vec::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let mut syncs = 0u64;
+    while callers.iter().any(|c| c.open) {
+        // Wait for requests (and take the answers of followers behind the last quorum).
+        fds.clear();
+        fds.extend(peers.iter().map(|p| pollfd(&p.socket)));
+        fds.extend(callers.iter().filter(|c| c.open).map(|c| pollfd(&c.socket)));
+        poll(&mut fds)?;
+        take_acks(&mut peers, &fds[..FOLLOWERS])?;
+        let start = log.len();
+        let mut polled = fds[FOLLOWERS..].iter();
+        for (i, caller) in callers.iter_mut().enumerate().filter(|(_, c)| c.open) {
+            if polled.next().is_some_and(|fd| fd.revents != 0) {
+                let n = caller.socket.read(&mut buf)?;
+                if n == 0 {
+                    caller.open = false;
+                    continue;
+                }
+                caller.pending.extend_from_slice(&buf[..n]);
+                let whole = caller.pending.len() / REQUEST * REQUEST;
+                for request in caller.pending[..whole].chunks_exact(REQUEST) {
+                    waiting.push((i, request[..8].try_into().unwrap()));
+                }
+                log.extend_from_slice(&caller.pending[..whole]);
+                caller.pending.drain(..whole);
+            }
+        }
+        if log.len() == start {
+            continue;
+        }
+        let end = (log.len() / REQUEST) as u64;
+        // To every follower with nothing in flight, then our own write and sync meanwhile.
+        for peer in peers.iter_mut().filter(|p| p.sent == p.acked) {
+            send(peer, &log, end, &mut frame)?;
+        }
+        file.write_all(&log[start..])?;
+        file.sync_data()?;
+        syncs += 1;
+        while peers.iter().filter(|p| p.acked >= end).count() < QUORUM_OF_FOLLOWERS {
+            fds.clear();
+            fds.extend(peers.iter().map(|p| pollfd(&p.socket)));
+            poll(&mut fds)?;
+            take_acks(&mut peers, &fds)?;
+            for peer in peers
+                .iter_mut()
+                .filter(|p| p.sent == p.acked && p.sent < end)
+            {
+                send(peer, &log, end, &mut frame)?;
+            }
+        }
+        for (i, id) in waiting.drain(..) {
+            if callers[i].open {
+                callers[i].socket.write_all(&id)?;
+            }
+        }
+    }
+    println!("batches {syncs} {}", log.len() / REQUEST);
+    Ok(())
+}
+
+fn send(peer: &mut Peer, log: &[u8], end: u64, frame: &mut Vec<u8>) -> io::Result<()> {
+    let body = &log[peer.sent as usize * REQUEST..end as usize * REQUEST];
+    frame.clear();
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&end.to_le_bytes());
+    frame.extend_from_slice(body);
+    peer.socket.write_all(frame)?;
+    peer.sent = end;
+    Ok(())
+}
+
+fn take_acks(peers: &mut [Peer], fds: &[libc::pollfd]) -> io::Result<()> {
+    for (peer, fd) in peers.iter_mut().zip(fds) {
+        if fd.revents != 0 {
+            let mut ack = [0u8; 8];
+            peer.socket.read_exact(&mut ack)?;
+            peer.acked = u64::from_le_bytes(ack);
+        }
+    }
+    Ok(())
+}
+
+fn pollfd(socket: &TcpStream) -> libc::pollfd {
+    libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+/// Blocks until one of `fds` is readable (or closed).
+#[allow(unsafe_code)]
+fn poll(fds: &mut [libc::pollfd]) -> io::Result<()> {
+    loop {
+        // SAFETY: `fds` is a valid, exclusively borrowed slice of `pollfd` for the call's duration,
+        // and its length is passed with it.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+fn open_log(dir: &Path, name: &str) -> io::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))
+}
+
+/// `client PORT CLIENTS DURATION_MS`: says `measuring` when the warm-up ends and `done` when the
+/// measured time does, then waits for a line on stdin (so that `run` reads this process's CPU time
+/// while all its threads still run), stops, and says `result PAIRS P50_US P99_US`.
+fn client(args: &[String]) -> io::Result<()> {
+    let port: u16 = args[0].parse().map_err(io::Error::other)?;
+    let clients: usize = args[1].parse().map_err(io::Error::other)?;
+    let duration = Duration::from_millis(args[2].parse().map_err(io::Error::other)?);
+    let measuring = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for t in 0..clients {
+        let mut socket = TcpStream::connect(("127.0.0.1", port))?;
+        socket.set_nodelay(true)?;
+        let (measuring, stop) = (measuring.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || -> io::Result<Vec<u32>> {
+            let mut request = [7u8; REQUEST];
+            let mut answer = [0u8; 8];
+            let mut latencies = Vec::new();
+            let mut id = (t as u64) << 40;
+            while !stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                for _ in 0..2 {
+                    id += 1;
+                    request[..8].copy_from_slice(&id.to_le_bytes());
+                    socket.write_all(&request)?;
+                    socket.read_exact(&mut answer)?;
+                    if answer != id.to_le_bytes() {
+                        return Err(io::Error::other("an answer to another request"));
+                    }
+                }
+                if measuring.load(Ordering::Relaxed) {
+                    latencies.push(started.elapsed().as_micros() as u32);
+                }
+            }
+            Ok(latencies)
+        }));
+    }
+    std::thread::sleep(WARM_UP);
+    measuring.store(true, Ordering::Relaxed);
+    println!("measuring");
+    io::stdout().flush()?;
+    std::thread::sleep(duration);
+    measuring.store(false, Ordering::Relaxed);
+    println!("done");
+    io::stdout().flush()?;
+    io::stdin().read_line(&mut String::new())?;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Vec::new();
+    for thread in threads {
+        all.extend(
+            thread
+                .join()
+                .map_err(|_| io::Error::other("a client thread panicked"))??,
+        );
+    }
+    all.sort_unstable();
+    let at = |q: f64| all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)));
+    println!(
+        "result {} {} {}",
+        all.len(),
+        at(0.50).copied().unwrap_or(0),
+        at(0.99).copied().unwrap_or(0)
+    );
+    io::stdout().flush()?;
+    Ok(())
+}
+
+/// A child process of this program, killed if still running when dropped.
+struct Role {
+    child: Child,
+    out: BufReader<ChildStdout>,
+}
+
+impl Role {
+    fn start(args: &[&str]) -> io::Result<Role> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let out = BufReader::new(child.stdout.take().expect("piped"));
+        Ok(Role { child, out })
+    }
+
+    fn line(&mut self) -> io::Result<String> {
+        let mut line = String::new();
+        if self.out.read_line(&mut line)? == 0 {
+            return Err(io::Error::other("a role ended early"));
+        }
+        Ok(line.trim().to_string())
+    }
+
+    fn port(&mut self) -> io::Result<String> {
+        let line = self.line()?;
+        line.strip_prefix("port ")
+            .map(str::to_string)
+            .ok_or_else(|| io::Error::other(format!("expected a port, got {line:?}")))
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// CPU time in ns and context switches, summed over a process's threads.
+fn usage(pid: u32) -> io::Result<(u64, u64)> {
+    let (mut ns, mut switches) = (0, 0);
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        let Ok(schedstat) = std::fs::read_to_string(task.join("schedstat")) else {
+            continue; // a thread that just ended
+        };
+        ns += schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let status = std::fs::read_to_string(task.join("status")).unwrap_or_default();
+        for line in status.lines() {
+            if let Some(v) = line
+                .strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                switches += v.trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    Ok((ns, switches))
+}
+
+fn usage_of(pids: &[u32]) -> io::Result<(u64, u64)> {
+    pids.iter().try_fold((0, 0), |(ns, sw), &pid| {
+        let (n, s) = usage(pid)?;
+        Ok((ns + n, sw + s))
+    })
+}
+
+struct Figures {
+    pairs_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    server_cpu_ms: f64,
+    switches: f64,
+    client_cpu_ms: f64,
+    entries_per_sync: f64,
+}
+
+fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figures> {
+    let dir = base.join(format!("holdfast-floor-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let dir_arg = dir.to_string_lossy().into_owned();
+    let result = (|| {
+        let mut followers = Vec::new();
+        let mut ports = Vec::new();
+        for _ in 0..FOLLOWERS {
+            let mut role = Role::start(&["follower", &dir_arg])?;
+            ports.push(role.port()?);
+            followers.push(role);
+        }
+        let clients_arg = clients.to_string();
+        let mut args = vec!["leader", &dir_arg, &clients_arg];
+        args.extend(ports.iter().map(String::as_str));
+        let mut leader = Role::start(&args)?;
+        let port = leader.port()?;
+        let ms = duration.as_millis().to_string();
+        let mut load = Role::start(&["client", &port, &clients_arg, &ms])?;
+        let servers: Vec<u32> = followers
+            .iter()
+            .chain([&leader])
+            .map(|r| r.child.id())
+            .collect();
+        let expect = |role: &mut Role, what: &str| -> io::Result<()> {
+            let line = role.line()?;
+            if line == what {
+                Ok(())
+            } else {
+                Err(io::Error::other(format!("expected {what}, got {line:?}")))
+            }
+        };
+        expect(&mut load, "measuring")?;
+        let (server_before, client_before) = (usage_of(&servers)?, usage(load.child.id())?);
+        expect(&mut load, "done")?;
+        let (server_after, client_after) = (usage_of(&servers)?, usage(load.child.id())?);
+        load.child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(b"stop\n")?;
+        let line = load.line()?;
+        let fields: Vec<f64> = line
+            .strip_prefix("result ")
+            .ok_or_else(|| io::Error::other(format!("expected a result, got {line:?}")))?
+            .split_whitespace()
+            .map(|v| v.parse::<f64>().map_err(io::Error::other))
+            .collect::<io::Result<_>>()?;
+        let pairs = fields[0];
+        let entries = (2.0 * pairs).max(1.0);
+        // The roles end by themselves once the load generator closes its connections.
+        let batches = leader.line()?;
+        let batches: Vec<f64> = batches
+            .strip_prefix("batches ")
+            .ok_or_else(|| io::Error::other(format!("expected batches, got {batches:?}")))?
+            .split_whitespace()
+            .map(|v| v.parse::<f64>().map_err(io::Error::other))
+            .collect::<io::Result<_>>()?;
+        for role in [&mut load, &mut leader]
+            .into_iter()
+            .chain(followers.iter_mut())
+        {
+            role.child.wait()?;
+        }
+        Ok(Figures {
+            pairs_per_s: pairs / duration.as_secs_f64(),
+            p50_ms: fields[1] / 1000.0,
+            p99_ms: fields[2] / 1000.0,
+            server_cpu_ms: (server_after.0 - server_before.0) as f64 / 1e6 / entries,
+            switches: (server_after.1 - server_before.1) as f64 / entries,
+            client_cpu_ms: (client_after.0 - client_before.0) as f64 / 1e6 / entries,
+            entries_per_sync: batches[1] / batches[0].max(1.0),
+        })
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// `run [--clients "1 64 256"] [--duration SECS] [--runs N] [--dir DIR]`.
+fn run(args: &[String]) -> io::Result<()> {
+    let mut clients = vec![1usize, 64, 256];
+    let mut duration = Duration::from_secs(10);
+    let mut runs = 3;
+    let mut dir = std::env::temp_dir();
+    let mut args = args.iter();
+    while let Some(flag) = args.next() {
+        let value = args
+            .next()
+            .ok_or_else(|| io::Error::other(format!("{flag} needs a value")))?;
+        match flag.as_str() {
+            "--clients" => {
+                clients = value
+                    .split_whitespace()
+                    .map(|v| v.parse().map_err(io::Error::other))
+                    .collect::<io::Result<_>>()?
+            }
+            "--duration" => {
+                duration = Duration::from_secs(value.parse().map_err(io::Error::other)?)
+            }
+            "--runs" => runs = value.parse().map_err(io::Error::other)?,
+            "--dir" => dir = PathBuf::from(value),
+            _ => return Err(io::Error::other(format!("unknown flag {flag}"))),
+        }
+    }
+    println!(
+        "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for &n in &clients {
+        let mut all = Vec::new();
+        for _ in 0..runs.max(1) {
+            all.push(run_once(&dir, n, duration)?);
+        }
+        let m = |f: fn(&Figures) -> f64| median(all.iter().map(f).collect());
+        println!(
+            "| {n} | {:.0} | {:.2} / {:.2} | {:.3} | {:.1} | {:.3} | {:.1} |",
+            m(|f| f.pairs_per_s),
+            m(|f| f.p50_ms),
+            m(|f| f.p99_ms),
+            m(|f| f.server_cpu_ms),
+            m(|f| f.switches),
+            m(|f| f.client_cpu_ms),
+            m(|f| f.entries_per_sync),
+        );
+    }
+    Ok(())
+}
