@@ -20,7 +20,7 @@
 //! figures spend is the machine's (the kernel's loopback TCP, its wake-ups and the disk).
 //!
 //! It prints, per client count, the medians of RUNS runs of DURATION seconds (after a 1 s warm-up):
-//! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry (summed from
+//! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry and the leader's part of it (from
 //! `/proc/PID/task/*/schedstat`), their context switches per entry (`/proc/PID/task/*/status`,
 //! voluntary and not, as `scripts/bench-figures` counts them), the load generator's CPU per entry, and
 //! the leader's entries per sync (over the whole run, warm-up included). The leader keeps every entry in
@@ -420,6 +420,7 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     server_cpu_ms: f64,
+    leader_cpu_ms: f64,
     switches: f64,
     client_cpu_ms: f64,
     entries_per_sync: f64,
@@ -457,32 +458,27 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
                 Err(io::Error::other(format!("expected {what}, got {line:?}")))
             }
         };
+        let sample = |load: &Role| -> io::Result<[(u64, u64); 3]> {
+            Ok([
+                usage_of(&servers)?,
+                usage(leader.child.id())?,
+                usage(load.child.id())?,
+            ])
+        };
         expect(&mut load, "measuring")?;
-        let (server_before, client_before) = (usage_of(&servers)?, usage(load.child.id())?);
+        let [server_before, leader_before, client_before] = sample(&load)?;
         expect(&mut load, "done")?;
-        let (server_after, client_after) = (usage_of(&servers)?, usage(load.child.id())?);
+        let [server_after, leader_after, client_after] = sample(&load)?;
         load.child
             .stdin
             .take()
             .expect("piped")
             .write_all(b"stop\n")?;
-        let line = load.line()?;
-        let fields: Vec<f64> = line
-            .strip_prefix("result ")
-            .ok_or_else(|| io::Error::other(format!("expected a result, got {line:?}")))?
-            .split_whitespace()
-            .map(|v| v.parse::<f64>().map_err(io::Error::other))
-            .collect::<io::Result<_>>()?;
+        let fields = numbers(&load.line()?, "result ")?;
         let pairs = fields[0];
         let entries = (2.0 * pairs).max(1.0);
         // The roles end by themselves once the load generator closes its connections.
-        let batches = leader.line()?;
-        let batches: Vec<f64> = batches
-            .strip_prefix("batches ")
-            .ok_or_else(|| io::Error::other(format!("expected batches, got {batches:?}")))?
-            .split_whitespace()
-            .map(|v| v.parse::<f64>().map_err(io::Error::other))
-            .collect::<io::Result<_>>()?;
+        let batches = numbers(&leader.line()?, "batches ")?;
         for role in [&mut load, &mut leader]
             .into_iter()
             .chain(followers.iter_mut())
@@ -494,6 +490,7 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
             p50_ms: fields[1] / 1000.0,
             p99_ms: fields[2] / 1000.0,
             server_cpu_ms: (server_after.0 - server_before.0) as f64 / 1e6 / entries,
+            leader_cpu_ms: (leader_after.0 - leader_before.0) as f64 / 1e6 / entries,
             switches: (server_after.1 - server_before.1) as f64 / entries,
             client_cpu_ms: (client_after.0 - client_before.0) as f64 / 1e6 / entries,
             entries_per_sync: batches[1] / batches[0].max(1.0),
@@ -501,6 +498,15 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// The numbers after `prefix` in a role's line.
+fn numbers(line: &str, prefix: &str) -> io::Result<Vec<f64>> {
+    line.strip_prefix(prefix)
+        .ok_or_else(|| io::Error::other(format!("expected {prefix:?}, got {line:?}")))?
+        .split_whitespace()
+        .map(|v| v.parse::<f64>().map_err(io::Error::other))
+        .collect()
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -535,7 +541,7 @@ fn run(args: &[String]) -> io::Result<()> {
         }
     }
     println!(
-        "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
+        "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry (the leader's) | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
     );
     println!("|---|---|---|---|---|---|---|");
     for &n in &clients {
@@ -545,11 +551,12 @@ fn run(args: &[String]) -> io::Result<()> {
         }
         let m = |f: fn(&Figures) -> f64| median(all.iter().map(f).collect());
         println!(
-            "| {n} | {:.0} | {:.2} / {:.2} | {:.3} | {:.1} | {:.3} | {:.1} |",
+            "| {n} | {:.0} | {:.2} / {:.2} | {:.3} ({:.3}) | {:.1} | {:.3} | {:.1} |",
             m(|f| f.pairs_per_s),
             m(|f| f.p50_ms),
             m(|f| f.p99_ms),
             m(|f| f.server_cpu_ms),
+            m(|f| f.leader_cpu_ms),
             m(|f| f.switches),
             m(|f| f.client_cpu_ms),
             m(|f| f.entries_per_sync),
