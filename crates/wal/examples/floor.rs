@@ -1,31 +1,39 @@
-//! The floor: the least a replicated, synced log entry costs on this machine, measured, to hold
-//! Holdfast's figures against (docs/performance.md, "The floor").
+//! The floor: what a replicated, synced log entry costs on this machine when nothing but its messages
+//! and syncs is done, measured, to hold Holdfast's figures against (docs/performance.md, "The floor").
 //!
-//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3]` (which runs
-//! `cargo run --release -p holdfast-wal --example floor -- run ...`) starts five server processes and a
-//! load generator, all of them this program in other roles, on loopback TCP and files under the
-//! temporary directory (`--dir DIR` for another), as `holdfast dev` and `holdfast bench` do. The load
-//! generator runs CLIENTS threads, each with a connection of its own, each sending one 64-byte request
-//! at a time, twice per pair (as an acquire and its release). It is the message and sync pattern the
-//! design asks of every log entry and nothing else:
+//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3] [--dir DIR]` (which builds
+//! this example in release and runs it as `floor run ...`) starts five server processes and a load
+//! generator, all of them this program in other roles, on loopback TCP and files in the temporary
+//! directory (`--dir DIR` for another; it must be on a disk, not tmpfs, where `fdatasync` does
+//! nothing), as `holdfast dev` and `holdfast bench` do. The load generator runs one thread per client,
+//! each with a connection of its own, each sending one 64-byte request at a time, two per pair (as an
+//! acquire and its release). Each process does only the messages and syncs the design asks of every
+//! log entry:
 //! - the leader reads the requests that have arrived (a batch), sends them to each of four followers
 //!   whose previous batch is answered (one batch in flight per follower, as Holdfast's replication),
-//!   writes them to its own file and `fdatasync`s it, waits until two followers have answered, and
+//!   appends them to its own file and `fdatasync`s it, waits until two followers have answered, and
 //!   answers each request;
-//! - a follower reads a batch, writes it to its file, `fdatasync`s, and answers with its last index.
+//! - a follower reads a batch, appends it to its file, `fdatasync`s, and answers with its last index.
 //!
 //! No Raft (no terms, votes or log matching), no lock table, no encoding, no async runtime: each
 //! process is one thread that blocks in `poll`, `read` or `fdatasync`, so it sleeps and wakes only
-//! where the pattern must. Whatever Holdfast spends beyond these figures is its own; what these
-//! figures spend is the machine's (the kernel's loopback TCP, its wake-ups and the disk).
+//! where the pattern must. One choice here is not the only one: the leader works in lock-step, taking
+//! no new requests while a batch waits for its quorum (Holdfast's leader appends and syncs new entries
+//! while earlier ones replicate). That makes its batches as large as they can be, so its CPU per entry
+//! under load is as low as this shape allows, and its latency under load higher than a pipelined
+//! leader's could be. Other shapes (a log preallocated and overwritten in place, `RWF_DSYNC` writes)
+//! are not measured. Whatever Holdfast spends beyond these figures is its own; what they spend is the
+//! machine's (the kernel's loopback TCP, its wake-ups and the disk) for this shape.
 //!
 //! It prints, per client count, the medians of RUNS runs of DURATION seconds (after a 1 s warm-up):
-//! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry and the leader's part of it (from
-//! `/proc/PID/task/*/schedstat`), their context switches per entry (`/proc/PID/task/*/status`,
-//! voluntary and not, as `scripts/bench-figures` counts them), the load generator's CPU per entry, and
-//! the leader's entries per sync (over the whole run, warm-up included). The leader keeps every entry in
-//! memory (64 bytes each, ~30 MB for a 10 s run at the speeds measured here), which is all a run of
-//! minutes needs.
+//! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry and the leader's part of
+//! it (from `/proc/PID/task/*/schedstat`), their context switches per entry
+//! (`/proc/PID/task/*/status`, voluntary and not), the load generator's CPU per entry (from its start
+//! to the end of the measured time), and the leader's entries per sync. The servers' CPU and switches
+//! are counted as `scripts/bench-figures` counts Holdfast's: over the load generator's whole run
+//! (connecting, the warm-up, the measured time and the last answers), divided by the entries of the
+//! measured time, so both include the warm-up's ~10% alike. The leader keeps the entries that some
+//! follower has not been sent yet, and drops the rest in steps of [`TRIM_ENTRIES`].
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -43,6 +51,10 @@ const REQUEST: usize = 64;
 const FOLLOWERS: usize = 4;
 const QUORUM_OF_FOLLOWERS: usize = 2;
 const WARM_UP: Duration = Duration::from_secs(1);
+/// Entries every follower has been sent that the leader drops at once (4 MiB).
+const TRIM_ENTRIES: u64 = 65_536;
+/// How long a run may take beyond its measured time before `run` gives up on it (a role that hangs).
+const RUN_SLACK: Duration = Duration::from_secs(60);
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -156,8 +168,9 @@ fn leader(args: &[String]) -> io::Result<()> {
         });
     }
     let mut file = open_log(dir, "leader")?;
-    // Every entry, so that a follower that falls behind is sent all it has not had.
+    // The entries from `base` on: a follower that falls behind is sent all it has not had.
     let mut log: Vec<u8> = Vec::new();
+    let mut base = 0u64;
     let mut waiting: Vec<(usize, [u8; 8])> = Vec::new();
     let mut frame = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
@@ -191,10 +204,10 @@ fn leader(args: &[String]) -> io::Result<()> {
         if log.len() == start {
             continue;
         }
-        let end = (log.len() / REQUEST) as u64;
+        let end = base + (log.len() / REQUEST) as u64;
         // To every follower with nothing in flight, then our own write and sync meanwhile.
         for peer in peers.iter_mut().filter(|p| p.sent == p.acked) {
-            send(peer, &log, end, &mut frame)?;
+            send(peer, &log, base, end, &mut frame)?;
         }
         file.write_all(&log[start..])?;
         file.sync_data()?;
@@ -208,7 +221,7 @@ fn leader(args: &[String]) -> io::Result<()> {
                 .iter_mut()
                 .filter(|p| p.sent == p.acked && p.sent < end)
             {
-                send(peer, &log, end, &mut frame)?;
+                send(peer, &log, base, end, &mut frame)?;
             }
         }
         for (i, id) in waiting.drain(..) {
@@ -216,13 +229,19 @@ fn leader(args: &[String]) -> io::Result<()> {
                 callers[i].socket.write_all(&id)?;
             }
         }
+        let sent_to_all = peers.iter().map(|p| p.sent).min().unwrap_or(end);
+        if sent_to_all - base >= TRIM_ENTRIES {
+            log.drain(..((sent_to_all - base) as usize * REQUEST));
+            base = sent_to_all;
+        }
     }
-    println!("batches {syncs} {}", log.len() / REQUEST);
+    println!("batches {syncs} {}", base + (log.len() / REQUEST) as u64);
     Ok(())
 }
 
-fn send(peer: &mut Peer, log: &[u8], end: u64, frame: &mut Vec<u8>) -> io::Result<()> {
-    let body = &log[peer.sent as usize * REQUEST..end as usize * REQUEST];
+/// Sends `peer` the entries from the last it was sent up to `end`; `log` holds those from `base`.
+fn send(peer: &mut Peer, log: &[u8], base: u64, end: u64, frame: &mut Vec<u8>) -> io::Result<()> {
+    let body = &log[(peer.sent - base) as usize * REQUEST..(end - base) as usize * REQUEST];
     frame.clear();
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(&end.to_le_bytes());
@@ -252,7 +271,7 @@ fn pollfd(socket: &TcpStream) -> libc::pollfd {
 }
 
 /// Blocks until one of `fds` is readable (or closed).
-#[allow(unsafe_code)]
+#[allow(unsafe_code, reason = "poll(2) has no safe wrapper in std")]
 fn poll(fds: &mut [libc::pollfd]) -> io::Result<()> {
     loop {
         // SAFETY: `fds` is a valid, exclusively borrowed slice of `pollfd` for the call's duration,
@@ -277,7 +296,9 @@ fn open_log(dir: &Path, name: &str) -> io::Result<File> {
 
 /// `client PORT CLIENTS DURATION_MS`: says `measuring` when the warm-up ends and `done` when the
 /// measured time does, then waits for a line on stdin (so that `run` reads this process's CPU time
-/// while all its threads still run), stops, and says `result PAIRS P50_US P99_US`.
+/// while all its threads still run), stops, and says `result PAIRS P50_US P99_US`. Then it waits for
+/// another line before it closes its connections (which ends the leader, and the leader's close the
+/// followers), so that `run` reads the servers' CPU time while they still run.
 fn client(args: &[String]) -> io::Result<()> {
     let port: u16 = args[0].parse().map_err(io::Error::other)?;
     let clients: usize = args[1].parse().map_err(io::Error::other)?;
@@ -289,28 +310,30 @@ fn client(args: &[String]) -> io::Result<()> {
         let mut socket = TcpStream::connect(("127.0.0.1", port))?;
         socket.set_nodelay(true)?;
         let (measuring, stop) = (measuring.clone(), stop.clone());
-        threads.push(std::thread::spawn(move || -> io::Result<Vec<u32>> {
-            let mut request = [7u8; REQUEST];
-            let mut answer = [0u8; 8];
-            let mut latencies = Vec::new();
-            let mut id = (t as u64) << 40;
-            while !stop.load(Ordering::Relaxed) {
-                let started = Instant::now();
-                for _ in 0..2 {
-                    id += 1;
-                    request[..8].copy_from_slice(&id.to_le_bytes());
-                    socket.write_all(&request)?;
-                    socket.read_exact(&mut answer)?;
-                    if answer != id.to_le_bytes() {
-                        return Err(io::Error::other("an answer to another request"));
+        threads.push(std::thread::spawn(
+            move || -> io::Result<(Vec<u32>, TcpStream)> {
+                let mut request = [7u8; REQUEST];
+                let mut answer = [0u8; 8];
+                let mut latencies = Vec::new();
+                let mut id = (t as u64) << 40;
+                while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    for _ in 0..2 {
+                        id += 1;
+                        request[..8].copy_from_slice(&id.to_le_bytes());
+                        socket.write_all(&request)?;
+                        socket.read_exact(&mut answer)?;
+                        if answer != id.to_le_bytes() {
+                            return Err(io::Error::other("an answer to another request"));
+                        }
+                    }
+                    if measuring.load(Ordering::Relaxed) {
+                        latencies.push(started.elapsed().as_micros() as u32);
                     }
                 }
-                if measuring.load(Ordering::Relaxed) {
-                    latencies.push(started.elapsed().as_micros() as u32);
-                }
-            }
-            Ok(latencies)
-        }));
+                Ok((latencies, socket))
+            },
+        ));
     }
     std::thread::sleep(WARM_UP);
     measuring.store(true, Ordering::Relaxed);
@@ -323,12 +346,13 @@ fn client(args: &[String]) -> io::Result<()> {
     io::stdin().read_line(&mut String::new())?;
     stop.store(true, Ordering::Relaxed);
     let mut all = Vec::new();
+    let mut sockets = Vec::new();
     for thread in threads {
-        all.extend(
-            thread
-                .join()
-                .map_err(|_| io::Error::other("a client thread panicked"))??,
-        );
+        let (latencies, socket) = thread
+            .join()
+            .map_err(|_| io::Error::other("a client thread panicked"))??;
+        all.extend(latencies);
+        sockets.push(socket);
     }
     all.sort_unstable();
     let at = |q: f64| all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)));
@@ -339,6 +363,8 @@ fn client(args: &[String]) -> io::Result<()> {
         at(0.99).copied().unwrap_or(0)
     );
     io::stdout().flush()?;
+    io::stdin().read_line(&mut String::new())?;
+    drop(sockets);
     Ok(())
 }
 
@@ -365,6 +391,32 @@ impl Role {
             return Err(io::Error::other("a role ended early"));
         }
         Ok(line.trim().to_string())
+    }
+
+    /// Writes a line to the role's stdin.
+    fn tell(&mut self, line: &str) -> io::Result<()> {
+        let stdin = self.child.stdin.as_mut().expect("piped");
+        stdin.write_all(line.as_bytes())?;
+        stdin.write_all(b"\n")?;
+        stdin.flush()
+    }
+
+    fn expect(&mut self, what: &str) -> io::Result<()> {
+        let line = self.line()?;
+        if line == what {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("expected {what}, got {line:?}")))
+        }
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        let status = self.child.wait()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("a role ended with {status}")))
+        }
     }
 
     fn port(&mut self) -> io::Result<String> {
@@ -394,7 +446,9 @@ fn usage(pid: u32) -> io::Result<(u64, u64)> {
             .split_whitespace()
             .next()
             .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
+            .ok_or_else(|| {
+                io::Error::other(format!("{}: unreadable {schedstat:?}", task.display()))
+            })?;
         let status = std::fs::read_to_string(task.join("status")).unwrap_or_default();
         for line in status.lines() {
             if let Some(v) = line
@@ -443,48 +497,50 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
         args.extend(ports.iter().map(String::as_str));
         let mut leader = Role::start(&args)?;
         let port = leader.port()?;
-        let ms = duration.as_millis().to_string();
-        let mut load = Role::start(&["client", &port, &clients_arg, &ms])?;
         let servers: Vec<u32> = followers
             .iter()
             .chain([&leader])
             .map(|r| r.child.id())
             .collect();
-        let expect = |role: &mut Role, what: &str| -> io::Result<()> {
-            let line = role.line()?;
-            if line == what {
-                Ok(())
-            } else {
-                Err(io::Error::other(format!("expected {what}, got {line:?}")))
+        let leader_pid = leader.child.id();
+        let (finished, watch) = std::sync::mpsc::channel::<()>();
+        let limit = WARM_UP + duration + RUN_SLACK;
+        let pids: Vec<String> = servers.iter().map(u32::to_string).collect();
+        let files = dir.clone();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = watch.recv_timeout(limit) {
+                // Said first: the kills make the run's own reads fail, and it may end the process
+                // before this thread does.
+                eprintln!("floor: a run took over {limit:?}, so a role hangs: stopping them");
+                let _ = Command::new("kill").arg("-9").args(&pids).status();
+                let _ = std::fs::remove_dir_all(&files);
+                std::process::exit(1);
             }
-        };
-        let sample = |load: &Role| -> io::Result<[(u64, u64); 3]> {
-            Ok([
-                usage_of(&servers)?,
-                usage(leader.child.id())?,
-                usage(load.child.id())?,
-            ])
-        };
-        expect(&mut load, "measuring")?;
-        let [server_before, leader_before, client_before] = sample(&load)?;
-        expect(&mut load, "done")?;
-        let [server_after, leader_after, client_after] = sample(&load)?;
-        load.child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(b"stop\n")?;
+        });
+        // Counted as scripts/bench-figures counts Holdfast's: from before the load generator starts
+        // until its last answer.
+        let (server_before, leader_before) = (usage_of(&servers)?, usage(leader_pid)?);
+        let ms = duration.as_millis().to_string();
+        let mut load = Role::start(&["client", &port, &clients_arg, &ms])?;
+        load.expect("measuring")?;
+        load.expect("done")?;
+        // The load generator's own, from its start to the end of the measured time.
+        let client = usage(load.child.id())?;
+        load.tell("stop")?;
         let fields = numbers(&load.line()?, "result ")?;
-        let pairs = fields[0];
-        let entries = (2.0 * pairs).max(1.0);
+        let (server_after, leader_after) = (usage_of(&servers)?, usage(leader_pid)?);
         // The roles end by themselves once the load generator closes its connections.
+        load.tell("exit")?;
         let batches = numbers(&leader.line()?, "batches ")?;
         for role in [&mut load, &mut leader]
             .into_iter()
             .chain(followers.iter_mut())
         {
-            role.child.wait()?;
+            role.finish()?;
         }
+        drop(finished);
+        let pairs = fields[0];
+        let entries = (2.0 * pairs).max(1.0);
         Ok(Figures {
             pairs_per_s: pairs / duration.as_secs_f64(),
             p50_ms: fields[1] / 1000.0,
@@ -492,7 +548,7 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
             server_cpu_ms: (server_after.0 - server_before.0) as f64 / 1e6 / entries,
             leader_cpu_ms: (leader_after.0 - leader_before.0) as f64 / 1e6 / entries,
             switches: (server_after.1 - server_before.1) as f64 / entries,
-            client_cpu_ms: (client_after.0 - client_before.0) as f64 / 1e6 / entries,
+            client_cpu_ms: client.0 as f64 / 1e6 / entries,
             entries_per_sync: batches[1] / batches[0].max(1.0),
         })
     })();
@@ -509,9 +565,47 @@ fn numbers(line: &str, prefix: &str) -> io::Result<Vec<f64>> {
         .collect()
 }
 
+/// The middle value, or the mean of the two middle ones (as Python's `statistics.median`).
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// Refuses a directory on tmpfs or ramfs, where `fdatasync` writes nothing to a disk.
+fn on_a_disk(dir: &Path) -> io::Result<()> {
+    let dir = dir.canonicalize()?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+    // The mount point of `dir` is the longest one it is under; its type follows the " - ".
+    let fs = mounts
+        .lines()
+        .filter_map(|line| {
+            let point = line.split(' ').nth(4)?;
+            let kind = line.split(" - ").nth(1)?.split(' ').next()?;
+            dir.starts_with(point).then_some((point.len(), kind))
+        })
+        .max_by_key(|(len, _)| *len)
+        .map(|(_, kind)| kind);
+    match fs {
+        Some(kind @ ("tmpfs" | "ramfs")) => Err(io::Error::other(format!(
+            "{} is on {kind}, where fdatasync does nothing: give --dir a directory on a disk",
+            dir.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn parsed<T: std::str::FromStr>(flag: &str, value: &str) -> io::Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    value
+        .parse()
+        .map_err(|e| io::Error::other(format!("{flag} {value}: {e}")))
 }
 
 /// `run [--clients "1 64 256"] [--duration SECS] [--runs N] [--dir DIR]`.
@@ -529,17 +623,19 @@ fn run(args: &[String]) -> io::Result<()> {
             "--clients" => {
                 clients = value
                     .split_whitespace()
-                    .map(|v| v.parse().map_err(io::Error::other))
+                    .map(|v| parsed(flag, v))
                     .collect::<io::Result<_>>()?
             }
+            // Seconds, with or without the `s` that scripts/bench-figures' --duration takes.
             "--duration" => {
-                duration = Duration::from_secs(value.parse().map_err(io::Error::other)?)
+                duration = Duration::from_secs(parsed(flag, value.trim_end_matches('s'))?)
             }
-            "--runs" => runs = value.parse().map_err(io::Error::other)?,
+            "--runs" => runs = parsed(flag, value)?,
             "--dir" => dir = PathBuf::from(value),
             _ => return Err(io::Error::other(format!("unknown flag {flag}"))),
         }
     }
+    on_a_disk(&dir)?;
     println!(
         "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry (the leader's) | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
     );
