@@ -12,11 +12,12 @@
 //! - the leader reads the requests that have arrived (a batch), sends them to each of four followers
 //!   whose previous batch is answered (one batch in flight per follower, as Holdfast's replication),
 //!   appends them to its own file and `fdatasync`s it, waits until two followers have answered, and
-//!   answers each request;
+//!   answers each request (it keeps in memory the entries some follower has not been sent, and drops
+//!   the rest in steps of [`TRIM_ENTRIES`]);
 //! - a follower reads a batch, appends it to its file, `fdatasync`s, and answers with its last index.
 //!
 //! No Raft (no terms, votes or log matching), no lock table, no encoding, no async runtime: each
-//! process is one thread that blocks in `poll`, `read` or `fdatasync`, so it sleeps and wakes only
+//! server process is one thread that blocks in `poll`, `read` or `fdatasync`, so it sleeps and wakes only
 //! where the pattern must. One choice here is not the only one: the leader works in lock-step, taking
 //! no new requests while a batch waits for its quorum (Holdfast's leader appends and syncs new entries
 //! while earlier ones replicate). That makes its batches as large as they can be, so its CPU per entry
@@ -32,8 +33,8 @@
 //! to the end of the measured time), and the leader's entries per sync. The servers' CPU and switches
 //! are counted as `scripts/bench-figures` counts Holdfast's: over the load generator's whole run
 //! (connecting, the warm-up, the measured time and the last answers), divided by the entries of the
-//! measured time, so both include the warm-up's ~10% alike. The leader keeps the entries that some
-//! follower has not been sent yet, and drops the rest in steps of [`TRIM_ENTRIES`].
+//! measured time, so both include the warm-up's ~10% alike (the CPU from `schedstat` in ns where
+//! bench-figures reads `/proc/PID/stat` in ticks: the same time, finer).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -46,43 +47,42 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A request: an 8-byte id and 56 bytes of payload, about an acquire's encoded command.
-const REQUEST: usize = 64;
+const REQUEST_BYTES: usize = 64;
 /// Followers, and the answers the leader waits for (with its own sync, 3 of 5).
 const FOLLOWERS: usize = 4;
 const QUORUM_OF_FOLLOWERS: usize = 2;
 const WARM_UP: Duration = Duration::from_secs(1);
-/// Entries every follower has been sent that the leader drops at once (4 MiB).
+/// Entries every follower has been sent that the leader drops at once: 4 MiB, so the drop (a copy of
+/// what is left) comes seldom and the log stays a few MiB at any speed.
 const TRIM_ENTRIES: u64 = 65_536;
-/// How long a run may take beyond its measured time before `run` gives up on it (a role that hangs).
+/// How long a run may take beyond its warm-up and measured time before `run` gives up on it (a role
+/// that hangs): a run ends within a second of its measured time, so a minute is plainly a hang.
 const RUN_SLACK: Duration = Duration::from_secs(60);
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    // The roles are started by `run` with their arguments; say so rather than index past the end.
-    let wants = match args.first().map(String::as_str) {
-        Some("follower") => 2,
-        Some("leader") => 3 + FOLLOWERS,
-        Some("client") => 4,
-        _ => 0,
-    };
-    if args.len() < wants {
-        eprintln!(
-            "floor: the {} role takes {} arguments from `run`",
-            args[0],
-            wants - 1
-        );
-        std::process::exit(2);
-    }
     let result = match args.first().map(String::as_str) {
-        Some("follower") => follower(Path::new(&args[1])),
-        Some("leader") => leader(&args[1..]),
-        Some("client") => client(&args[1..]),
+        Some("follower") => takes(&args, 1).and_then(|()| follower(Path::new(&args[1]))),
+        Some("leader") => takes(&args, 2 + FOLLOWERS).and_then(|()| leader(&args[1..])),
+        Some("client") => takes(&args, 3).and_then(|()| client(&args[1..])),
         Some("run") | None => run(&args[args.len().min(1)..]),
         Some(other) => Err(io::Error::other(format!("unknown role {other}"))),
     };
     if let Err(e) = result {
         eprintln!("floor: {e}");
         std::process::exit(1);
+    }
+}
+
+/// The roles are started by `run` with their arguments: says so rather than index past the end.
+fn takes(args: &[String], n: usize) -> io::Result<()> {
+    if args.len() > n {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "the {} role takes {n} arguments from `run`",
+            args[0]
+        )))
     }
 }
 
@@ -193,8 +193,8 @@ fn leader(args: &[String]) -> io::Result<()> {
                     continue;
                 }
                 caller.pending.extend_from_slice(&buf[..n]);
-                let whole = caller.pending.len() / REQUEST * REQUEST;
-                for request in caller.pending[..whole].chunks_exact(REQUEST) {
+                let whole = caller.pending.len() / REQUEST_BYTES * REQUEST_BYTES;
+                for request in caller.pending[..whole].chunks_exact(REQUEST_BYTES) {
                     waiting.push((i, request[..8].try_into().unwrap()));
                 }
                 log.extend_from_slice(&caller.pending[..whole]);
@@ -204,7 +204,7 @@ fn leader(args: &[String]) -> io::Result<()> {
         if log.len() == start {
             continue;
         }
-        let end = base + (log.len() / REQUEST) as u64;
+        let end = base + (log.len() / REQUEST_BYTES) as u64;
         // To every follower with nothing in flight, then our own write and sync meanwhile.
         for peer in peers.iter_mut().filter(|p| p.sent == p.acked) {
             send(peer, &log, base, end, &mut frame)?;
@@ -231,17 +231,21 @@ fn leader(args: &[String]) -> io::Result<()> {
         }
         let sent_to_all = peers.iter().map(|p| p.sent).min().unwrap_or(end);
         if sent_to_all - base >= TRIM_ENTRIES {
-            log.drain(..((sent_to_all - base) as usize * REQUEST));
+            log.drain(..((sent_to_all - base) as usize * REQUEST_BYTES));
             base = sent_to_all;
         }
     }
-    println!("batches {syncs} {}", base + (log.len() / REQUEST) as u64);
+    println!(
+        "batches {syncs} {}",
+        base + (log.len() / REQUEST_BYTES) as u64
+    );
     Ok(())
 }
 
 /// Sends `peer` the entries from the last it was sent up to `end`; `log` holds those from `base`.
 fn send(peer: &mut Peer, log: &[u8], base: u64, end: u64, frame: &mut Vec<u8>) -> io::Result<()> {
-    let body = &log[(peer.sent - base) as usize * REQUEST..(end - base) as usize * REQUEST];
+    let body =
+        &log[(peer.sent - base) as usize * REQUEST_BYTES..(end - base) as usize * REQUEST_BYTES];
     frame.clear();
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(&end.to_le_bytes());
@@ -312,7 +316,7 @@ fn client(args: &[String]) -> io::Result<()> {
         let (measuring, stop) = (measuring.clone(), stop.clone());
         threads.push(std::thread::spawn(
             move || -> io::Result<(Vec<u32>, TcpStream)> {
-                let mut request = [7u8; REQUEST];
+                let mut request = [7u8; REQUEST_BYTES];
                 let mut answer = [0u8; 8];
                 let mut latencies = Vec::new();
                 let mut id = (t as u64) << 40;
@@ -370,6 +374,8 @@ fn client(args: &[String]) -> io::Result<()> {
 
 /// A child process of this program, killed if still running when dropped.
 struct Role {
+    /// `follower`, `leader` or `client`, and its pid: for errors.
+    name: String,
     child: Child,
     out: BufReader<ChildStdout>,
 }
@@ -382,13 +388,14 @@ impl Role {
             .stdout(Stdio::piped())
             .spawn()?;
         let out = BufReader::new(child.stdout.take().expect("piped"));
-        Ok(Role { child, out })
+        let name = format!("the {} (pid {})", args[0], child.id());
+        Ok(Role { name, child, out })
     }
 
     fn line(&mut self) -> io::Result<String> {
         let mut line = String::new();
         if self.out.read_line(&mut line)? == 0 {
-            return Err(io::Error::other("a role ended early"));
+            return Err(io::Error::other(format!("{} ended early", self.name)));
         }
         Ok(line.trim().to_string())
     }
@@ -406,7 +413,10 @@ impl Role {
         if line == what {
             Ok(())
         } else {
-            Err(io::Error::other(format!("expected {what}, got {line:?}")))
+            Err(io::Error::other(format!(
+                "{}: expected {what}, got {line:?}",
+                self.name
+            )))
         }
     }
 
@@ -415,7 +425,10 @@ impl Role {
         if status.success() {
             Ok(())
         } else {
-            Err(io::Error::other(format!("a role ended with {status}")))
+            Err(io::Error::other(format!(
+                "{} ended with {status}",
+                self.name
+            )))
         }
     }
 
@@ -423,7 +436,9 @@ impl Role {
         let line = self.line()?;
         line.strip_prefix("port ")
             .map(str::to_string)
-            .ok_or_else(|| io::Error::other(format!("expected a port, got {line:?}")))
+            .ok_or_else(|| {
+                io::Error::other(format!("{}: expected a port, got {line:?}", self.name))
+            })
     }
 }
 
@@ -473,10 +488,10 @@ struct Figures {
     pairs_per_s: f64,
     p50_ms: f64,
     p99_ms: f64,
-    server_cpu_ms: f64,
-    leader_cpu_ms: f64,
-    switches: f64,
-    client_cpu_ms: f64,
+    server_ms_per_entry: f64,
+    leader_ms_per_entry: f64,
+    switches_per_entry: f64,
+    client_ms_per_entry: f64,
     entries_per_sync: f64,
 }
 
@@ -511,7 +526,9 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
             if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = watch.recv_timeout(limit) {
                 // Said first: the kills make the run's own reads fail, and it may end the process
                 // before this thread does.
-                eprintln!("floor: a run took over {limit:?}, so a role hangs: stopping them");
+                eprintln!(
+                    "floor: a run took over {limit:?}, so a role hangs: killing the servers (the load generator ends with them)"
+                );
                 let _ = Command::new("kill").arg("-9").args(&pids).status();
                 let _ = std::fs::remove_dir_all(&files);
                 std::process::exit(1);
@@ -545,10 +562,10 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
             pairs_per_s: pairs / duration.as_secs_f64(),
             p50_ms: fields[1] / 1000.0,
             p99_ms: fields[2] / 1000.0,
-            server_cpu_ms: (server_after.0 - server_before.0) as f64 / 1e6 / entries,
-            leader_cpu_ms: (leader_after.0 - leader_before.0) as f64 / 1e6 / entries,
-            switches: (server_after.1 - server_before.1) as f64 / entries,
-            client_cpu_ms: client.0 as f64 / 1e6 / entries,
+            server_ms_per_entry: (server_after.0 - server_before.0) as f64 / 1e6 / entries,
+            leader_ms_per_entry: (leader_after.0 - leader_before.0) as f64 / 1e6 / entries,
+            switches_per_entry: (server_after.1 - server_before.1) as f64 / entries,
+            client_ms_per_entry: client.0 as f64 / 1e6 / entries,
             entries_per_sync: batches[1] / batches[0].max(1.0),
         })
     })();
@@ -578,7 +595,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Refuses a directory on tmpfs or ramfs, where `fdatasync` writes nothing to a disk.
 fn on_a_disk(dir: &Path) -> io::Result<()> {
-    let dir = dir.canonicalize()?;
+    let dir = dir
+        .canonicalize()
+        .map_err(|e| io::Error::other(format!("{}: {e}", dir.display())))?;
     let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
     // The mount point of `dir` is the longest one it is under; its type follows the " - ".
     let fs = mounts
@@ -616,6 +635,12 @@ fn run(args: &[String]) -> io::Result<()> {
     let mut dir = std::env::temp_dir();
     let mut args = args.iter();
     while let Some(flag) = args.next() {
+        if matches!(flag.as_str(), "--help" | "-h") {
+            println!(
+                "floor run [--clients \"1 64 256\"] [--duration SECS] [--runs N] [--dir DIR] (docs/performance.md, \"The floor\")"
+            );
+            return Ok(());
+        }
         let value = args
             .next()
             .ok_or_else(|| io::Error::other(format!("{flag} needs a value")))?;
@@ -635,6 +660,11 @@ fn run(args: &[String]) -> io::Result<()> {
             _ => return Err(io::Error::other(format!("unknown flag {flag}"))),
         }
     }
+    if clients.contains(&0) || duration.is_zero() || runs == 0 {
+        return Err(io::Error::other(
+            "--clients, --duration and --runs take numbers above 0",
+        ));
+    }
     on_a_disk(&dir)?;
     println!(
         "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry (the leader's) | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
@@ -642,7 +672,7 @@ fn run(args: &[String]) -> io::Result<()> {
     println!("|---|---|---|---|---|---|---|");
     for &n in &clients {
         let mut all = Vec::new();
-        for _ in 0..runs.max(1) {
+        for _ in 0..runs {
             all.push(run_once(&dir, n, duration)?);
         }
         let m = |f: fn(&Figures) -> f64| median(all.iter().map(f).collect());
@@ -651,10 +681,10 @@ fn run(args: &[String]) -> io::Result<()> {
             m(|f| f.pairs_per_s),
             m(|f| f.p50_ms),
             m(|f| f.p99_ms),
-            m(|f| f.server_cpu_ms),
-            m(|f| f.leader_cpu_ms),
-            m(|f| f.switches),
-            m(|f| f.client_cpu_ms),
+            m(|f| f.server_ms_per_entry),
+            m(|f| f.leader_ms_per_entry),
+            m(|f| f.switches_per_entry),
+            m(|f| f.client_ms_per_entry),
             m(|f| f.entries_per_sync),
         );
     }
