@@ -1,30 +1,34 @@
 //! The floor: what a replicated, synced log entry costs on this machine when nothing but its messages
 //! and syncs is done, measured, to hold Holdfast's figures against (docs/performance.md, "The floor").
 //!
-//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3] [--dir DIR]` (which builds
-//! this example in release and runs it as `floor run ...`) starts five server processes and a load
-//! generator, all of them this program in other roles, on loopback TCP and files in the temporary
-//! directory (`--dir DIR` for another; it must be on a disk, not tmpfs, where `fdatasync` does
-//! nothing), as `holdfast dev` and `holdfast bench` do. The load generator runs one thread per client,
-//! each with a connection of its own, each sending one 64-byte request at a time, two per pair (as an
-//! acquire and its release). Each process does only the messages and syncs the design asks of every
-//! log entry:
-//! - the leader reads the requests that have arrived (a batch), sends them to each of four followers
-//!   whose previous batch is answered (one batch in flight per follower, as Holdfast's replication),
-//!   appends them to its own file and `fdatasync`s it, waits until two followers have answered, and
-//!   answers each request (it keeps in memory the entries some follower has not been sent, and drops
-//!   the rest in steps of [`TRIM_ENTRIES`]);
-//! - a follower reads a batch, appends it to its file, `fdatasync`s, and answers with its last index.
+//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3] [--dir DIR] [--pipelined]`
+//! (which builds this example in release and runs it as `floor run ...`) starts five server processes
+//! and a load generator, all of them this program in other roles, on loopback TCP and files in the
+//! temporary directory (`--dir DIR` for another; it must be on a disk, not tmpfs, where `fdatasync`
+//! does nothing), as `holdfast dev` and `holdfast bench` do. The load generator runs one thread per
+//! client, each with a connection of its own, each sending one 64-byte request at a time, two per pair
+//! (as an acquire and its release). Each server does only the messages and syncs the design asks of
+//! every log entry:
+//! - a follower reads a batch, appends it to its file, `fdatasync`s, and answers with its last index;
+//! - the leader sends each follower whose previous batch is answered (one batch in flight per
+//!   follower, as Holdfast replicates) every entry it has not had, appends the entries to its own file
+//!   and `fdatasync`s them, and answers a request once its entry is synced there and by two followers
+//!   (it keeps in memory the entries some follower has not been sent, and drops the rest in steps of
+//!   [`TRIM_ENTRIES`]).
+//!
+//! The leader works in one of two ways. By default in lock-step: it takes the requests that have
+//! arrived as a batch, sends, syncs, waits for the quorum and answers, and only then takes more. That
+//! makes its batches as large as they can be, so its CPU per entry under load is as low as this shape
+//! allows, and its latency under load higher. With `--pipelined`, as Holdfast's leader: it goes on
+//! taking and sending requests while earlier ones sync and replicate, and a thread of its own writes
+//! and syncs the log (everything queued in one sync, as Holdfast's WAL thread does).
 //!
 //! No Raft (no terms, votes or log matching), no lock table, no encoding, no async runtime: each
-//! server process is one thread that blocks in `poll`, `read` or `fdatasync`, so it sleeps and wakes only
-//! where the pattern must. One choice here is not the only one: the leader works in lock-step, taking
-//! no new requests while a batch waits for its quorum (Holdfast's leader appends and syncs new entries
-//! while earlier ones replicate). That makes its batches as large as they can be, so its CPU per entry
-//! under load is as low as this shape allows, and its latency under load higher than a pipelined
-//! leader's could be. Other shapes (a log preallocated and overwritten in place, `RWF_DSYNC` writes)
-//! are not measured. Whatever Holdfast spends beyond these figures is its own; what they spend is the
-//! machine's (the kernel's loopback TCP, its wake-ups and the disk) for this shape.
+//! follower is one thread, and the leader one (two when pipelined), blocking in `poll`, `read` or
+//! `fdatasync`, so they sleep and wake only where the pattern must. Other shapes (a log preallocated
+//! and overwritten in place, `RWF_DSYNC` writes) are not measured. What these figures spend is the
+//! machine's (the kernel's loopback TCP, its wake-ups and the disk) for this shape; what Holdfast
+//! spends beyond them is its own.
 //!
 //! It prints, per client count, the medians of RUNS runs of DURATION seconds (after a 1 s warm-up):
 //! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry and the leader's part of
@@ -63,7 +67,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("follower") => takes(&args, 1).and_then(|()| follower(Path::new(&args[1]))),
-        Some("leader") => takes(&args, 2 + FOLLOWERS).and_then(|()| leader(&args[1..])),
+        Some("leader") => takes(&args, 3 + FOLLOWERS).and_then(|()| leader(&args[1..])),
         Some("client") => takes(&args, 3).and_then(|()| client(&args[1..])),
         Some("run") | None => run(&args[args.len().min(1)..]),
         Some(other) => Err(io::Error::other(format!("unknown role {other}"))),
@@ -141,12 +145,51 @@ struct Caller {
     open: bool,
 }
 
-/// `leader DIR CLIENTS PORT PORT PORT PORT`.
+/// The leader's entries from `base` on: a follower that falls behind is sent all it has not had.
+struct Log {
+    bytes: Vec<u8>,
+    base: u64,
+}
+
+impl Log {
+    /// Entries appended so far.
+    fn end(&self) -> u64 {
+        self.base + (self.bytes.len() / REQUEST_BYTES) as u64
+    }
+
+    /// The entries from `from` up to `end`.
+    fn range(&self, from: u64, end: u64) -> &[u8] {
+        &self.bytes[(from - self.base) as usize * REQUEST_BYTES
+            ..(end - self.base) as usize * REQUEST_BYTES]
+    }
+
+    /// Drops what every follower has been sent, in steps of [`TRIM_ENTRIES`].
+    fn trim(&mut self, peers: &[Peer]) {
+        let sent_to_all = peers.iter().map(|p| p.sent).min().unwrap_or(self.base);
+        if sent_to_all - self.base >= TRIM_ENTRIES {
+            self.bytes
+                .drain(..(sent_to_all - self.base) as usize * REQUEST_BYTES);
+            self.base = sent_to_all;
+        }
+    }
+}
+
+/// A request taken into the log and not answered yet: its caller, its id, and its entry's number
+/// (the log's end once it was appended).
+type Waiting = std::collections::VecDeque<(usize, [u8; 8], u64)>;
+
+/// `leader DIR CLIENTS MODE PORT PORT PORT PORT`, MODE `lock-step` or `pipelined`. Says `batches
+/// SYNCS ENTRIES` when its callers have all closed.
 fn leader(args: &[String]) -> io::Result<()> {
     let dir = Path::new(&args[0]);
     let clients: usize = args[1].parse().map_err(io::Error::other)?;
+    let pipelined = match args[2].as_str() {
+        "lock-step" => false,
+        "pipelined" => true,
+        other => return Err(io::Error::other(format!("unknown leader mode {other}"))),
+    };
     let mut peers = Vec::new();
-    for port in &args[2..2 + FOLLOWERS] {
+    for port in &args[3..3 + FOLLOWERS] {
         let socket =
             TcpStream::connect(("127.0.0.1", port.parse::<u16>().map_err(io::Error::other)?))?;
         socket.set_nodelay(true)?;
@@ -167,92 +210,223 @@ fn leader(args: &[String]) -> io::Result<()> {
             open: true,
         });
     }
-    let mut file = open_log(dir, "leader")?;
-    // The entries from `base` on: a follower that falls behind is sent all it has not had.
-    let mut log: Vec<u8> = Vec::new();
-    let mut base = 0u64;
-    let mut waiting: Vec<(usize, [u8; 8])> = Vec::new();
-    let mut frame = Vec::new();
-    let mut fds: Vec<libc::pollfd> = Vec::new();
-    let mut buf = vec![0u8; 64 << 10];
-    let mut syncs = 0u64;
-    while callers.iter().any(|c| c.open) {
-        // Wait for requests (and take the answers of followers behind the last quorum).
-        fds.clear();
-        fds.extend(peers.iter().map(|p| pollfd(&p.socket)));
-        fds.extend(callers.iter().filter(|c| c.open).map(|c| pollfd(&c.socket)));
-        poll(&mut fds)?;
-        take_acks(&mut peers, &fds[..FOLLOWERS])?;
-        let start = log.len();
-        let mut polled = fds[FOLLOWERS..].iter();
-        for (i, caller) in callers.iter_mut().enumerate().filter(|(_, c)| c.open) {
-            if polled.next().is_some_and(|fd| fd.revents != 0) {
-                let n = caller.socket.read(&mut buf)?;
-                if n == 0 {
-                    caller.open = false;
-                    continue;
-                }
-                caller.pending.extend_from_slice(&buf[..n]);
-                let whole = caller.pending.len() / REQUEST_BYTES * REQUEST_BYTES;
-                for request in caller.pending[..whole].chunks_exact(REQUEST_BYTES) {
-                    waiting.push((i, request[..8].try_into().unwrap()));
-                }
-                log.extend_from_slice(&caller.pending[..whole]);
-                caller.pending.drain(..whole);
-            }
-        }
-        if log.len() == start {
-            continue;
-        }
-        let end = base + (log.len() / REQUEST_BYTES) as u64;
-        // To every follower with nothing in flight, then our own write and sync meanwhile.
-        for peer in peers.iter_mut().filter(|p| p.sent == p.acked) {
-            send(peer, &log, base, end, &mut frame)?;
-        }
-        file.write_all(&log[start..])?;
-        file.sync_data()?;
-        syncs += 1;
-        while peers.iter().filter(|p| p.acked >= end).count() < QUORUM_OF_FOLLOWERS {
-            fds.clear();
-            fds.extend(peers.iter().map(|p| pollfd(&p.socket)));
-            poll(&mut fds)?;
-            take_acks(&mut peers, &fds)?;
-            for peer in peers
-                .iter_mut()
-                .filter(|p| p.sent == p.acked && p.sent < end)
-            {
-                send(peer, &log, base, end, &mut frame)?;
-            }
-        }
-        for (i, id) in waiting.drain(..) {
-            if callers[i].open {
-                callers[i].socket.write_all(&id)?;
-            }
-        }
-        let sent_to_all = peers.iter().map(|p| p.sent).min().unwrap_or(end);
-        if sent_to_all - base >= TRIM_ENTRIES {
-            log.drain(..((sent_to_all - base) as usize * REQUEST_BYTES));
-            base = sent_to_all;
-        }
-    }
-    println!(
-        "batches {syncs} {}",
-        base + (log.len() / REQUEST_BYTES) as u64
-    );
+    let file = open_log(dir, "leader")?;
+    let (syncs, entries) = if pipelined {
+        pipelined_leader(file, peers, callers)?
+    } else {
+        lock_step_leader(file, peers, callers)?
+    };
+    println!("batches {syncs} {entries}");
     Ok(())
 }
 
-/// Sends `peer` the entries from the last it was sent up to `end`; `log` holds those from `base`.
-fn send(peer: &mut Peer, log: &[u8], base: u64, end: u64, frame: &mut Vec<u8>) -> io::Result<()> {
-    let body =
-        &log[(peer.sent - base) as usize * REQUEST_BYTES..(end - base) as usize * REQUEST_BYTES];
-    frame.clear();
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&end.to_le_bytes());
-    frame.extend_from_slice(body);
-    peer.socket.write_all(frame)?;
-    peer.sent = end;
+/// Takes every whole request from the callers `fds` says are readable (`fds` holds a pollfd per open
+/// caller, in order) into `log` and `waiting`; a caller that closed is marked so.
+fn take_requests(
+    callers: &mut [Caller],
+    fds: &[libc::pollfd],
+    buf: &mut [u8],
+    log: &mut Log,
+    waiting: &mut Waiting,
+) -> io::Result<()> {
+    let mut polled = fds.iter();
+    for (i, caller) in callers.iter_mut().enumerate().filter(|(_, c)| c.open) {
+        if polled.next().is_some_and(|fd| fd.revents != 0) {
+            let n = caller.socket.read(buf)?;
+            if n == 0 {
+                caller.open = false;
+                continue;
+            }
+            caller.pending.extend_from_slice(&buf[..n]);
+            let whole = caller.pending.len() / REQUEST_BYTES * REQUEST_BYTES;
+            for request in caller.pending[..whole].chunks_exact(REQUEST_BYTES) {
+                log.bytes.extend_from_slice(request);
+                waiting.push_back((i, request[..8].try_into().unwrap(), log.end()));
+            }
+            caller.pending.drain(..whole);
+        }
+    }
     Ok(())
+}
+
+/// Answers the waiting requests whose entries are among the first `committed`.
+fn answer(callers: &mut [Caller], waiting: &mut Waiting, committed: u64) -> io::Result<()> {
+    while let Some(&(i, id, entry)) = waiting.front() {
+        if entry > committed {
+            break;
+        }
+        waiting.pop_front();
+        if callers[i].open {
+            callers[i].socket.write_all(&id)?;
+        }
+    }
+    Ok(())
+}
+
+/// Polls the followers, then `extra` (if any), then the open callers.
+fn poll_all(
+    fds: &mut Vec<libc::pollfd>,
+    peers: &[Peer],
+    extra: Option<libc::pollfd>,
+    callers: &[Caller],
+) -> io::Result<()> {
+    fds.clear();
+    fds.extend(peers.iter().map(|p| pollfd(&p.socket)));
+    fds.extend(extra);
+    fds.extend(callers.iter().filter(|c| c.open).map(|c| pollfd(&c.socket)));
+    poll(fds)
+}
+
+/// Sends each follower with nothing in flight what it has not had, up to the log's end.
+fn send_to_idle(peers: &mut [Peer], log: &Log, frame: &mut Vec<u8>) -> io::Result<()> {
+    let end = log.end();
+    for peer in peers
+        .iter_mut()
+        .filter(|p| p.sent == p.acked && p.sent < end)
+    {
+        let body = log.range(peer.sent, end);
+        frame.clear();
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&end.to_le_bytes());
+        frame.extend_from_slice(body);
+        peer.socket.write_all(frame)?;
+        peer.sent = end;
+    }
+    Ok(())
+}
+
+/// Entries that [`QUORUM_OF_FOLLOWERS`] followers have synced.
+fn acked_by_quorum(peers: &[Peer]) -> u64 {
+    let mut acked: Vec<u64> = peers.iter().map(|p| p.acked).collect();
+    acked.sort_unstable_by(|a, b| b.cmp(a));
+    acked[QUORUM_OF_FOLLOWERS - 1]
+}
+
+/// Lock-step: takes the requests that have arrived, sends them, syncs them, waits for the quorum,
+/// answers them, and only then takes more. Returns its syncs and entries.
+fn lock_step_leader(
+    mut file: File,
+    mut peers: Vec<Peer>,
+    mut callers: Vec<Caller>,
+) -> io::Result<(u64, u64)> {
+    let mut log = Log {
+        bytes: Vec::new(),
+        base: 0,
+    };
+    let mut waiting = Waiting::new();
+    let (mut frame, mut fds, mut buf) = (Vec::new(), Vec::new(), vec![0u8; 64 << 10]);
+    let mut syncs = 0;
+    while callers.iter().any(|c| c.open) {
+        // Wait for requests (and take the answers of followers behind the last quorum).
+        poll_all(&mut fds, &peers, None, &callers)?;
+        take_acks(&mut peers, &fds[..FOLLOWERS])?;
+        let start = log.bytes.len();
+        take_requests(
+            &mut callers,
+            &fds[FOLLOWERS..],
+            &mut buf,
+            &mut log,
+            &mut waiting,
+        )?;
+        if log.bytes.len() == start {
+            continue;
+        }
+        let end = log.end();
+        // To every follower with nothing in flight, then our own write and sync meanwhile.
+        send_to_idle(&mut peers, &log, &mut frame)?;
+        file.write_all(&log.bytes[start..])?;
+        file.sync_data()?;
+        syncs += 1;
+        while acked_by_quorum(&peers) < end {
+            poll_all(&mut fds, &peers, None, &[])?;
+            take_acks(&mut peers, &fds)?;
+            send_to_idle(&mut peers, &log, &mut frame)?;
+        }
+        answer(&mut callers, &mut waiting, end)?;
+        log.trim(&peers);
+    }
+    Ok((syncs, log.end()))
+}
+
+/// Pipelined, as Holdfast's leader: a thread of its own writes and syncs the log (all that is queued
+/// in one sync, as Holdfast's WAL thread does) and says how far it has synced on a socket the leader
+/// polls, while the leader goes on taking requests and sending them. A request is answered once its
+/// entry is synced here and by two followers. Returns its syncs and entries.
+fn pipelined_leader(
+    mut file: File,
+    mut peers: Vec<Peer>,
+    mut callers: Vec<Caller>,
+) -> io::Result<(u64, u64)> {
+    let (queue, queued) = std::sync::mpsc::channel::<(Vec<u8>, u64)>();
+    let (mut synced_rx, mut synced_tx) = std::os::unix::net::UnixStream::pair()?;
+    let writer = std::thread::spawn(move || -> io::Result<u64> {
+        let mut syncs = 0;
+        while let Ok((bytes, mut end)) = queued.recv() {
+            file.write_all(&bytes)?;
+            while let Ok((more, more_end)) = queued.try_recv() {
+                file.write_all(&more)?;
+                end = more_end;
+            }
+            file.sync_data()?;
+            syncs += 1;
+            synced_tx.write_all(&end.to_le_bytes())?;
+        }
+        Ok(syncs)
+    });
+    let mut log = Log {
+        bytes: Vec::new(),
+        base: 0,
+    };
+    let mut waiting = Waiting::new();
+    let (mut frame, mut fds, mut buf) = (Vec::new(), Vec::new(), vec![0u8; 64 << 10]);
+    let (mut synced, mut notices) = (0u64, Vec::new());
+    while callers.iter().any(|c| c.open) {
+        let notice = libc::pollfd {
+            fd: synced_rx.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        poll_all(&mut fds, &peers, Some(notice), &callers)?;
+        take_acks(&mut peers, &fds[..FOLLOWERS])?;
+        if fds[FOLLOWERS].revents != 0 {
+            let n = synced_rx.read(&mut buf)?;
+            if n == 0 {
+                return Err(io::Error::other("the log writer stopped"));
+            }
+            // Each notice is 8 bytes and they only grow: the last whole one is the latest.
+            notices.extend_from_slice(&buf[..n]);
+            let whole = notices.len() / 8 * 8;
+            if let Some(last) = notices[..whole].chunks_exact(8).last() {
+                synced = u64::from_le_bytes(last.try_into().unwrap());
+            }
+            notices.drain(..whole);
+        }
+        let start = log.bytes.len();
+        take_requests(
+            &mut callers,
+            &fds[FOLLOWERS + 1..],
+            &mut buf,
+            &mut log,
+            &mut waiting,
+        )?;
+        if log.bytes.len() > start {
+            queue
+                .send((log.bytes[start..].to_vec(), log.end()))
+                .map_err(|_| io::Error::other("the log writer stopped"))?;
+        }
+        send_to_idle(&mut peers, &log, &mut frame)?;
+        answer(
+            &mut callers,
+            &mut waiting,
+            synced.min(acked_by_quorum(&peers)),
+        )?;
+        log.trim(&peers);
+    }
+    drop(queue);
+    let syncs = writer
+        .join()
+        .map_err(|_| io::Error::other("the log writer panicked"))??;
+    Ok((syncs, log.end()))
 }
 
 fn take_acks(peers: &mut [Peer], fds: &[libc::pollfd]) -> io::Result<()> {
@@ -495,7 +669,7 @@ struct Figures {
     entries_per_sync: f64,
 }
 
-fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figures> {
+fn run_once(base: &Path, clients: usize, duration: Duration, mode: &str) -> io::Result<Figures> {
     let dir = base.join(format!("holdfast-floor-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let dir_arg = dir.to_string_lossy().into_owned();
@@ -508,7 +682,7 @@ fn run_once(base: &Path, clients: usize, duration: Duration) -> io::Result<Figur
             followers.push(role);
         }
         let clients_arg = clients.to_string();
-        let mut args = vec!["leader", &dir_arg, &clients_arg];
+        let mut args = vec!["leader", &dir_arg, &clients_arg, mode];
         args.extend(ports.iter().map(String::as_str));
         let mut leader = Role::start(&args)?;
         let port = leader.port()?;
@@ -633,13 +807,18 @@ fn run(args: &[String]) -> io::Result<()> {
     let mut duration = Duration::from_secs(10);
     let mut runs = 3;
     let mut dir = std::env::temp_dir();
+    let mut mode = "lock-step";
     let mut args = args.iter();
     while let Some(flag) = args.next() {
         if matches!(flag.as_str(), "--help" | "-h") {
             println!(
-                "floor run [--clients \"1 64 256\"] [--duration SECS] [--runs N] [--dir DIR] (docs/performance.md, \"The floor\")"
+                "floor run [--clients \"1 64 256\"] [--duration SECS] [--runs N] [--dir DIR] [--pipelined] (docs/performance.md, \"The floor\")"
             );
             return Ok(());
+        }
+        if flag == "--pipelined" {
+            mode = "pipelined";
+            continue;
         }
         let value = args
             .next()
@@ -666,6 +845,7 @@ fn run(args: &[String]) -> io::Result<()> {
         ));
     }
     on_a_disk(&dir)?;
+    println!("the floor, leader {mode}:");
     println!(
         "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry (the leader's) | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
     );
@@ -673,7 +853,7 @@ fn run(args: &[String]) -> io::Result<()> {
     for &n in &clients {
         let mut all = Vec::new();
         for _ in 0..runs {
-            all.push(run_once(&dir, n, duration)?);
+            all.push(run_once(&dir, n, duration, mode)?);
         }
         let m = |f: fn(&Figures) -> f64| median(all.iter().map(f).collect());
         println!(
