@@ -373,60 +373,67 @@ fn pipelined_leader(
         }
         Ok(syncs)
     });
-    let mut log = Log {
-        bytes: Vec::new(),
-        base: 0,
-    };
-    let mut waiting = Waiting::new();
-    let (mut frame, mut fds, mut buf) = (Vec::new(), Vec::new(), vec![0u8; 64 << 10]);
-    let (mut synced, mut notices) = (0u64, Vec::new());
-    while callers.iter().any(|c| c.open) {
-        let notice = libc::pollfd {
-            fd: synced_rx.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+    // The leader's part; when it fails because the writer stopped, the writer's error says why.
+    let led = (|| -> io::Result<u64> {
+        let mut log = Log {
+            bytes: Vec::new(),
+            base: 0,
         };
-        poll_all(&mut fds, &peers, Some(notice), &callers)?;
-        take_acks(&mut peers, &fds[..FOLLOWERS])?;
-        if fds[FOLLOWERS].revents != 0 {
-            let n = synced_rx.read(&mut buf)?;
-            if n == 0 {
-                return Err(io::Error::other("the log writer stopped"));
+        let mut waiting = Waiting::new();
+        let (mut frame, mut fds, mut buf) = (Vec::new(), Vec::new(), vec![0u8; 64 << 10]);
+        let (mut synced, mut notices) = (0u64, Vec::new());
+        while callers.iter().any(|c| c.open) {
+            let notice = libc::pollfd {
+                fd: synced_rx.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            poll_all(&mut fds, &peers, Some(notice), &callers)?;
+            take_acks(&mut peers, &fds[..FOLLOWERS])?;
+            if fds[FOLLOWERS].revents != 0 {
+                let n = synced_rx.read(&mut buf)?;
+                if n == 0 {
+                    return Err(io::Error::other("the log writer stopped"));
+                }
+                // Each notice is 8 bytes and they only grow: the last whole one is the latest.
+                notices.extend_from_slice(&buf[..n]);
+                let whole = notices.len() / 8 * 8;
+                if let Some(last) = notices[..whole].chunks_exact(8).last() {
+                    synced = u64::from_le_bytes(last.try_into().unwrap());
+                }
+                notices.drain(..whole);
             }
-            // Each notice is 8 bytes and they only grow: the last whole one is the latest.
-            notices.extend_from_slice(&buf[..n]);
-            let whole = notices.len() / 8 * 8;
-            if let Some(last) = notices[..whole].chunks_exact(8).last() {
-                synced = u64::from_le_bytes(last.try_into().unwrap());
+            let start = log.bytes.len();
+            take_requests(
+                &mut callers,
+                &fds[FOLLOWERS + 1..],
+                &mut buf,
+                &mut log,
+                &mut waiting,
+            )?;
+            if log.bytes.len() > start {
+                queue
+                    .send((log.bytes[start..].to_vec(), log.end()))
+                    .map_err(|_| io::Error::other("the log writer stopped"))?;
             }
-            notices.drain(..whole);
+            send_to_idle(&mut peers, &log, &mut frame)?;
+            answer(
+                &mut callers,
+                &mut waiting,
+                synced.min(acked_by_quorum(&peers)),
+            )?;
+            log.trim(&peers);
         }
-        let start = log.bytes.len();
-        take_requests(
-            &mut callers,
-            &fds[FOLLOWERS + 1..],
-            &mut buf,
-            &mut log,
-            &mut waiting,
-        )?;
-        if log.bytes.len() > start {
-            queue
-                .send((log.bytes[start..].to_vec(), log.end()))
-                .map_err(|_| io::Error::other("the log writer stopped"))?;
-        }
-        send_to_idle(&mut peers, &log, &mut frame)?;
-        answer(
-            &mut callers,
-            &mut waiting,
-            synced.min(acked_by_quorum(&peers)),
-        )?;
-        log.trim(&peers);
-    }
+        Ok(log.end())
+    })();
     drop(queue);
-    let syncs = writer
+    let written = writer
         .join()
-        .map_err(|_| io::Error::other("the log writer panicked"))??;
-    Ok((syncs, log.end()))
+        .map_err(|_| io::Error::other("the log writer panicked"))?;
+    match (led, written) {
+        (Ok(entries), Ok(syncs)) => Ok((syncs, entries)),
+        (_, Err(e)) | (Err(e), Ok(_)) => Err(e),
+    }
 }
 
 fn take_acks(peers: &mut [Peer], fds: &[libc::pollfd]) -> io::Result<()> {
@@ -801,7 +808,7 @@ where
         .map_err(|e| io::Error::other(format!("{flag} {value}: {e}")))
 }
 
-/// `run [--clients "1 64 256"] [--duration SECS] [--runs N] [--dir DIR]`.
+/// `run [--clients "1 64 256"] [--duration SECS] [--runs N] [--dir DIR] [--pipelined]`.
 fn run(args: &[String]) -> io::Result<()> {
     let mut clients = vec![1usize, 64, 256];
     let mut duration = Duration::from_secs(10);
