@@ -383,12 +383,7 @@ fn pipelined_leader(
         let (mut frame, mut fds, mut buf) = (Vec::new(), Vec::new(), vec![0u8; 64 << 10]);
         let (mut synced, mut notices) = (0u64, Vec::new());
         while callers.iter().any(|c| c.open) {
-            let notice = libc::pollfd {
-                fd: synced_rx.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            poll_all(&mut fds, &peers, Some(notice), &callers)?;
+            poll_all(&mut fds, &peers, Some(pollfd(&synced_rx)), &callers)?;
             take_acks(&mut peers, &fds[..FOLLOWERS])?;
             if fds[FOLLOWERS].revents != 0 {
                 let n = synced_rx.read(&mut buf)?;
@@ -447,7 +442,8 @@ fn take_acks(peers: &mut [Peer], fds: &[libc::pollfd]) -> io::Result<()> {
     Ok(())
 }
 
-fn pollfd(socket: &TcpStream) -> libc::pollfd {
+/// Waits for `socket` to be readable (or closed).
+fn pollfd(socket: &impl AsRawFd) -> libc::pollfd {
     libc::pollfd {
         fd: socket.as_raw_fd(),
         events: libc::POLLIN,
