@@ -83,6 +83,11 @@ fn main() -> std::process::ExitCode {
                 .init();
         }
     }
+    // Before any thread starts, so that every thread of the server inherits it.
+    let scheduled = match &cli.command {
+        Cmd::Server(args) => cmd::server::apply_scheduling(args.scheduling),
+        _ => Ok(()),
+    };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Cmd::Server(cmd::server::ServerArgs {
         workers: Some(n), ..
@@ -99,7 +104,7 @@ fn main() -> std::process::ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Cmd::Server(args) => cmd::server::run(args).await,
+            Cmd::Server(args) => cmd::server::run(args, scheduled).await,
             Cmd::Dev(args) => cmd::dev::run(args).await,
             Cmd::Status(args) => cmd::status::run(args).await,
             Cmd::Locks(args) => cmd::locks::run(args).await,

@@ -134,6 +134,13 @@ pub struct ServerArgs {
     /// `--workers 1 --client-workers 2`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=256))]
     client_workers: Option<u16>,
+    /// How Linux schedules the server's threads: `batch` (the default; SCHED_BATCH: a thread the server
+    /// wakes does not preempt the one that woke it, so the leader sends an entry to every follower
+    /// before any of them runs) or `normal` (SCHED_OTHER). Costs no privilege; elsewhere than Linux,
+    /// ignored. Not in the config file: it is set before any thread starts. docs/performance.md,
+    /// "Threads that do not preempt".
+    #[arg(long, env = "HOLDFAST_SCHEDULING", value_enum, default_value_t = Scheduling::Batch)]
+    pub scheduling: Scheduling,
     /// TLS on every port: the cluster CA (PEM). With --tls-cert and --tls-key; overrides `[tls]`.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     tls_ca: Option<std::path::PathBuf>,
@@ -167,6 +174,56 @@ pub struct ServerArgs {
     /// and waits past it are refused LIMIT_EXCEEDED max_table_bytes.
     #[arg(long)]
     table_budget_mib: Option<u64>,
+}
+
+/// How Linux schedules a server's threads (`holdfast server --scheduling`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scheduling {
+    /// SCHED_BATCH: a woken thread does not preempt the running one; it takes an idle core, or waits
+    /// for the running one to block or use up its slice.
+    Batch,
+    /// SCHED_OTHER, the kernel's default: a woken thread may preempt the running one at once.
+    Normal,
+}
+
+/// Puts the calling thread under `policy`. Called in `main` before the runtime or any other thread
+/// starts: threads inherit their creator's policy, so every thread of the server has it.
+///
+/// Why batch: on the leader one thread sends an entry to each follower in turn; under SCHED_OTHER the
+/// follower woken by the first send could preempt the sender on its core, and the next send waited
+/// for it (the sends left ~55 µs apart at one client). Batch threads never preempt on wake-up, only at
+/// the scheduler's tick, so a woken thread runs on an idle core or when the running one blocks. Safety
+/// does not depend on it (no timing does); what it can cost is a wake-up's latency on a machine whose
+/// cores are all busy with other processes, which the tick bounds (a few ms, far inside an election
+/// timeout).
+pub fn apply_scheduling(policy: Scheduling) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        set_policy(match policy {
+            Scheduling::Batch => libc::SCHED_BATCH,
+            Scheduling::Normal => libc::SCHED_OTHER,
+        })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = policy;
+        Ok(())
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[allow(
+    unsafe_code,
+    reason = "sched_setscheduler(2) on the calling thread with a parameter struct on the stack"
+)]
+fn set_policy(policy: libc::c_int) -> std::io::Result<()> {
+    // Priority 0 is the only one SCHED_BATCH and SCHED_OTHER take.
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param that outlives the call.
+    match unsafe { libc::sched_setscheduler(0, policy, &param) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
 }
 
 impl ServerArgs {
@@ -363,7 +420,8 @@ fn check_config(config: &ServerConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
+/// `scheduled`: what `main` got from [`apply_scheduling`], logged once logging is up.
+pub async fn run(args: ServerArgs, scheduled: std::io::Result<()>) -> anyhow::Result<ExitCode> {
     if args.check_config {
         let config = args.into_config()?;
         check_config(&config)?;
@@ -383,6 +441,13 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<ExitCode> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    match scheduled {
+        Ok(()) => tracing::debug!(policy = ?args.scheduling, "threads scheduled"),
+        // Only speed depends on it: go on under the policy the process started with.
+        Err(e) => {
+            tracing::warn!(policy = ?args.scheduling, error = %e, "cannot set the threads' scheduling policy; left as inherited")
+        }
+    }
     let exit_on_stdin_close = args.exit_on_stdin_close;
     if let Some(spec) = &args.failpoint {
         holdfast_server::failpoint::arm(spec).map_err(|e| anyhow!("--failpoint: {e}"))?;

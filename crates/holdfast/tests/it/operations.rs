@@ -314,6 +314,48 @@ fn switches_of(pid: u32, name: &str) -> u64 {
         .sum()
 }
 
+/// The scheduling policy of each of a process's threads (`/proc/PID/task/TID/stat`, field 41: 0
+/// SCHED_OTHER, 3 SCHED_BATCH), by thread name.
+fn policies(pid: u32) -> Vec<(String, u32)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| {
+            // A thread may end between the listing and the read.
+            let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).ok()?;
+            // The name, in parentheses, may hold spaces; the fields after it start at field 3.
+            let (head, fields) = stat.rsplit_once(") ")?;
+            let name = head.split_once(" (")?.1.to_string();
+            let policy = fields.split_whitespace().nth(41 - 3)?.parse().ok()?;
+            Some((name, policy))
+        })
+        .collect()
+}
+
+/// `--scheduling normal` leaves every thread of a server under SCHED_OTHER (the default, batch, is
+/// checked by `a_server_can_serve_its_client_port_on_threads_of_its_own`), and it serves as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_can_run_its_threads_under_the_normal_policy() {
+    let c = Cluster::start(Options {
+        nodes: 1,
+        server_args: vec!["--scheduling=normal".into(), "--client-workers=2".into()],
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+    session
+        .try_acquire("sched/normal")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let policies = policies(c.pid(leader));
+    assert!(policies.len() >= 4, "{policies:?}");
+    assert!(policies.iter().all(|(_, p)| *p == 0), "{policies:?}");
+}
+
 /// `--workers 1 --client-workers 2` (what `holdfast dev` gives each server): the client port runs on two
 /// threads of its own and the rest on one; calls are served on the `Calls` connection, keepalives over
 /// gRPC; a stopping leader still hands over and exits cleanly, its client port's runtime shut down from
@@ -335,6 +377,21 @@ async fn a_server_can_serve_its_client_port_on_threads_of_its_own() {
     let count = |name: &str| names.iter().filter(|n| *n == name).count();
     assert_eq!(count("holdfast-client"), 2, "{names:?}");
     assert_eq!(count("tokio-rt-worker"), 1, "{names:?}");
+    // The default policy, set in `main` before any thread started: every thread has it (the WAL's
+    // writer and the client port's runtime included), not only the main one.
+    let policies = policies(pid);
+    for name in [
+        "holdfast",
+        "holdfast-client",
+        "tokio-rt-worker",
+        "holdfast-wal",
+    ] {
+        assert!(
+            policies.iter().any(|(n, _)| n == name),
+            "no thread {name}: {policies:?}"
+        );
+    }
+    assert!(policies.iter().all(|(_, p)| *p == 3), "{policies:?}");
 
     let client = c.client().await;
     let session = client.open_session(Duration::from_secs(2)).await.unwrap();
