@@ -86,7 +86,7 @@ fn main() -> std::process::ExitCode {
     // Before any thread starts, so that every thread of the server inherits it.
     let scheduled = match &cli.command {
         Cmd::Server(args) => cmd::server::apply_scheduling(args.scheduling),
-        _ => Ok(()),
+        _ => Ok(cmd::server::Scheduled::Untouched),
     };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Cmd::Server(cmd::server::ServerArgs {

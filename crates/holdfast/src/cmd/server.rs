@@ -134,13 +134,14 @@ pub struct ServerArgs {
     /// `--workers 1 --client-workers 2`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=256))]
     client_workers: Option<u16>,
-    /// How Linux schedules the server's threads: `batch` (the default; SCHED_BATCH: a thread the server
-    /// wakes does not preempt the one that woke it, so the leader sends an entry to every follower
-    /// before any of them runs) or `normal` (SCHED_OTHER). Costs no privilege; elsewhere than Linux,
-    /// ignored. Not in the config file: it is set before any thread starts. docs/performance.md,
+    /// How Linux schedules the server's threads: `batch` (SCHED_BATCH: a thread the server wakes does
+    /// not preempt the one running on its core) or `normal` (SCHED_OTHER). Without it: batch, unless
+    /// the server was started under another policy than SCHED_OTHER (`chrt`, systemd's
+    /// `CPUSchedulingPolicy=`), which it then keeps. Costs no privilege; ignored elsewhere than Linux
+    /// with glibc. Not in the config file: it is set before any thread starts. docs/performance.md,
     /// "Threads that do not preempt".
-    #[arg(long, env = "HOLDFAST_SCHEDULING", value_enum, default_value_t = Scheduling::Batch)]
-    pub scheduling: Scheduling,
+    #[arg(long, env = "HOLDFAST_SCHEDULING", value_enum)]
+    pub scheduling: Option<Scheduling>,
     /// TLS on every port: the cluster CA (PEM). With --tls-cert and --tls-key; overrides `[tls]`.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     tls_ca: Option<std::path::PathBuf>,
@@ -186,32 +187,68 @@ pub enum Scheduling {
     Normal,
 }
 
-/// Puts the calling thread under `policy`. Called in `main` before the runtime or any other thread
-/// starts: threads inherit their creator's policy, so every thread of the server has it.
+/// What [`apply_scheduling`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scheduled {
+    /// The threads run under this policy.
+    Set(Scheduling),
+    /// No `--scheduling`, and the server was started under this policy (not SCHED_OTHER): kept.
+    Kept(i32),
+    /// Left as the process started (not Linux with glibc, where nothing is set).
+    Untouched,
+}
+
+/// Puts the calling thread under `requested`, or with `None` under SCHED_BATCH if it runs under
+/// SCHED_OTHER (another policy was chosen by whoever started the server: it is kept). Called in `main`
+/// before the runtime or any other thread starts: threads inherit their creator's policy, so every
+/// thread of the server has it.
 ///
-/// Why batch: on the leader one thread sends an entry to each follower in turn; under SCHED_OTHER the
-/// follower woken by the first send could preempt the sender on its core, and the next send waited
-/// for it (the sends left ~55 µs apart at one client). Batch threads never preempt on wake-up, only at
-/// the scheduler's tick, so a woken thread runs on an idle core or when the running one blocks. Safety
-/// does not depend on it (no timing does); what it can cost is a wake-up's latency on a machine whose
-/// cores are all busy with other processes, which the tick bounds (a few ms, far inside an election
-/// timeout).
-pub fn apply_scheduling(policy: Scheduling) -> std::io::Result<()> {
-    #[cfg(target_os = "linux")]
+/// Why batch: on the leader one thread sends an entry to each follower in turn. Under SCHED_OTHER
+/// the follower woken by a send may preempt the sender on its core; the sends left ~55 µs apart at one
+/// client, and under batch the second (the one a commit waits for) left 40–70 µs sooner. Batch threads
+/// never preempt on wake-up: a woken one takes an idle core, or waits for the running thread to block
+/// or use up its slice. Safety does not depend on it (no timing does); what it can cost is latency on
+/// a machine whose cores are all busy, where a woken server thread waits for a slice or the
+/// scheduler's tick (milliseconds; more with many runnable threads).
+pub fn apply_scheduling(requested: Option<Scheduling>) -> std::io::Result<Scheduled> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
+        if requested.is_none() {
+            let inherited = current_policy()?;
+            if inherited != libc::SCHED_OTHER {
+                return Ok(Scheduled::Kept(inherited));
+            }
+        }
+        let policy = requested.unwrap_or(Scheduling::Batch);
         set_policy(match policy {
             Scheduling::Batch => libc::SCHED_BATCH,
             Scheduling::Normal => libc::SCHED_OTHER,
-        })
+        })?;
+        Ok(Scheduled::Set(policy))
     }
-    #[cfg(not(target_os = "linux"))]
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {
-        let _ = policy;
-        Ok(())
+        let _ = requested;
+        Ok(Scheduled::Untouched)
     }
 }
 
-#[cfg(target_os = "linux")]
+/// The calling thread's policy, without the SCHED_RESET_ON_FORK flag (which libc does not name).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(
+    unsafe_code,
+    reason = "sched_getscheduler(2) on the calling thread only reads its policy"
+)]
+fn current_policy() -> std::io::Result<libc::c_int> {
+    const SCHED_RESET_ON_FORK: libc::c_int = 0x4000_0000;
+    // SAFETY: sched_getscheduler(2) has no memory-safety preconditions; pid 0 is the calling thread.
+    match unsafe { libc::sched_getscheduler(0) } {
+        -1 => Err(std::io::Error::last_os_error()),
+        policy => Ok(policy & !SCHED_RESET_ON_FORK),
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(
     unsafe_code,
     reason = "sched_setscheduler(2) on the calling thread with a parameter struct on the stack"
@@ -421,7 +458,10 @@ fn check_config(config: &ServerConfig) -> anyhow::Result<()> {
 }
 
 /// `scheduled`: what `main` got from [`apply_scheduling`], logged once logging is up.
-pub async fn run(args: ServerArgs, scheduled: std::io::Result<()>) -> anyhow::Result<ExitCode> {
+pub async fn run(
+    args: ServerArgs,
+    scheduled: std::io::Result<Scheduled>,
+) -> anyhow::Result<ExitCode> {
     if args.check_config {
         let config = args.into_config()?;
         check_config(&config)?;
@@ -442,11 +482,18 @@ pub async fn run(args: ServerArgs, scheduled: std::io::Result<()>) -> anyhow::Re
         .with_writer(std::io::stderr)
         .init();
     match scheduled {
-        Ok(()) => tracing::debug!(policy = ?args.scheduling, "threads scheduled"),
+        Ok(Scheduled::Set(policy)) => tracing::debug!(?policy, "threads scheduled"),
+        Ok(Scheduled::Kept(policy)) => tracing::info!(
+            policy,
+            "kept the scheduling policy this server was started under (--scheduling sets one)"
+        ),
+        Ok(Scheduled::Untouched) => {}
         // Only speed depends on it: go on under the policy the process started with.
-        Err(e) => {
-            tracing::warn!(policy = ?args.scheduling, error = %e, "cannot set the threads' scheduling policy; left as inherited")
-        }
+        Err(e) => tracing::warn!(
+            requested = ?args.scheduling,
+            error = %e,
+            "cannot set the threads' scheduling policy; left as inherited"
+        ),
     }
     let exit_on_stdin_close = args.exit_on_stdin_close;
     if let Some(spec) = &args.failpoint {

@@ -331,29 +331,69 @@ fn policies(pid: u32) -> Vec<(String, u32)> {
         .collect()
 }
 
-/// `--scheduling normal` leaves every thread of a server under SCHED_OTHER (the default, batch, is
-/// checked by `a_server_can_serve_its_client_port_on_threads_of_its_own`), and it serves as usual.
+/// Puts every thread of this test process under `policy`, so that the servers it starts next inherit
+/// it (as they would from `chrt` or systemd).
+#[allow(
+    unsafe_code,
+    reason = "sched_setscheduler(2) on this process's own threads with a parameter struct on the stack"
+)]
+fn schedule_own_threads(policy: libc::c_int) {
+    let param = libc::sched_param { sched_priority: 0 };
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        let tid: libc::pid_t = task.unwrap().file_name().to_str().unwrap().parse().unwrap();
+        // SAFETY: `param` is a valid sched_param that outlives the call; `tid` is a thread of ours.
+        if unsafe { libc::sched_setscheduler(tid, policy, &param) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // A thread may end between the listing and the call.
+            assert_eq!(e.raw_os_error(), Some(libc::ESRCH), "thread {tid}: {e}");
+        }
+    }
+    assert_eq!(policies(std::process::id())[0].1, policy as u32);
+}
+
+/// Started under SCHED_BATCH (this test's threads have it, and the servers inherit it), a server with
+/// `--scheduling normal` puts every thread of its under SCHED_OTHER and serves as usual; one without
+/// the flag keeps the policy it was started under and says so. (Started under SCHED_OTHER, a server
+/// without the flag goes to SCHED_BATCH: `a_server_can_serve_its_client_port_on_threads_of_its_own`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_can_run_its_threads_under_the_normal_policy() {
-    let c = Cluster::start(Options {
-        nodes: 1,
-        server_args: vec!["--scheduling=normal".into(), "--client-workers=2".into()],
-        ..Options::default()
-    })
-    .await;
-    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
-    let client = c.client().await;
-    let session = client.open_session(Duration::from_secs(2)).await.unwrap();
-    session
-        .try_acquire("sched/normal")
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
-    let policies = policies(c.pid(leader));
-    assert!(policies.len() >= 4, "{policies:?}");
-    assert!(policies.iter().all(|(_, p)| *p == 0), "{policies:?}");
+async fn a_server_takes_the_scheduling_policy_it_is_given_or_keeps_the_one_it_was_started_under() {
+    schedule_own_threads(libc::SCHED_BATCH);
+    for (flags, want, says) in [
+        (vec!["--scheduling=normal"], 0, None),
+        (
+            vec![],
+            3,
+            Some("kept the scheduling policy this server was started under"),
+        ),
+    ] {
+        let mut server_args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+        server_args.push("--client-workers=2".into());
+        let c = Cluster::start(Options {
+            nodes: 1,
+            server_args,
+            ..Options::default()
+        })
+        .await;
+        let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+        let client = c.client().await;
+        let session = client.open_session(Duration::from_secs(2)).await.unwrap();
+        session
+            .try_acquire("sched/normal")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let policies = policies(c.pid(leader));
+        assert!(policies.len() >= 4, "{flags:?}: {policies:?}");
+        assert!(
+            policies.iter().all(|(_, p)| *p == want),
+            "{flags:?}: {policies:?}"
+        );
+        if let Some(text) = says {
+            assert!(c.log_text(leader).contains(text), "{flags:?}");
+        }
+    }
 }
 
 /// `--workers 1 --client-workers 2` (what `holdfast dev` gives each server): the client port runs on two
@@ -362,6 +402,8 @@ async fn a_server_can_run_its_threads_under_the_normal_policy() {
 /// inside the server's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_can_serve_its_client_port_on_threads_of_its_own() {
+    // Started under SCHED_OTHER whatever ran the tests, so that SCHED_BATCH below is the server's doing.
+    schedule_own_threads(libc::SCHED_OTHER);
     let mut c = Cluster::start(Options {
         nodes: 3,
         http: true,
