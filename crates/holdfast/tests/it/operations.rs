@@ -285,24 +285,28 @@ async fn check_config_judges_the_shipped_example_and_writes_nothing() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("node 2 of cluster 00000000000000aa"));
 }
 
+/// What `read` finds in each of a process's threads' directories (`/proc/PID/task/TID`); a thread that
+/// ends between the listing and the read (`read` gives `None`) is left out.
+fn per_thread<T>(pid: u32, read: impl Fn(&std::path::Path) -> Option<T>) -> Vec<T> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| read(&t.ok()?.path()))
+        .collect()
+}
+
 /// The name and the context switches so far (voluntary and not) of each of a process's threads, from
 /// /proc.
 fn threads(pid: u32) -> Vec<(String, u64)> {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .filter_map(|t| {
-            let path = t.unwrap().path();
-            // A thread may end between the listing and the reads.
-            let name = std::fs::read_to_string(path.join("comm")).ok()?;
-            let status = std::fs::read_to_string(path.join("status")).ok()?;
-            let switches = status
-                .lines()
-                .filter(|l| l.contains("ctxt_switches:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum();
-            Some((name.trim_end().to_string(), switches))
-        })
-        .collect()
+    per_thread(pid, |path| {
+        let name = std::fs::read_to_string(path.join("comm")).ok()?;
+        let status = std::fs::read_to_string(path.join("status")).ok()?;
+        let switches = status
+            .lines()
+            .filter(|l| l.contains("ctxt_switches:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum();
+        Some((name.trim_end().to_string(), switches))
+    })
 }
 
 /// The context switches of `pid`'s threads called `name`, summed.
@@ -317,18 +321,14 @@ fn switches_of(pid: u32, name: &str) -> u64 {
 /// The scheduling policy of each of a process's threads (`/proc/PID/task/TID/stat`, field 41: 0
 /// SCHED_OTHER, 3 SCHED_BATCH), by thread name.
 fn policies(pid: u32) -> Vec<(String, u32)> {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .filter_map(|t| {
-            // A thread may end between the listing and the read.
-            let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).ok()?;
-            // The name, in parentheses, may hold spaces; the fields after it start at field 3.
-            let (head, fields) = stat.rsplit_once(") ")?;
-            let name = head.split_once(" (")?.1.to_string();
-            let policy = fields.split_whitespace().nth(41 - 3)?.parse().ok()?;
-            Some((name, policy))
-        })
-        .collect()
+    per_thread(pid, |path| {
+        let stat = std::fs::read_to_string(path.join("stat")).ok()?;
+        // The name, in parentheses, may hold spaces; the fields after it start at field 3.
+        let (head, fields) = stat.rsplit_once(") ")?;
+        let name = head.split_once(" (")?.1.to_string();
+        let policy = fields.split_whitespace().nth(41 - 3)?.parse().ok()?;
+        Some((name, policy))
+    })
 }
 
 /// Puts every thread of this test process under `policy`, so that the servers it starts next inherit
@@ -339,8 +339,10 @@ fn policies(pid: u32) -> Vec<(String, u32)> {
 )]
 fn schedule_own_threads(policy: libc::c_int) {
     let param = libc::sched_param { sched_priority: 0 };
-    for task in std::fs::read_dir("/proc/self/task").unwrap() {
-        let tid: libc::pid_t = task.unwrap().file_name().to_str().unwrap().parse().unwrap();
+    let tids = per_thread(std::process::id(), |path| {
+        path.file_name()?.to_str()?.parse::<libc::pid_t>().ok()
+    });
+    for tid in tids {
         // SAFETY: `param` is a valid sched_param that outlives the call; `tid` is a thread of ours.
         if unsafe { libc::sched_setscheduler(tid, policy, &param) } != 0 {
             let e = std::io::Error::last_os_error();
