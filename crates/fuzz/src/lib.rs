@@ -129,6 +129,7 @@ pub fn wal_segment(bytes: &[u8]) {
         // An older segment is never torn: what the last one calls torn, an older one calls corrupt.
         (Ok(l), Ok(o)) => {
             assert!(l.torn_at.is_none() && o.torn_at.is_none());
+            assert!(l.zeros_at.is_none() && o.zeros_at.is_none());
             assert_eq!(l.records, o.records);
         }
         // A pre-created segment holds nothing and may only be the last one.
@@ -136,6 +137,12 @@ pub fn wal_segment(bytes: &[u8]) {
             assert_eq!(*offset, 12, "refused at its state word");
             assert!(l.records.is_empty());
             assert_eq!(l.torn_at, (bytes.len() > 16).then_some(16));
+        }
+        // Zeros after the last frame are the last segment's clean end, and damage in an older one.
+        (Ok(l), Err((offset, _))) if l.zeros_at.is_some() => {
+            assert_eq!(l.zeros_at, Some(*offset));
+            assert!(l.torn_at.is_none());
+            assert!(bytes[*offset..].iter().all(|&b| b == 0));
         }
         (Ok(l), Err((offset, _))) => assert_eq!(l.torn_at, Some(*offset)),
         (Err(a), Err(b)) => assert_eq!(a.0, b.0),

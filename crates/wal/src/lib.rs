@@ -15,6 +15,11 @@
 //! - **Fail-stop.** If a write or sync fails, the WAL is poisoned: that append and every later one fails.
 //!   It never retries a failed fsync, because after a failed fsync the kernel may have dropped the dirty
 //!   pages and a retry can report success for data that is gone.
+//! - **Syncs that do not grow the file.** The segment in use is filled with zeros ahead of its frames
+//!   ([`ZERO_AHEAD_BYTES`] at a time), so most syncs flush data into blocks the file already has and
+//!   commit no new length through the file system's journal. Recovery reads zeros from a frame's start
+//!   to the end of the last segment as its clean end and cuts them; a segment is cut to its last frame,
+//!   durably, before the next one starts, so zeros anywhere else are damage.
 //! - **Bounded size.** Segments roll over at [`WalOptions::segment_bytes`]. Records marked *sticky* (votes,
 //!   purge points) are rewritten at the head of each new segment, so an old segment can be deleted once the
 //!   owner says, through [`Wal::release`], that its entries are no longer needed.
@@ -33,7 +38,7 @@ mod writer;
 
 pub use format::{Record, MAX_APPEND_BYTES, MAX_RECORD_BYTES};
 pub use recover::{scan_segment, Recovered, Scan, TornTail};
-pub use writer::{SyncFault, SyncObserver, SyncStats, Wal, WalOptions};
+pub use writer::{SyncFault, SyncObserver, SyncStats, Wal, WalOptions, ZERO_AHEAD_BYTES};
 
 use std::path::PathBuf;
 

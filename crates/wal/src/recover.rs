@@ -104,6 +104,12 @@ pub(crate) fn recover(
             ));
         }
         recovered.records.extend(scan.records);
+        if let Some(offset) = scan.zeros_at {
+            // The zeros the writer puts ahead of its frames: the clean end of the segment that was in
+            // use. Cut (the writer starts a new segment, and a closed one must end at its last frame),
+            // with no copy kept: nothing was written there.
+            cut(path, offset as u64)?;
+        }
         if let Some(offset) = scan.torn_at {
             let saved_to = path.with_extension(format!("log.torn-{offset}"));
             save_and_cut(path, &buf, offset, &saved_to)?;
@@ -147,18 +153,23 @@ fn save_and_cut(path: &Path, buf: &[u8], offset: usize, saved_to: &Path) -> Resu
     copy.sync_all().map_err(io_err(saved_to))?;
     if offset == 0 {
         fs::remove_file(path).map_err(io_err(path))?;
+        if let Some(dir) = path.parent() {
+            sync_dir(dir)?;
+        }
     } else {
-        let file = fs::OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(io_err(path))?;
-        file.set_len(offset as u64).map_err(io_err(path))?;
-        file.sync_all().map_err(io_err(path))?;
-    }
-    if let Some(dir) = path.parent() {
-        sync_dir(dir)?;
+        cut(path, offset as u64)?;
     }
     Ok(())
+}
+
+/// Truncates the segment at `path` to `len` bytes, durably.
+fn cut(path: &Path, len: u64) -> Result<(), WalError> {
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(io_err(path))?;
+    file.set_len(len).map_err(io_err(path))?;
+    file.sync_all().map_err(io_err(path))
 }
 
 pub(crate) fn sync_dir(dir: &Path) -> Result<(), WalError> {
@@ -172,6 +183,11 @@ pub struct Scan {
     pub records: Vec<Record>,
     /// Where a torn tail starts, if the last segment ends in one.
     pub torn_at: Option<usize>,
+    /// Where the zeros start that the writer puts ahead of its frames
+    /// ([`crate::writer::ZERO_AHEAD_BYTES`]), if the last segment ends in them: its clean end, not a
+    /// tear. Only the segment in use has them (a segment is cut to its last frame before the next one
+    /// starts), so in an older segment they are damage like any other invalid frame.
+    pub zeros_at: Option<usize>,
     /// The segment was pre-created and never put in use: it holds no records, and whatever follows its
     /// header is cut as torn.
     pub standby: bool,
@@ -179,7 +195,8 @@ pub struct Scan {
 
 /// Decodes the bytes of segment number `seq` without any I/O (recovery's decoder, and a fuzz target). A
 /// bad frame is a torn tail only in the last segment and only if no valid frame follows it; otherwise
-/// the segment is corrupt: `Err((offset, reason))`. A pre-created segment may only be the last. A
+/// the segment is corrupt: `Err((offset, reason))`. Nothing but zeros from a frame's start to the end
+/// of the last segment is its clean end ([`Scan::zeros_at`]). A pre-created segment may only be the last. A
 /// version this build does not know is refused, not guessed at.
 pub fn scan_segment(buf: &[u8], seq: u64, is_last: bool) -> Result<Scan, (usize, String)> {
     let mut scan = Scan::default();
@@ -245,7 +262,12 @@ pub fn scan_segment(buf: &[u8], seq: u64, is_last: bool) -> Result<Scan, (usize,
         if !is_last || valid_later {
             return Err((offset, reason));
         }
-        scan.torn_at = Some(offset);
+        // (A header of zeros is not a clean end: the file holds nothing and is removed as torn.)
+        if offset > 0 && buf[offset..].iter().all(|&b| b == 0) {
+            scan.zeros_at = Some(offset);
+        } else {
+            scan.torn_at = Some(offset);
+        }
     }
     Ok(scan)
 }

@@ -136,6 +136,20 @@ impl Drop for SmallDisk {
     }
 }
 
+/// The bytes of the files under `dir`, each rounded up to 4 KiB pages as tmpfs stores them.
+fn tree_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            match e.file_type().unwrap().is_dir() {
+                true => tree_bytes(&e.path()) + 4096,
+                false => e.metadata().unwrap().len().div_ceil(4096) * 4096,
+            }
+        })
+        .sum()
+}
+
 fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
@@ -162,10 +176,12 @@ async fn a_full_disk_stops_the_server_with_a_clear_error_and_nothing_is_lost() {
     c.kill(victim).await;
     let saved = data.with_extension("saved");
     std::fs::rename(&data, &saved).unwrap();
-    let disk = SmallDisk::mount(&data, 256 << 10);
+    // Room for what it holds (the segment in use with the zeros the log writes ahead of its frames,
+    // which recovery cuts) and 256 KiB more.
+    let disk = SmallDisk::mount(&data, tree_bytes(&saved) + (256 << 10));
     copy_tree(&saved, &data);
     c.start_server(victim);
-    // Fill it: each entry is a WAL record; 256 KiB holds a few thousand.
+    // Fill it: each entry is a WAL record; 256 KiB (and the zeros recovery cuts) hold a few thousand.
     let filler = {
         let session = session.clone();
         tokio::spawn(async move { churn(&session, "fill", 3_000).await })
@@ -213,9 +229,21 @@ async fn a_torn_tail_is_cut_and_a_corrupt_log_refuses_to_start() {
         let mut torn = b"HFWF".to_vec();
         torn.extend_from_slice(&200u32.to_le_bytes());
         torn.extend((0..rng.random_range(0..150)).map(|_| rng.random::<u8>()));
+        // Written where the next frame would have gone: after the last valid frame, over the zeros the
+        // log writes ahead of its frames (which stay after it).
         let mut bytes = std::fs::read(&last).unwrap();
-        let whole = bytes.len();
+        let seq = last
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(holdfast_wal::format::parse_segment_name)
+            .unwrap();
+        let whole = holdfast_wal::format::valid_frames(&bytes, seq)
+            .last()
+            .map_or(16, |(body, len)| (body + len) as usize);
+        let file_len = bytes.len();
+        bytes.truncate(whole);
         bytes.extend_from_slice(&torn);
+        bytes.resize(bytes.len().max(file_len), 0);
         std::fs::write(&last, &bytes).unwrap();
         c.start_server(victim);
         churn(&session, &format!("churn{round}"), 10).await;

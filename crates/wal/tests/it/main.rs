@@ -38,6 +38,20 @@ fn assert_names(msg: &str, path: &Path) {
     );
 }
 
+/// Where each valid frame of the segment at `path` ends, as recovery reads it. (The file's length is
+/// not a frame's end while the log is open: the writer fills it with zeros ahead of its frames.)
+fn frame_ends(path: &Path) -> Vec<u64> {
+    let seq = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(holdfast_wal::format::parse_segment_name)
+        .expect("a segment's name");
+    holdfast_wal::format::valid_frames(&std::fs::read(path).unwrap(), seq)
+        .into_iter()
+        .map(|(body, len)| body + len)
+        .collect()
+}
+
 /// The path of segment `seq` beside `segment`.
 fn segment_beside(segment: &Path, seq: u64) -> std::path::PathBuf {
     segment.with_file_name(format!("wal-{seq:016x}.log"))
@@ -183,11 +197,11 @@ fn lazy_records_keep_their_place_among_appends_whatever_the_batches() {
     );
 }
 
-/// Writes `batches` frames and returns the file offset where each frame ends.
+/// Writes `batches` frames, one per batch, closes the log and returns the file offset where each frame
+/// ends (the file's length: a log closed cleanly cuts the zeros ahead of its frames).
 fn write_batches(dir: &Path, batches: usize) -> (Vec<u64>, Vec<Vec<Record>>) {
     let (wal, _) = Wal::open(dir, WalOptions::default()).unwrap();
     let seg = only_segment(dir);
-    let mut ends = Vec::new();
     let mut all = Vec::new();
     let mut index = 0;
     for b in 0..batches {
@@ -199,9 +213,11 @@ fn write_batches(dir: &Path, batches: usize) -> (Vec<u64>, Vec<Vec<Record>>) {
             .collect();
         wal.append_blocking(records.clone()).unwrap();
         all.push(records);
-        ends.push(std::fs::metadata(&seg).unwrap().len());
     }
     drop(wal);
+    let ends = frame_ends(&seg);
+    assert_eq!(ends.len(), batches);
+    assert_eq!(std::fs::metadata(&seg).unwrap().len(), ends[batches - 1]);
     (ends, all)
 }
 
@@ -212,6 +228,10 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// A crash cuts the log anywhere; the zeros the writer put ahead of its frames may follow the cut or not
+/// (alternate rounds): either way recovery keeps exactly the whole frames before the cut, calls a cut
+/// inside a frame torn, and one at a frame's end clean. (Zeros after a cut give back whatever zero
+/// bytes the cut took, such as the end of the header: the cut is then where those end.)
 #[test]
 fn cut_at_random_offsets_keeps_exactly_the_whole_batches() {
     let dir = tempfile::tempdir().unwrap();
@@ -219,9 +239,10 @@ fn cut_at_random_offsets_keeps_exactly_the_whole_batches() {
     let seg = only_segment(dir.path());
     let name = seg.file_name().unwrap().to_owned();
     let len = *ends.last().unwrap();
+    let original = std::fs::read(&seg).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     for round in 0..500 {
-        let cut = rng.random_range(0..len);
+        let mut cut = rng.random_range(0..len);
         let work = tempfile::tempdir().unwrap();
         copy_dir(dir.path(), work.path());
         let file = std::fs::OpenOptions::new()
@@ -229,6 +250,15 @@ fn cut_at_random_offsets_keeps_exactly_the_whole_batches() {
             .open(work.path().join(&name))
             .unwrap();
         file.set_len(cut).unwrap();
+        if round % 2 == 1 {
+            let zeros = rng.random_range(1..=holdfast_wal::ZERO_AHEAD_BYTES);
+            file.set_len(cut + zeros).unwrap();
+            let given_back = original[cut as usize..]
+                .iter()
+                .take_while(|&&b| b == 0)
+                .count() as u64;
+            cut += given_back.min(zeros);
+        }
         drop(file);
         let (_wal, recovered) = Wal::open(work.path(), WalOptions::default())
             .unwrap_or_else(|e| panic!("round {round}: cut at {cut} refused: {e}"));
@@ -492,6 +522,95 @@ fn rotation_starts_the_pre_created_segment() {
     assert_eq!(std::fs::metadata(&standby).unwrap().len(), 16);
 }
 
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().len()
+}
+
+/// The writer fills the segment in use with zeros ahead of its frames (so that most syncs do not grow
+/// the file), never past the segment's size, and cuts them off, durably, before it starts the next: a
+/// closed segment ends at its last frame. An image of the log taken while it runs (a crash) ends in
+/// zeros, which recovery reads as the clean end: every record back, nothing called torn, the zeros cut.
+#[test]
+fn zeros_ahead_of_the_frames_are_only_in_the_segment_in_use_and_end_it_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 64 << 10,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options.clone()).unwrap();
+    let mut written = 0u64;
+    let mut append = |wal: &Wal| {
+        written += 1;
+        // 131-byte frames: a segment's frames do not end at its size by chance.
+        wal.append_blocking(vec![rec(0, written, &[7u8; 101])])
+            .unwrap();
+    };
+    for _ in 0..1000 {
+        append(&wal);
+    }
+    // One more append that does not rotate: the writer has then pre-created the next segment and is
+    // idle, so a copy of the directory is what a crash would leave.
+    loop {
+        let before = wal.rotations();
+        append(&wal);
+        if wal.rotations() == before {
+            break;
+        }
+    }
+    let segments = Wal::segment_paths(dir.path()).unwrap();
+    assert!(segments.len() >= 2, "{segments:?}");
+    let (active, closed) = segments.split_last().unwrap();
+    for path in closed {
+        let ends = frame_ends(path);
+        assert_eq!(file_len(path), *ends.last().unwrap(), "{path:?} is closed");
+    }
+    let end = *frame_ends(active).last().unwrap();
+    assert!(file_len(active) > end, "no zeros ahead in {active:?}");
+    assert!(file_len(active) <= options.segment_bytes);
+    let bytes = std::fs::read(active).unwrap();
+    assert!(bytes[end as usize..].iter().all(|&b| b == 0));
+
+    let crashed = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), crashed.path());
+    let (_reopened, recovered) = Wal::open(crashed.path(), options).unwrap();
+    assert!(recovered.torn.is_none(), "{:?}", recovered.torn);
+    let indexes: Vec<u64> = recovered.records.iter().map(|r| r.index).collect();
+    assert_eq!(indexes, (1..=written).collect::<Vec<_>>());
+    assert_eq!(
+        file_len(&crashed.path().join(active.file_name().unwrap())),
+        end
+    );
+
+    drop(wal);
+    assert_eq!(file_len(active), end, "closed cleanly: the zeros are cut");
+}
+
+/// Only the segment in use may end in zeros: after a closed segment's last frame they are damage (a
+/// file system that lost or zeroed acknowledged frames), and the log refuses to start, naming the file.
+#[test]
+fn zeros_at_the_end_of_a_closed_segment_are_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _) = closed_log_with_standby(dir.path());
+    let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    wal.append_blocking(vec![rec(0, 4, b"next segment")])
+        .unwrap();
+    drop(wal);
+    assert_eq!(Wal::segment_paths(dir.path()).unwrap().len(), 2);
+    let len = file_len(&first);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&first)
+        .unwrap()
+        .set_len(len + 4096)
+        .unwrap();
+    let (err, msg) = refused(dir.path());
+    match err {
+        WalError::Corrupt { offset, .. } => assert_eq!(offset, len, "{msg}"),
+        other => panic!("{other}"),
+    }
+    assert_names(&msg, &first);
+}
+
 /// The one segment file that `segment_paths` leaves out: the pre-created standby.
 fn standby_of(dir: &Path, in_use: &[std::path::PathBuf]) -> std::path::PathBuf {
     let mut all: Vec<_> = std::fs::read_dir(dir)
@@ -677,13 +796,12 @@ fn a_valid_frame_written_to_the_wrong_place_is_corruption() {
     let dir = tempfile::tempdir().unwrap();
     let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
     let seg = only_segment(dir.path());
-    let mut ends = vec![16u64];
     for i in 1..=8u64 {
         wal.append_blocking(vec![rec(0, i, &[i as u8; 40])])
             .unwrap();
-        ends.push(std::fs::metadata(&seg).unwrap().len());
     }
     drop(wal);
+    let ends: Vec<u64> = std::iter::once(16).chain(frame_ends(&seg)).collect();
     let mut bytes = std::fs::read(&seg).unwrap();
     let frame = |k: usize| ends[k] as usize..ends[k + 1] as usize;
     assert_eq!(frame(2).len(), frame(5).len(), "same-length frames");
