@@ -18,15 +18,17 @@
 //! - **Syncs that do not grow the file.** The segment in use is filled with zeros ahead of its frames
 //!   ([`ZERO_AHEAD_BYTES`] at a time), so most syncs flush data into blocks the file already has and
 //!   commit no new length through the file system's journal. Recovery reads zeros from a frame's start
-//!   to the end of the last segment as its clean end and cuts them; a segment is cut to its last frame,
-//!   durably, before the next one starts, so zeros anywhere else are damage.
+//!   to the end of the tail segment (the last, or the one before an empty standby or a file that never
+//!   got its header) as its clean end and cuts them; a segment is cut to its last frame, durably, before
+//!   the next one starts, so zeros anywhere else are damage.
 //! - **Bounded size.** Segments roll over at [`WalOptions::segment_bytes`]. Records marked *sticky* (votes,
 //!   purge points) are rewritten at the head of each new segment, so an old segment can be deleted once the
 //!   owner says, through [`Wal::release`], that its entries are no longer needed.
 //! - **Rotation off the commit path.** The next segment is created and synced ahead of time, marked
 //!   standby in its header. Starting it clears that mark and writes the sticky records, synced on
 //!   their own before the commit that needed the segment writes its frame, so a segment still marked
-//!   standby holds nothing acknowledged and recovery cuts whatever follows its header.
+//!   standby holds nothing acknowledged and recovery cuts whatever follows its header. (That commit
+//!   also cuts the zeros off the closing segment and syncs the cut first: one sync more per segment.)
 //!
 //! On-disk format: see [`format`].
 

@@ -60,6 +60,24 @@ pub(crate) struct Standby {
     pub(crate) path: PathBuf,
 }
 
+/// Whether the file holds nothing a writer could have written into: shorter than a header, or
+/// nothing but zeros. A crash while a segment file was being created (pre-created, or created inside
+/// a rotation) can leave it so: its directory entry durable, its header not.
+pub(crate) fn holds_nothing(path: &Path) -> Result<bool, WalError> {
+    let mut file = fs::File::open(path).map_err(io_err(path))?;
+    let len = file.metadata().map_err(io_err(path))?.len();
+    if len < SEGMENT_HEADER_BYTES {
+        return Ok(true);
+    }
+    let mut header = [0u8; SEGMENT_HEADER_BYTES as usize];
+    file.read_exact(&mut header).map_err(io_err(path))?;
+    if header.iter().any(|&b| b != 0) {
+        return Ok(false);
+    }
+    let buf = fs::read(path).map_err(io_err(path))?;
+    Ok(buf.iter().all(|&b| b == 0))
+}
+
 /// Whether the file is a pre-created segment holding nothing but its header.
 pub(crate) fn is_empty_standby(path: &Path) -> Result<bool, WalError> {
     let mut file = fs::File::open(path).map_err(io_err(path))?;
@@ -80,10 +98,14 @@ pub(crate) fn recover(
     let mut standby = None;
     let last = segments.len().saturating_sub(1);
     // The segment that was being written when the server stopped is the last one, or the one before an
-    // empty pre-created segment: only its end may be torn. (A pre-created segment with bytes after its
-    // header was being started when the server stopped, so the segment before it was complete.)
+    // empty pre-created segment or a file that never got its header (a crash while the next segment was
+    // being created): only its end may be torn, or end in the zeros written ahead of its frames. (A
+    // pre-created segment with bytes after its header was being started when the server stopped, so
+    // the segment before it was complete, and cut to its last frame.)
     let tail = match segments.last() {
-        Some((_, path)) if last > 0 && is_empty_standby(path)? => last - 1,
+        Some((_, path)) if last > 0 && (is_empty_standby(path)? || holds_nothing(path)?) => {
+            last - 1
+        }
         _ => last,
     };
     for (i, (seq, path)) in segments.iter().enumerate() {
@@ -108,6 +130,12 @@ pub(crate) fn recover(
             // The zeros the writer puts ahead of its frames: the clean end of the segment that was in
             // use. Cut (the writer starts a new segment, and a closed one must end at its last frame),
             // with no copy kept: nothing was written there.
+            tracing::info!(
+                segment = %path.display(),
+                offset,
+                bytes = buf.len() - offset,
+                "cut the zeros written ahead of the wal's last frame"
+            );
             cut(path, offset as u64)?;
         }
         if let Some(offset) = scan.torn_at {
@@ -184,7 +212,7 @@ pub struct Scan {
     /// Where a torn tail starts, if the last segment ends in one.
     pub torn_at: Option<usize>,
     /// Where the zeros start that the writer puts ahead of its frames
-    /// ([`crate::writer::ZERO_AHEAD_BYTES`]), if the last segment ends in them: its clean end, not a
+    /// ([`crate::writer::ZERO_AHEAD_BYTES`]), if the tail segment ends in them: its clean end, not a
     /// tear. Only the segment in use has them (a segment is cut to its last frame before the next one
     /// starts), so in an older segment they are damage like any other invalid frame.
     pub zeros_at: Option<usize>,
@@ -196,7 +224,7 @@ pub struct Scan {
 /// Decodes the bytes of segment number `seq` without any I/O (recovery's decoder, and a fuzz target). A
 /// bad frame is a torn tail only in the last segment and only if no valid frame follows it; otherwise
 /// the segment is corrupt: `Err((offset, reason))`. Nothing but zeros from a frame's start to the end
-/// of the last segment is its clean end ([`Scan::zeros_at`]). A pre-created segment may only be the last. A
+/// of the last segment (`is_last`: the tail) is its clean end ([`Scan::zeros_at`]). A pre-created segment may only be the last. A
 /// version this build does not know is refused, not guessed at.
 pub fn scan_segment(buf: &[u8], seq: u64, is_last: bool) -> Result<Scan, (usize, String)> {
     let mut scan = Scan::default();

@@ -44,9 +44,9 @@ fn append_bytes(records: &[Record]) -> usize {
 /// flushes the data alone; one that extends the file also commits the new length and blocks through
 /// the file system's journal (ext4: a jbd2 commit, `ext4_write_inode` in a follower's profile). Zeros
 /// written in 256 KiB steps put that commit on one sync in every step instead of on every sync: on
-/// this machine's ext4 a 200-byte write and `fdatasync` took 142–189 µs on average appending and
-/// 89–122 µs over zeros, with little difference between 64 KiB, 256 KiB and 1 MiB steps
-/// (docs/performance.md, "Syncs that do not grow the file").
+/// the development machine's ext4 a small write and `fdatasync` took 1.4–2.0 times as long on average
+/// appending as over zeros, with 64 KiB, 256 KiB and 1 MiB steps alike on average and 1 MiB the worst
+/// at p99.9 (docs/performance.md, "Syncs that do not grow the file").
 pub const ZERO_AHEAD_BYTES: u64 = 256 << 10;
 
 #[derive(Clone)]
@@ -357,8 +357,9 @@ impl Active {
         match self.file.write_all_at(&zeros, from) {
             Ok(()) => self.zeroed = to,
             Err(e) => {
-                // Part of the zeros may be in; the length is unknown, but only ever zeros past `from`.
-                self.zeroed = from;
+                // Part of the zeros may be in: the file may be anywhere from `from` to `to` long, all
+                // zeros past `from`. `to` is the bound `trim` needs to cut them all off.
+                self.zeroed = to;
                 tracing::debug!(error = %e, path = %self.path.display(), "could not write zeros ahead of the wal's frames");
             }
         }
@@ -738,7 +739,11 @@ impl Writer {
             max_index: BTreeMap::new(),
         };
         let header = segment_header(state);
-        segment.write(&header)?;
+        if let Err(e) = segment.write(&header) {
+            // Nothing is in it: a file left without its header only has recovery guess why.
+            let _ = crate::fs::remove_file(&segment.path);
+            return Err(e);
+        }
         segment.len = header.len() as u64;
         self.next_seq = seq + 1;
         Ok(segment)
@@ -764,11 +769,20 @@ impl Writer {
         }
     }
 
-    /// Creates the next segment marked standby, and makes it and its directory entry durable.
+    /// Creates the next segment marked standby, and makes it and its directory entry durable. If that
+    /// fails (a full disk), the file is removed, best effort; should a crash leave it without its header,
+    /// recovery reads a last file that holds nothing as the end of the log, not as a segment in use.
     fn pre_create(&mut self) -> Result<(), WalError> {
         let standby = self.create_segment(STANDBY)?;
-        standby.file.sync_all().map_err(io_err(&standby.path))?;
-        sync_dir(&self.dir)?;
+        let synced = standby
+            .file
+            .sync_all()
+            .map_err(io_err(&standby.path))
+            .and_then(|()| sync_dir(&self.dir));
+        if let Err(e) = synced {
+            let _ = crate::fs::remove_file(&standby.path);
+            return Err(e);
+        }
         self.standby = Some(standby);
         Ok(())
     }
