@@ -102,11 +102,13 @@ pub(crate) fn recover(
     // being created): only its end may be torn, or end in the zeros written ahead of its frames. (A
     // pre-created segment with bytes after its header was being started when the server stopped, so
     // the segment before it was complete, and cut to its last frame.)
-    let tail = match segments.last() {
-        Some((_, path)) if last > 0 && (is_empty_standby(path)? || holds_nothing(path)?) => {
-            last - 1
-        }
-        _ => last,
+    // Such a file is only left by a crash while the file was being created, between two commits (or
+    // inside a rotation, after the segment before it was cut to its last frame): that segment may end
+    // in zeros, but a bad frame there is damage, not a tear (`complete_tail`).
+    let (tail, complete_tail) = match segments.last() {
+        Some((_, path)) if last > 0 && is_empty_standby(path)? => (last - 1, false),
+        Some((_, path)) if last > 0 && holds_nothing(path)? => (last - 1, true),
+        _ => (last, false),
     };
     for (i, (seq, path)) in segments.iter().enumerate() {
         let buf = fs::read(path).map_err(io_err(path))?;
@@ -118,6 +120,14 @@ pub(crate) fn recover(
         };
         let scan =
             scan_segment(&buf, *seq, i == last || i == tail).map_err(|(o, r)| corrupt(o, r))?;
+        if let Some(offset) = scan.torn_at.filter(|_| i == tail && complete_tail) {
+            return Err(corrupt(
+                offset,
+                "a bad frame at the end of the segment before a file that never got its header: \
+                 that file was being created between two commits, so this segment was complete"
+                    .into(),
+            ));
+        }
         // The tail before an empty standby may be torn, but only the last file may be a standby.
         if scan.standby && i != last {
             return Err(corrupt(

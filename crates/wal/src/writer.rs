@@ -40,7 +40,7 @@ fn append_bytes(records: &[Record]) -> usize {
 }
 
 /// How far past the frames the active segment is filled with zeros ahead of time (see
-/// [`Writer::write_frame`]). A sync that only overwrites blocks the file already has, below its length,
+/// the writer's `write_frame`). A sync that only overwrites blocks the file already has, below its length,
 /// flushes the data alone; one that extends the file also commits the new length and blocks through
 /// the file system's journal (ext4: a jbd2 commit, `ext4_write_inode` in a follower's profile). Zeros
 /// written in 256 KiB steps put that commit on one sync in every step instead of on every sync: on

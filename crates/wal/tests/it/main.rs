@@ -594,6 +594,43 @@ fn zeros_ahead_of_the_frames_are_only_in_the_segment_in_use_and_end_it_cleanly()
     assert_eq!(file_len(active), end, "closed cleanly: the zeros are cut");
 }
 
+/// A crash while the next segment's file was being created leaves it without its header. That happens
+/// between two commits (or in a rotation, after the segment was cut to its last frame), so the segment
+/// before it may end in zeros but was otherwise complete: zeros there are its clean end, while a bad
+/// frame there is damage, refused, not cut as a tear.
+#[test]
+fn before_a_file_that_never_got_its_header_zeros_end_the_segment_and_a_bad_frame_is_corruption() {
+    for (tail, accepted) in [(vec![0u8; 4096], true), (torn_frame(), false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, standby) = closed_log_with_standby(dir.path());
+        std::fs::write(&standby, b"").unwrap();
+        let mut bytes = std::fs::read(&first).unwrap();
+        let end = bytes.len() as u64;
+        bytes.extend_from_slice(&tail);
+        std::fs::write(&first, &bytes).unwrap();
+        match Wal::open(dir.path(), WalOptions::default()) {
+            Ok((_wal, recovered)) => {
+                assert!(accepted, "a bad frame was cut as a tear");
+                assert_eq!(recovered.records.len(), 3);
+                assert_eq!(file_len(&first), end);
+            }
+            Err(WalError::Corrupt { path, offset, .. }) => {
+                assert!(!accepted, "zeros were refused");
+                assert_eq!((path, offset), (first, end));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// A frame's first bytes, as a write torn by a crash leaves them: a plausible header and a few bytes.
+fn torn_frame() -> Vec<u8> {
+    let mut torn = b"HFWF".to_vec();
+    torn.extend_from_slice(&200u32.to_le_bytes());
+    torn.extend_from_slice(&[0xab; 20]);
+    torn
+}
+
 /// Only the segment in use may end in zeros: after a closed segment's last frame they are damage (a
 /// file system that lost or zeroed acknowledged frames), and the log refuses to start, naming the file.
 #[test]
