@@ -17,8 +17,8 @@
 //!
 //! The segment in use may end in zeros after its last frame: the writer fills the file ahead of its
 //! frames (see [`crate::ZERO_AHEAD_BYTES`]) and cuts the zeros off, durably, before the next segment is
-//! started. A release before this one reads zeros at the end of the last segment as a torn tail, and
-//! cuts them the same (keeping a copy).
+//! started. Releases before commit d3435f3 (2026-12-06) read zeros at the end of the last segment as a
+//! torn tail, and cut them the same (keeping a copy).
 //!
 //! Version 2 folds the frame's place into its checksum: `seq` is the segment's number (from its file
 //! name) and `offset` the frame's offset in the file. A disk that writes a valid frame to the wrong

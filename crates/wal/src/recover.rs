@@ -124,7 +124,8 @@ pub(crate) fn recover(
             return Err(corrupt(
                 offset,
                 "a bad frame at the end of the segment before a file that never got its header: \
-                 that file was being created between two commits, so this segment was complete"
+                 that file was being created between two commits or in a rotation, when this \
+                 segment was complete"
                     .into(),
             ));
         }

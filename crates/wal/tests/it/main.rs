@@ -600,25 +600,41 @@ fn zeros_ahead_of_the_frames_are_only_in_the_segment_in_use_and_end_it_cleanly()
 /// frame there is damage, refused, not cut as a tear.
 #[test]
 fn before_a_file_that_never_got_its_header_zeros_end_the_segment_and_a_bad_frame_is_corruption() {
-    for (tail, accepted) in [(vec![0u8; 4096], true), (torn_frame(), false)] {
-        let dir = tempfile::tempdir().unwrap();
-        let (first, standby) = closed_log_with_standby(dir.path());
-        std::fs::write(&standby, b"").unwrap();
-        let mut bytes = std::fs::read(&first).unwrap();
-        let end = bytes.len() as u64;
-        bytes.extend_from_slice(&tail);
-        std::fs::write(&first, &bytes).unwrap();
-        match Wal::open(dir.path(), WalOptions::default()) {
-            Ok((_wal, recovered)) => {
-                assert!(accepted, "a bad frame was cut as a tear");
-                assert_eq!(recovered.records.len(), 3);
-                assert_eq!(file_len(&first), end);
+    let headers: [&[u8]; 2] = [b"", &[0u8; 16]];
+    for header in headers {
+        for (tail, accepted) in [(vec![0u8; 4096], true), (torn_frame(), false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let (first, standby) = closed_log_with_standby(dir.path());
+            std::fs::write(&standby, header).unwrap();
+            let mut bytes = std::fs::read(&first).unwrap();
+            let end = bytes.len() as u64;
+            bytes.extend_from_slice(&tail);
+            std::fs::write(&first, &bytes).unwrap();
+            let files = |dir: &Path| {
+                let mut names: Vec<_> = std::fs::read_dir(dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name())
+                    .collect();
+                names.sort();
+                names
+            };
+            let before = files(dir.path());
+            match Wal::open(dir.path(), WalOptions::default()) {
+                Ok((_wal, recovered)) => {
+                    assert!(accepted, "{header:?}: a bad frame was cut as a tear");
+                    assert_eq!(recovered.records.len(), 3);
+                    assert_eq!(file_len(&first), end);
+                }
+                Err(WalError::Corrupt { path, offset, .. }) => {
+                    assert!(!accepted, "{header:?}: zeros were refused");
+                    assert_eq!((path, offset), (first.clone(), end));
+                    // Refused before anything on disk was touched: a restart refuses the same way.
+                    assert_eq!(std::fs::read(&first).unwrap(), bytes);
+                    assert_eq!(std::fs::read(&standby).unwrap(), header);
+                    assert_eq!(files(dir.path()), before);
+                }
+                Err(e) => panic!("{header:?}: {e}"),
             }
-            Err(WalError::Corrupt { path, offset, .. }) => {
-                assert!(!accepted, "zeros were refused");
-                assert_eq!((path, offset), (first, end));
-            }
-            Err(e) => panic!("{e}"),
         }
     }
 }
