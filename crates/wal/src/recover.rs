@@ -235,8 +235,8 @@ pub struct Scan {
 /// Decodes the bytes of segment number `seq` without any I/O (recovery's decoder, and a fuzz target). A
 /// bad frame is a torn tail only in the last segment and only if no valid frame follows it; otherwise
 /// the segment is corrupt: `Err((offset, reason))`. Nothing but zeros from a frame's start to the end
-/// of the last segment (`is_last`: the tail) is its clean end ([`Scan::zeros_at`]). A pre-created segment may only be the last. A
-/// version this build does not know is refused, not guessed at.
+/// of the last segment (`is_last`: the tail) is its clean end ([`Scan::zeros_at`]). A pre-created
+/// segment may only be the last. A version this build does not know is refused, not guessed at.
 pub fn scan_segment(buf: &[u8], seq: u64, is_last: bool) -> Result<Scan, (usize, String)> {
     let mut scan = Scan::default();
     let mut at = SEGMENT_HEADER_BYTES as usize;

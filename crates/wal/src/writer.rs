@@ -39,9 +39,9 @@ fn append_bytes(records: &[Record]) -> usize {
         .sum()
 }
 
-/// How far past the frames the active segment is filled with zeros ahead of time (see
-/// the writer's `write_frame`). A sync that only overwrites blocks the file already has, below its length,
-/// flushes the data alone; one that extends the file also commits the new length and blocks through
+/// How far past the frames the active segment is filled with zeros ahead of time (see the writer's
+/// `write_frame`). A sync that only overwrites blocks the file already has, below its length, flushes
+/// the data alone; one that extends the file also commits the new length and blocks through
 /// the file system's journal (ext4: a jbd2 commit, `ext4_write_inode` in a follower's profile). Zeros
 /// written in 256 KiB steps put that commit on one sync in every step instead of on every sync: on
 /// the development machine's ext4 a small write and `fdatasync` took 1.4–2.0 times as long on average
