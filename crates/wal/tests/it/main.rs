@@ -673,18 +673,24 @@ fn zeros_at_the_end_of_a_closed_segment_are_corruption() {
     assert_names(&msg, &first);
 }
 
+/// Every segment file in `dir` (`*.log`, the standby included), oldest first.
+fn segment_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut all: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    all.sort();
+    all
+}
+
 /// Waits (10 s at most) until the writer has pre-created the next segment: the directory's last file, a
 /// 16-byte header marked standby. The writer does it after a commit when nothing is queued, and no call
 /// returns when it is done, so this looks every 5 ms.
 fn wait_for_standby(dir: &Path) -> std::path::PathBuf {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let mut all: Vec<_> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "log"))
-            .collect();
-        all.sort();
+        let all = segment_files(dir);
         if let Some(last) = all.last() {
             let bytes = std::fs::read(last).unwrap_or_default();
             if bytes.len() == 16 && &bytes[12..16] == b"STBY" {
@@ -701,12 +707,7 @@ fn wait_for_standby(dir: &Path) -> std::path::PathBuf {
 
 /// The one segment file that `segment_paths` leaves out: the pre-created standby.
 fn standby_of(dir: &Path, in_use: &[std::path::PathBuf]) -> std::path::PathBuf {
-    let mut all: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "log"))
-        .collect();
-    all.sort();
+    let mut all = segment_files(dir);
     assert_eq!(all.len(), in_use.len() + 1, "{all:?}");
     let standby = all.pop().unwrap();
     assert_eq!(&all[..], in_use, "the standby is the last file");
