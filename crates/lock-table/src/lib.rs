@@ -15,6 +15,7 @@
 //!   a chunk at a time while entries keep being applied.
 //! - `chunk_map`: the ordered map under it (sorted runs of entries, values in place, kept nearly full),
 //!   which holds a million locks in about two thirds of a `BTreeMap`'s memory.
+//! - `held`: each session's set of held names, packed into one allocation of its bytes while small.
 //! - [`snapshot`]: a versioned, checksummed encoding of the whole table and its digest.
 //! - [`name`]: lock-name rules and the stable name → group hash.
 //!
@@ -31,6 +32,7 @@ mod chunk_map;
 pub mod command;
 mod cow;
 mod dedup;
+mod held;
 pub mod limits;
 pub mod name;
 pub mod snapshot;

@@ -10,6 +10,7 @@ use crate::command::{
 };
 use crate::cow::SnapMap;
 use crate::dedup::Window;
+use crate::held::HeldNames;
 use crate::limits::{
     DEDUP_WINDOW, GRANT_BYTES, LOCK_BYTES, MAX_EXPIRY_BATCH, MAX_HOLDERS_PER_LOCK, MAX_LOCKS,
     MAX_LOCKS_PER_SESSION, MAX_REQUEST_ID_AHEAD, MAX_SESSIONS, MAX_TTL_MS, MAX_WAITERS_PER_LOCK,
@@ -26,7 +27,7 @@ pub(crate) struct Session {
     pub(crate) opened_at_ms: u64,
     /// Derived from `locks` (not in snapshots; rebuilt on decode so names stay shared).
     #[serde(skip)]
-    pub(crate) held: BTreeSet<LockName>,
+    pub(crate) held: HeldNames,
     /// Locks this session waits for, with the request id of the acquire that queued it.
     /// Derived from the locks' queues (not in snapshots; rebuilt on decode).
     #[serde(skip)]
@@ -1069,7 +1070,7 @@ impl LockTable {
                 b.len() < MAX_EXPIRY_BATCH
                     && work + load <= MAX_LOCKS_PER_SESSION
                     && !b.contains(id)
-                    && self.delayed_holds(*id, s).all(|n| !held.contains(n))
+                    && self.delayed_holds(*id, s).all(|n| !held.contains(&n))
             });
             if !fits {
                 batches.push(Vec::new());
@@ -1110,10 +1111,10 @@ impl LockTable {
         &'a self,
         id: SessionId,
         s: &'a Session,
-    ) -> impl Iterator<Item = &'a LockName> + 'a {
+    ) -> impl Iterator<Item = LockName> + 'a {
         s.held.iter().filter(move |name| {
             self.locks
-                .get(*name)
+                .get(name)
                 .and_then(|l| l.held_by(id))
                 .is_some_and(|h| h.lock_delay_ms > 0)
         })
@@ -1162,16 +1163,16 @@ impl LockTable {
         now_ms: u64,
     ) -> u32 {
         let released = ended.held.len() as u32;
-        for name in &ended.held {
-            let holder = self.locks[name]
+        for name in ended.held.iter() {
+            let holder = self.locks[&name]
                 .held_by(session)
                 .expect("the session holds it");
             let (token, delay) = (holder.token, holder.lock_delay_ms);
-            self.changed(name, how, session, Some(token));
+            self.changed(&name, how, session, Some(token));
             if how == ChangeKind::Expired && delay > 0 {
-                self.delay_lock(index, name, session, token, delay, now_ms);
+                self.delay_lock(index, &name, session, token, delay, now_ms);
             } else {
-                self.remove_holder(index, name, |h| h.session == session, now_ms);
+                self.remove_holder(index, &name, |h| h.session == session, now_ms);
             }
         }
         self.events.push(Event::SessionEnded { session });
@@ -1286,7 +1287,7 @@ impl LockTable {
                 let lock = self.locks.get_mut(name).expect("matched above");
                 lock.push_holder(holder);
                 self.charge(grant_bytes(value));
-                self.session_mut(session_id).held.insert(name.clone());
+                self.session_mut(session_id).held.insert(name);
                 self.count(session_id, 1, 0);
                 self.changes.push(Change {
                     name: name.clone(),
@@ -1313,7 +1314,7 @@ impl LockTable {
                 };
                 self.locks.insert(name.clone(), Lock::new(holder, permits));
                 self.charge(lock_bytes(name) + grant_bytes(value));
-                self.session_mut(session_id).held.insert(name.clone());
+                self.session_mut(session_id).held.insert(name);
                 self.count(session_id, 1, 0);
                 self.changes.push(Change {
                     name: name.clone(),
@@ -1600,7 +1601,7 @@ impl LockTable {
             Some(next.request),
             "a waiter's session records its wait"
         );
-        session.held.insert(name.clone());
+        session.held.insert(name);
         self.count(next.session, 1, -1);
         self.update_remembered(next.session, next.request, Outcome::Granted { token });
         self.changes.push(Change {
@@ -1816,10 +1817,10 @@ impl LockTable {
         }
         assert_eq!(waiters, self.waiter_count, "waiter count");
         for (id, s) in &self.sessions {
-            for name in &s.held {
+            for name in s.held.iter() {
                 assert!(
                     self.locks
-                        .get(name)
+                        .get(&name)
                         .is_some_and(|l| l.held_by(*id).is_some()),
                     "held lock {name} names its holder"
                 );
@@ -1965,7 +1966,7 @@ impl LockTable {
                         format!("lock {name} is held by unknown session {}", holder.session)
                     })?
                     .held
-                    .insert(name.clone())
+                    .insert(name)
                 {
                     return Err(format!("session {} holds {name} twice", holder.session));
                 }

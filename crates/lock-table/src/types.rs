@@ -65,6 +65,17 @@ impl LockName {
         }
     }
 
+    /// The name whose bytes are `bytes`, at most [`INLINE_NAME_BYTES`] of them, copied from a valid
+    /// name (a packed set of held names keeps its names this way: `crate::held`).
+    pub(crate) fn from_valid_bytes(bytes: &[u8]) -> LockName {
+        let mut inline = [0; INLINE_NAME_BYTES];
+        inline[..bytes.len()].copy_from_slice(bytes);
+        LockName(Repr::Inline {
+            len: bytes.len() as u8,
+            bytes: inline,
+        })
+    }
+
     pub fn as_str(&self) -> &str {
         match &self.0 {
             // Copied from a `str` whole and never changed, so this cannot fail; checked anyway
@@ -77,7 +88,7 @@ impl LockName {
     }
 
     /// The name's bytes, without the UTF-8 check `as_str` makes: what comparisons use.
-    fn as_bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         match &self.0 {
             Repr::Inline { len, bytes } => &bytes[..usize::from(*len)],
             Repr::Shared(s) => s.as_bytes(),
