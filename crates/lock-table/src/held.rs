@@ -8,7 +8,7 @@
 //! "Held names, packed"). A small set is now one allocation of exactly its bytes: its names in order,
 //! each as how many leading bytes it shares with the name before it, how many bytes follow, and those
 //! bytes (front coding, as search indexes keep sorted terms). Ten names `hold/12345/0` to `/9` take
-//! 14 + 9 × 3 = 41 bytes, a 48-byte chunk. A set that would pass [`PACKED_MAX_BYTES`], or that gets a
+//! 14 + 9 × 3 = 41 bytes, a 64-byte chunk. A set that would pass [`PACKED_MAX_BYTES`], or that gets a
 //! name longer than [`INLINE_NAME_BYTES`] (which the lock map keeps once, in an `Arc` that a B-tree
 //! slot shares, where a packed set would copy it), becomes a B-tree and stays one until it is empty.
 //!
