@@ -36,7 +36,7 @@ enum Repr {
     Packed(Box<[u8]>),
     #[allow(
         clippy::box_collection,
-        reason = "16 bytes in every session instead of 24, for a form few sessions ever take"
+        reason = "the set in 16 bytes instead of 24 or more, for a form few sessions ever take"
     )]
     Tree(Box<BTreeSet<LockName>>),
 }
@@ -131,8 +131,9 @@ struct Place {
     at: usize,
     found: bool,
     before: ([u8; INLINE_NAME_BYTES], usize),
-    /// The entry after `at` (after `name` itself when found, after the place `name` would take
-    /// otherwise is `at`'s own entry): where it ends, and its name. `None` at the end of the set.
+    /// The entry that follows `name`: when `name` was found, the entry after its own; otherwise the
+    /// entry at `at`, which `name` would go before. Where that entry ends, and its name; `None` when no
+    /// entry follows.
     next: Option<(usize, [u8; INLINE_NAME_BYTES], usize)>,
 }
 
@@ -179,6 +180,8 @@ fn entries(packed: &[u8]) -> impl Iterator<Item = LockName> + '_ {
 }
 
 impl HeldNames {
+    /// How many names. A packed set is counted by walking its entries (at most
+    /// `PACKED_MAX_BYTES` / 3 of them), which an acquire does once to check the session's limit.
     pub(crate) fn len(&self) -> usize {
         match &self.0 {
             Repr::Packed(p) => {
@@ -319,78 +322,127 @@ impl std::fmt::Debug for HeldNames {
 #[cfg(test)]
 mod tests {
     use super::{HeldNames, PACKED_MAX_BYTES};
-    use crate::types::LockName;
+    use crate::types::{LockName, INLINE_NAME_BYTES};
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 
-    /// One of 48 names: most 10 to 22 bytes (so a set of two thirds of them hovers around
-    /// `PACKED_MAX_BYTES`), some a prefix of another (which sorts first), some with a two-byte
-    /// character, and every twelfth longer than a name kept in place.
-    fn name() -> impl Strategy<Value = LockName> {
-        (0usize..48).prop_map(|i| {
-            let base = ["a", "ab", "a/b", "b", "é"][i % 5];
-            let len = if i % 12 == 11 {
-                23 + i % 7
+    /// The names a case draws from: 48 pairs, the first of each a prefix of the second (so it sorts
+    /// just before it), of 3 to 22 bytes, some with a two-byte character; with `long`, every eighth
+    /// pair's second name is longer than a name kept in place. Sets of them pass `PACKED_MAX_BYTES`
+    /// between clears (counted once: in 256 cases about 70 sets became B-trees by size, and nearly
+    /// 900 steps left a packed set within 32 bytes of the limit).
+    fn pool(long: bool) -> Vec<LockName> {
+        let mut names = Vec::new();
+        for j in 0..48u64 {
+            let base = ["a", "ab", "a/b", "b", "é"][(j % 5) as usize];
+            let mut full = format!("{base}{:06x}", j.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40);
+            let len = if long && j % 8 == 7 {
+                23 + j % 7
             } else {
-                10 + (i * 7) % 13
+                12 + (j * 5) % 11
             };
-            let mut s = format!("{base}{i}");
-            while s.len() < len {
-                s.push('x');
+            let pad = char::from(b'k' + (j % 10) as u8);
+            while (full.len() as u64) < len {
+                full.push(pad);
             }
-            LockName::new(s).expect("a valid name")
-        })
+            let prefix = full[..base.len() + 1 + (j % 4) as usize].to_string();
+            names.push(LockName::new(prefix).expect("a valid name"));
+            names.push(LockName::new(full).expect("a valid name"));
+        }
+        names
     }
 
     #[derive(Debug, Clone)]
     enum Op {
-        Insert(LockName),
-        Remove(LockName),
+        Insert(usize),
+        Remove(usize),
         Clear,
     }
 
+    /// Few clears, so that sets grow to and past `PACKED_MAX_BYTES` between them.
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            6 => name().prop_map(Op::Insert),
-            3 => name().prop_map(Op::Remove),
+            80 => (0usize..96).prop_map(Op::Insert),
+            32 => (0usize..96).prop_map(Op::Remove),
             1 => Just(Op::Clear),
         ]
     }
 
+    /// The names front-coded, computed apart from the code under test: for each name, the count of
+    /// leading bytes it shares with the name before, the count of bytes that follow, and those bytes.
+    fn front_coded(names: &BTreeSet<LockName>) -> Vec<u8> {
+        let mut before: &[u8] = &[];
+        let mut out = Vec::new();
+        for n in names {
+            let n = n.as_bytes();
+            let shared = before.iter().zip(n).take_while(|(a, b)| a == b).count();
+            out.push(shared as u8);
+            out.push((n.len() - shared) as u8);
+            out.extend_from_slice(&n[shared..]);
+            before = n;
+        }
+        out
+    }
+
     proptest! {
         /// Against a `BTreeSet` of the same names: every answer and, after every step, the length, the
-        /// names in order, membership, and the form (packed exactly while every name fits in place and
-        /// the bytes fit; a B-tree, once it is one, until the set is empty).
+        /// names in order, membership of the step's name and of all the set's, equality with the same
+        /// names in the other form, and the form: packed, with exactly the front-coded bytes, while
+        /// every name fits in place and the bytes fit; a B-tree, once it is one, until the set is
+        /// empty. Then the set, emptied one name at a time, is packed again.
         #[test]
-        fn a_set_of_held_names_behaves_as_a_btreeset(ops in proptest::collection::vec(op(), 0..300)) {
+        fn a_set_of_held_names_behaves_as_a_btreeset(
+            long in any::<bool>(),
+            ops in proptest::collection::vec(op(), 0..400),
+        ) {
+            let names = pool(long);
+            let never_held = LockName::new("z".repeat(30)).expect("a valid name");
             let (mut set, mut model) = (HeldNames::default(), BTreeSet::new());
             let mut was_tree = false;
             for op in ops {
-                match op {
-                    Op::Insert(n) => prop_assert_eq!(set.insert(&n), model.insert(n.clone())),
-                    Op::Remove(n) => prop_assert_eq!(set.remove(&n), model.remove(&n)),
+                let name = match op {
+                    Op::Insert(i) => {
+                        prop_assert_eq!(set.insert(&names[i]), model.insert(names[i].clone()));
+                        Some(&names[i])
+                    }
+                    Op::Remove(i) => {
+                        prop_assert_eq!(set.remove(&names[i]), model.remove(&names[i]));
+                        Some(&names[i])
+                    }
                     Op::Clear => {
                         set.clear();
                         model.clear();
+                        None
                     }
+                };
+                if let Some(n) = name {
+                    prop_assert_eq!(set.contains(n), model.contains(n));
                 }
+                prop_assert!(!set.contains(&never_held));
                 prop_assert_eq!(set.len(), model.len());
                 prop_assert!(set.iter().eq(model.iter().cloned()));
                 for n in &model {
                     prop_assert!(set.contains(n));
                 }
-                let bytes = front_coded_bytes(&model);
-                let fits = model.iter().all(|n| n.as_bytes().len() <= crate::types::INLINE_NAME_BYTES)
-                    && bytes <= PACKED_MAX_BYTES;
+                let coded = front_coded(&model);
+                let fits = model.iter().all(|n| n.as_bytes().len() <= INLINE_NAME_BYTES)
+                    && coded.len() <= PACKED_MAX_BYTES;
                 was_tree = (was_tree || !fits) && !model.is_empty();
-                prop_assert_eq!(set.packed().map(<[u8]>::len), (!was_tree).then_some(bytes));
-                let mut rebuilt = HeldNames::default();
-                for n in &model {
-                    rebuilt.insert(n);
+                prop_assert_eq!(set.packed(), (!was_tree).then_some(&coded[..]));
+                // The same names in the other form are equal to it.
+                let mut other = HeldNames::default();
+                if !was_tree {
+                    other.insert(&never_held);
                 }
-                prop_assert_eq!(&rebuilt, &set);
+                for n in &model {
+                    other.insert(n);
+                }
+                if !was_tree {
+                    other.remove(&never_held);
+                    prop_assert!(other.packed().is_none() || model.is_empty());
+                }
+                prop_assert_eq!(&other, &set);
             }
-            // Emptied one name at a time, a B-tree goes back to the packed form.
             for n in std::mem::take(&mut model) {
                 prop_assert!(set.remove(&n));
                 prop_assert!(!set.contains(&n));
@@ -399,20 +451,6 @@ mod tests {
             prop_assert_eq!(set.packed(), Some(&[][..]));
             prop_assert_eq!(set, HeldNames::default());
         }
-    }
-
-    /// What the names take front-coded, counted apart from the code under test: two bytes a name and
-    /// what it does not share with the name before.
-    fn front_coded_bytes(names: &BTreeSet<LockName>) -> usize {
-        let mut before: &[u8] = &[];
-        let mut bytes = 0;
-        for n in names {
-            let n = n.as_bytes();
-            let shared = before.iter().zip(n).take_while(|(a, b)| a == b).count();
-            bytes += 2 + n.len() - shared;
-            before = n;
-        }
-        bytes
     }
 
     #[test]
@@ -432,25 +470,37 @@ mod tests {
     #[test]
     fn a_set_is_packed_up_to_its_limit_and_a_btree_past_it() {
         // 28 names of 16 bytes and one of 6, no two sharing a first byte: 28 * 18 + 8 bytes.
-        let firsts = ('A'..='Z').chain('a'..='b');
+        let mut names: Vec<String> = ('A'..='Z')
+            .chain('a'..='b')
+            .map(|c| format!("{c}{}", "x".repeat(15)))
+            .collect();
+        names.push("cxxxxx".into());
         let mut set = HeldNames::default();
-        for c in firsts {
-            set.insert(&LockName::new(format!("{c}{}", "x".repeat(15))).unwrap());
+        for n in &names {
+            assert!(set.insert(&LockName::new(n.as_str()).unwrap()));
         }
-        set.insert(&LockName::new("cxxxxx").unwrap());
         assert_eq!(28 * 18 + 8, PACKED_MAX_BYTES);
         assert_eq!(
             set.packed().map(<[u8]>::len),
             Some(PACKED_MAX_BYTES),
             "at the limit"
         );
-        set.insert(&LockName::new("zz").unwrap());
+        assert!(set.insert(&LockName::new("zz").unwrap()));
         assert!(set.packed().is_none(), "past it");
+        names.push("zz".into());
+        assert!(set
+            .iter()
+            .map(|n| n.as_str().to_string())
+            .eq(names.iter().cloned()));
         assert!(set.remove(&LockName::new("zz").unwrap()));
         assert!(
             set.packed().is_none(),
             "a B-tree stays one until it is empty"
         );
-        assert_eq!(set.len(), 29);
+        names.pop();
+        assert!(set
+            .iter()
+            .map(|n| n.as_str().to_string())
+            .eq(names.iter().cloned()));
     }
 }

@@ -25,7 +25,8 @@ use std::ops::Bound;
 pub(crate) struct Session {
     pub(crate) ttl_ms: u64,
     pub(crate) opened_at_ms: u64,
-    /// Derived from `locks` (not in snapshots; rebuilt on decode so names stay shared).
+    /// Derived from `locks` (not in snapshots; rebuilt on decode). Packed while small, a B-tree that
+    /// shares the lock map's long names otherwise (`crate::held`).
     #[serde(skip)]
     pub(crate) held: HeldNames,
     /// Locks this session waits for, with the request id of the acquire that queued it.
@@ -1943,7 +1944,7 @@ fn session_view(id: SessionId, s: &Session) -> SessionView {
 
 impl LockTable {
     /// Rebuilds what snapshots leave out (each session's held and waited-for locks) from the locks, sharing
-    /// the lock map's names.
+    /// the lock map's long names.
     pub(crate) fn rebuild_derived(&mut self) -> Result<(), String> {
         // Session ids are log indexes (never 0); 0 marks a lock in its lock-delay.
         if self.sessions.contains_key(&NO_SESSION) {
