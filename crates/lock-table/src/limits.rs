@@ -71,8 +71,9 @@ pub const MAX_HOLDERS_PER_LOCK: usize = 1_000;
 /// What the table charges against its memory budget ([`crate::Command::SetTableBudget`]) for one
 /// session: the session record, its deduplication window when full ([`DEDUP_WINDOW`] outcomes) and its
 /// map entries. An estimate of the allocator's real use when it was set, fixed so that every replica
-/// computes the same total; the table has shrunk since, so it now charges more than twice what a
-/// server uses (`docs/operations.md`, "Sizing", compares it with a measured server).
+/// computes the same total; the table has shrunk since, and the budget as a whole (this and the
+/// per-lock charges below) now charges more than twice what a server holding the design's load uses
+/// (`docs/operations.md`, "Sizing").
 pub const SESSION_BYTES: u64 = 1_024;
 
 /// Charged for one lock besides its grants and waits: the map entry, the shared name's allocation and
