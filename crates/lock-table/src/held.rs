@@ -20,8 +20,9 @@ use crate::types::{LockName, INLINE_NAME_BYTES};
 use std::collections::BTreeSet;
 
 /// Most bytes a packed set takes before it becomes a B-tree. Insert and remove copy the set and
-/// membership reads it from the start, so this bounds their work; 512 bytes holds 21 names that share
-/// nothing, and up to 170 that differ in their last byte, more than most sessions ever hold.
+/// membership reads it from the start, so this bounds their work; 512 bytes holds 21 names of 22 bytes
+/// that share no first byte, and up to 170 names that differ only in their last byte: more than most
+/// sessions ever hold.
 pub(crate) const PACKED_MAX_BYTES: usize = 512;
 
 /// A session's held names. 16 bytes; an empty set allocates nothing.
@@ -257,7 +258,9 @@ impl HeldNames {
                 if !found {
                     return false;
                 }
-                // Never longer: the next name shares at least as much with the one before.
+                // The next name's new entry is shorter than the two it replaces: with the name before
+                // it shares at least the lesser of what it shared with the removed name and what the
+                // removed name shared with that name.
                 let mut with = Entries::new();
                 let mut end = p.len();
                 if let Some((next_end, next, next_len)) = next {
