@@ -50,13 +50,30 @@ impl Default for HeldNames {
     }
 }
 
+/// A name rebuilt from a packed set, on the stack.
+#[derive(Clone, Copy)]
+struct Name {
+    bytes: [u8; INLINE_NAME_BYTES],
+    len: usize,
+}
+
+impl Name {
+    const EMPTY: Name = Name {
+        bytes: [0; INLINE_NAME_BYTES],
+        len: 0,
+    };
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
 /// Reads a packed set's entries in order, rebuilding each name from the one before.
 struct Cursor<'a> {
     packed: &'a [u8],
     /// Where the next entry starts.
     at: usize,
-    name: [u8; INLINE_NAME_BYTES],
-    len: usize,
+    name: Name,
 }
 
 impl<'a> Cursor<'a> {
@@ -64,8 +81,7 @@ impl<'a> Cursor<'a> {
         Cursor {
             packed,
             at: 0,
-            name: [0; INLINE_NAME_BYTES],
-            len: 0,
+            name: Name::EMPTY,
         }
     }
 
@@ -76,14 +92,10 @@ impl<'a> Cursor<'a> {
         };
         let (shared, more) = (usize::from(shared), usize::from(more));
         let from = self.at + 2;
-        self.name[shared..shared + more].copy_from_slice(&self.packed[from..from + more]);
-        self.len = shared + more;
+        self.name.bytes[shared..shared + more].copy_from_slice(&self.packed[from..from + more]);
+        self.name.len = shared + more;
         self.at = from + more;
         true
-    }
-
-    fn name(&self) -> &[u8] {
-        &self.name[..self.len]
     }
 }
 
@@ -131,16 +143,16 @@ fn splice(packed: &mut Box<[u8]>, range: std::ops::Range<usize>, with: &[u8]) {
 struct Place {
     at: usize,
     found: bool,
-    before: ([u8; INLINE_NAME_BYTES], usize),
+    before: Name,
     /// The entry that follows `name`: when `name` was found, the entry after its own; otherwise the
     /// entry at `at`, which `name` would go before. Where that entry ends, and its name; `None` when no
     /// entry follows.
-    next: Option<(usize, [u8; INLINE_NAME_BYTES], usize)>,
+    next: Option<(usize, Name)>,
 }
 
 fn place(packed: &[u8], name: &[u8]) -> Place {
     let mut c = Cursor::new(packed);
-    let mut before = ([0; INLINE_NAME_BYTES], 0);
+    let mut before = Name::EMPTY;
     loop {
         let at = c.at;
         if !c.advance() {
@@ -151,10 +163,10 @@ fn place(packed: &[u8], name: &[u8]) -> Place {
                 next: None,
             };
         }
-        match c.name().cmp(name) {
-            std::cmp::Ordering::Less => before = (c.name, c.len),
+        match c.name.as_bytes().cmp(name) {
+            std::cmp::Ordering::Less => before = c.name,
             std::cmp::Ordering::Equal => {
-                let next = c.advance().then_some((c.at, c.name, c.len));
+                let next = c.advance().then_some((c.at, c.name));
                 return Place {
                     at,
                     found: true,
@@ -167,7 +179,7 @@ fn place(packed: &[u8], name: &[u8]) -> Place {
                     at,
                     found: false,
                     before,
-                    next: Some((c.at, c.name, c.len)),
+                    next: Some((c.at, c.name)),
                 }
             }
         }
@@ -177,7 +189,10 @@ fn place(packed: &[u8], name: &[u8]) -> Place {
 /// The packed entries, each as the name it holds.
 fn entries(packed: &[u8]) -> impl Iterator<Item = LockName> + '_ {
     let mut c = Cursor::new(packed);
-    std::iter::from_fn(move || c.advance().then(|| LockName::from_valid_bytes(c.name())))
+    std::iter::from_fn(move || {
+        c.advance()
+            .then(|| LockName::from_valid_bytes(c.name.as_bytes()))
+    })
 }
 
 impl HeldNames {
@@ -214,24 +229,19 @@ impl HeldNames {
         };
         let bytes = name.as_bytes();
         if bytes.len() <= INLINE_NAME_BYTES {
-            let Place {
-                at,
-                found,
-                before: (before, before_len),
-                next,
-            } = place(p, bytes);
-            if found {
+            let place = place(p, bytes);
+            if place.found {
                 return false;
             }
             let mut with = Entries::new();
-            with.push(&before[..before_len], bytes);
-            let mut end = at;
-            if let Some((next_end, next, next_len)) = next {
-                with.push(bytes, &next[..next_len]);
-                end = next_end;
+            with.push(place.before.as_bytes(), bytes);
+            let mut end = place.at;
+            if let Some((next_end, next)) = &place.next {
+                with.push(bytes, next.as_bytes());
+                end = *next_end;
             }
-            if p.len() - (end - at) + with.len <= PACKED_MAX_BYTES {
-                splice(p, at..end, with.as_slice());
+            if p.len() - (end - place.at) + with.len <= PACKED_MAX_BYTES {
+                splice(p, place.at..end, with.as_slice());
                 return true;
             }
         }
@@ -249,13 +259,8 @@ impl HeldNames {
                 if bytes.len() > INLINE_NAME_BYTES {
                     return false;
                 }
-                let Place {
-                    at,
-                    found,
-                    before: (before, before_len),
-                    next,
-                } = place(p, bytes);
-                if !found {
+                let place = place(p, bytes);
+                if !place.found {
                     return false;
                 }
                 // The next name's new entry is shorter than the two it replaces: with the name before
@@ -263,11 +268,11 @@ impl HeldNames {
                 // removed name shared with that name.
                 let mut with = Entries::new();
                 let mut end = p.len();
-                if let Some((next_end, next, next_len)) = next {
-                    with.push(&before[..before_len], &next[..next_len]);
-                    end = next_end;
+                if let Some((next_end, next)) = &place.next {
+                    with.push(place.before.as_bytes(), next.as_bytes());
+                    end = *next_end;
                 }
-                splice(p, at..end, with.as_slice());
+                splice(p, place.at..end, with.as_slice());
                 true
             }
             Repr::Tree(t) => {
