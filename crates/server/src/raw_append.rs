@@ -25,7 +25,9 @@
 //! not a reply appends to that peer over gRPC (the `AppendStream` call, or unary calls) for
 //! [`RAW_FALLBACK`], then tries again. A connection that just closes or fails is a network error, as
 //! a broken gRPC connection is, unless [`FRESH_FAILURES`] fresh ones in a row close before answering
-//! (an older server's close can come before its preface is read).
+//! (an older server's close can come before its preface is read). A TCP proxy in front of a follower
+//! that is down closes connections that way too: the follower then gets gRPC for up to
+//! [`RAW_FALLBACK`] once it is back, which costs speed, not safety.
 //!
 //! A leader's connections to a follower are checked as its gRPC channel is: over TLS the answering
 //! certificate must be that follower's (`holdfast-server-<id>`).
@@ -677,6 +679,119 @@ mod tests {
             }
         });
         (addr, accepted, release)
+    }
+
+    /// How [`switching_follower`] treats its next connection.
+    const CLOSE: u8 = 0;
+    const ANSWER: u8 = 1;
+    const HTTP2: u8 = 2;
+
+    /// A follower whose connections are closed unread (as a TCP proxy in front of a server that is
+    /// down closes them), answered, or sent an HTTP/2 server's preface and closed (as a release that
+    /// predates this protocol does), as `mode` says when each is accepted.
+    async fn switching_follower() -> (String, Arc<std::sync::atomic::AtomicU8>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let mode = Arc::new(std::sync::atomic::AtomicU8::new(CLOSE));
+        let m = mode.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut io, _) = listener.accept().await.unwrap();
+                match m.load(Ordering::SeqCst) {
+                    CLOSE => drop(io),
+                    HTTP2 => {
+                        // What the connection sent is read first: a close with bytes unread
+                        // resets it, and the preface could be lost (see `FRESH_FAILURES`).
+                        let mut hello = [0u8; 12];
+                        io.read_exact(&mut hello).await.unwrap();
+                        read_frame(&mut io, MAX_PEER_MESSAGE_BYTES, None)
+                            .await
+                            .unwrap();
+                        // An empty SETTINGS frame: length 0, type 4, no flags, stream 0.
+                        let _ = io.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+                    }
+                    _ => {
+                        tokio::spawn(async move {
+                            let mut hello = [0u8; 12];
+                            io.read_exact(&mut hello).await.unwrap();
+                            while read_frame(&mut io, MAX_PEER_MESSAGE_BYTES, None)
+                                .await
+                                .is_ok()
+                            {
+                                let reply = pb::AppendEntriesReply {
+                                    result: Some(pb::append_entries_reply::Result::Success(
+                                        pb::Blank {},
+                                    )),
+                                    features: 1,
+                                };
+                                let mut out =
+                                    ((reply.encoded_len() + 1) as u32).to_le_bytes().to_vec();
+                                out.push(0);
+                                reply.encode(&mut out).unwrap();
+                                if io.write_all(&out).await.is_err() {
+                                    return;
+                                }
+                            }
+                        });
+                    }
+                }
+            }
+        });
+        (addr, mode)
+    }
+
+    /// A peer that closes `FRESH_FAILURES` fresh connections in a row unanswered, or answers one
+    /// with an HTTP/2 server's preface, gets its appends over gRPC (`serves` is false) for
+    /// `RAW_FALLBACK`, then this protocol again; closes with an answer between them do not add up.
+    #[tokio::test]
+    async fn a_peer_that_closes_fresh_connections_in_a_row_gets_grpc_for_a_while() {
+        let (addr, mode) = switching_follower().await;
+        let pool = RawPool::default();
+        let call = || {
+            let (pool, addr) = (pool.clone(), addr.clone());
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                // Entries, not a heartbeat: every call may open a connection.
+                pool.append((2, &addr, 0), None, &request(1), deadline)
+                    .await
+            }
+        };
+        for _ in 1..FRESH_FAILURES {
+            assert!(matches!(call().await, Err(RawError::Io(_))));
+        }
+        // An answer in between: the closes so far do not count.
+        mode.store(ANSWER, Ordering::SeqCst);
+        assert!(call().await.is_ok());
+        // Group 0's connection stays open in the pool; other groups' connections are fresh.
+        mode.store(CLOSE, Ordering::SeqCst);
+        let fresh = |group| {
+            let (pool, addr) = (pool.clone(), addr.clone());
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                pool.append((2, &addr, group), None, &request(1), deadline)
+                    .await
+            }
+        };
+        for group in 1..FRESH_FAILURES {
+            assert!(matches!(fresh(group).await, Err(RawError::Io(_))));
+            assert!(pool.serves(2));
+        }
+        assert!(matches!(
+            fresh(FRESH_FAILURES).await,
+            Err(RawError::NotServed(_))
+        ));
+        assert!(!pool.serves(2), "closes in a row: gRPC");
+        assert!(pool.serves(3), "another peer is not concerned");
+        tokio::time::pause();
+        tokio::time::advance(RAW_FALLBACK - Duration::from_millis(1)).await;
+        assert!(!pool.serves(2));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(pool.serves(2), "tried again after RAW_FALLBACK");
+        tokio::time::resume();
+        // An HTTP/2 server's preface is not served at once.
+        mode.store(HTTP2, Ordering::SeqCst);
+        assert!(matches!(fresh(100).await, Err(RawError::NotServed(_))));
+        assert!(!pool.serves(2), "an HTTP/2 preface: gRPC");
     }
 
     fn request(entries: usize) -> pb::AppendEntriesRequest {

@@ -90,9 +90,6 @@ pub fn certs(args: &[&str]) {
     );
 }
 
-/// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
-/// `bind(0)` or outgoing connection can take it between this check and the server's bind, and from a
-/// range that depends on the test process id, so parallel test processes do not pick the same ports.
 /// The first name `{prefix}{i}` that hashes to `group` of `groups`.
 pub fn name_in_group(group: u32, groups: u32, prefix: &str) -> String {
     names_in_group(group, groups, prefix, 1).remove(0)
@@ -118,6 +115,9 @@ pub async fn open_in_groups(session: &holdfast_client::Session, groups: &[u32]) 
     }
 }
 
+/// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
+/// `bind(0)` or outgoing connection can take it between this check and the server's bind, and from a
+/// range that depends on the test process id, so parallel test processes do not pick the same ports.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
