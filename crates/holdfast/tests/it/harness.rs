@@ -115,20 +115,41 @@ pub async fn open_in_groups(session: &holdfast_client::Session, groups: &[u32]) 
     }
 }
 
-/// A port for a server to listen on. Taken below the kernel's ephemeral range (32768 and up here), so no
-/// `bind(0)` or outgoing connection can take it between this check and the server's bind, and from a
-/// range that depends on the test process id, so parallel test processes do not pick the same ports.
+/// A port for a server to listen on, this test process's alone until it exits. Taken below the kernel's
+/// ephemeral range (32768 and up here), so no `bind(0)` or outgoing connection can take it between
+/// this check and the server's bind; and claimed by a lock on a file named for it
+/// (`$TMPDIR/holdfast-it-ports/PORT`), which this process holds until it exits (the kernel lets go
+/// of it however the process ends), so that a test in another process cannot take it in that window
+/// either, nor while a killed server of this test is down. Each process starts its search at a
+/// place its id gives, so that processes seldom try the same files.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Mutex;
+    const LOW: u32 = 10_000;
+    const SPAN: u32 = 22_000;
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let base = 10_000 + (std::process::id() % 220) * 100;
-    for _ in 0..10_000 {
-        let port = (base + NEXT.fetch_add(1, Ordering::Relaxed) % 100) as u16;
+    static CLAIMED: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("holdfast-it-ports");
+    std::fs::create_dir_all(&dir).unwrap();
+    let start = (std::process::id() % 220) * 100;
+    for _ in 0..SPAN {
+        let port = (LOW + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN) as u16;
+        let claim = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(port.to_string()))
+            .unwrap();
+        // Held by another test process (or its lock could not be taken): not ours to use.
+        if claim.try_lock().is_err() {
+            continue;
+        }
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            CLAIMED.lock().unwrap().push(claim);
             return port;
         }
     }
-    panic!("no free port in {base}..{}", base + 100);
+    panic!("no free port in {LOW}..{}", LOW + SPAN);
 }
 
 /// The command line every test server starts with: who it is, where it listens, where its data is.
