@@ -305,6 +305,32 @@ impl GroupLog {
         &self.chunks[(s.chunk - self.first_chunk) as usize][s.start as usize..s.end as usize]
     }
 
+    /// Appends to `out` each of `entries` as field `field` of a protobuf message (its key, its length,
+    /// and the entry's encoding as its record holds it), and returns true, if each is one of the newest
+    /// entries kept decoded with the same log id (so the same entry: Raft's log matching); else
+    /// appends nothing and returns false. A leader sends each batch to every follower: this copies
+    /// the encoding made once at append instead of encoding the entries again for each.
+    pub fn encode_entries(&self, entries: &[Entry], field: u32, out: &mut Vec<u8>) -> bool {
+        let after_last = self.first + self.slots.len() as u64;
+        let hot_from = after_last - self.hot.len() as u64;
+        let held = |e: &Entry| {
+            let index = e.log_id.index;
+            (hot_from..after_last).contains(&index)
+                && self.hot[(index - hot_from) as usize].log_id == e.log_id
+        };
+        if self.hot.is_empty() || !entries.iter().all(held) {
+            return false;
+        }
+        let key = u64::from(field << 3 | 2);
+        for e in entries {
+            let bytes = self.bytes((e.log_id.index - self.first) as usize);
+            prost::encoding::encode_varint(key, out);
+            prost::encoding::encode_varint(bytes.len() as u64, out);
+            out.extend_from_slice(bytes);
+        }
+        true
+    }
+
     fn decode(&self, slot: usize) -> Result<Entry, String> {
         formats::entry_from_pb(&formats::from_bytes(self.bytes(slot), "log entry")?)
     }
@@ -418,6 +444,11 @@ impl LogStore {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GroupLog> {
         self.log.lock().expect("group log lock poisoned")
+    }
+
+    /// [`GroupLog::encode_entries`] on this group's log.
+    pub fn encode_entries(&self, entries: &[Entry], field: u32, out: &mut Vec<u8>) -> bool {
+        self.lock().encode_entries(entries, field, out)
     }
 }
 
@@ -820,6 +851,34 @@ mod model {
                     _ => prop_assert!(log.chunks.is_empty()),
                 }
                 prop_assert!(log.hot.len() <= 5);
+                // The newest entries, as a leader sends them: copied as the log encoded them into
+                // field 4 of a message, or refused whole with nothing written.
+                let tail: Vec<Entry> = model.values().rev().take(7).rev().cloned().collect();
+                for k in 0..=tail.len() {
+                    let batch = &tail[tail.len() - k..];
+                    let mut out = vec![0xff];
+                    let copied = log.encode_entries(batch, 4, &mut out);
+                    prop_assert_eq!(copied, !log.hot.is_empty() && k <= log.hot.len());
+                    if copied {
+                        let msg = <pb::AppendEntriesRequest as prost::Message>::decode(&out[1..]).unwrap();
+                        let want: Vec<pb::Entry> = batch.iter().map(formats::entry_to_pb).collect();
+                        prop_assert_eq!(msg.entries, want);
+                    } else {
+                        prop_assert_eq!(out, vec![0xff]);
+                    }
+                }
+                if let Op::Append { count, .. } = op {
+                    // What was just appended is kept decoded, up to the limit.
+                    prop_assert!(log.hot.len() as u64 >= count.min(5));
+                }
+                // An entry of another term at a held index is another entry: not copied.
+                if let Some(last) = tail.last() {
+                    let mut other = last.clone();
+                    other.log_id.leader_id.term += 10;
+                    let mut out = Vec::new();
+                    prop_assert!(!log.encode_entries(&[other], 4, &mut out));
+                    prop_assert!(out.is_empty());
+                }
             }
         }
     }

@@ -367,6 +367,7 @@ impl Node {
             let network = PeerNetwork {
                 group: g,
                 peers: peers.clone(),
+                log: log_store.clone(),
             };
             // openraft's tasks draw their randomness from this seed (see `raft_types::Runtime`).
             let seed = rng_seed

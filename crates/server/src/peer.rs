@@ -222,6 +222,8 @@ impl Peers {
 pub struct PeerNetwork {
     pub group: u32,
     pub peers: Peers,
+    /// The group's log (see [`append_frame`]).
+    pub log: crate::log_store::LogStore,
 }
 
 impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
@@ -241,6 +243,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
             raw_tls: self.peers.connector(target),
             addr,
             peers: self.peers.clone(),
+            log: self.log.clone(),
         }
     }
 }
@@ -254,6 +257,8 @@ pub struct PeerClient {
     /// Their TLS connector (checks the answering server is `target`), if the cluster uses TLS.
     raw_tls: Option<holdfast_proto::tls::TlsConnector>,
     peers: Peers,
+    /// The group's log, whose encoding of recent entries appends copy.
+    log: crate::log_store::LogStore,
 }
 
 /// Replies of an append stream waiting to be sent (a leader has at most [`APPEND_STREAM_DEPTH`]
@@ -321,7 +326,7 @@ impl PeerClient {
     /// does not serve those. Reported to the peer's health log like a gRPC call.
     async fn raw_append(
         &self,
-        req: pb::AppendEntriesRequest,
+        rpc: &AppendEntriesRequest<TypeConfig>,
         timeout: Duration,
     ) -> Result<pb::AppendEntriesReply, RPCError<TypeConfig>> {
         use crate::raw_append::RawError;
@@ -329,20 +334,28 @@ impl PeerClient {
         tracing::trace!(
             target: "holdfast::hop",
             to = target,
-            index = req.entries.last().and_then(|e| e.log_id.as_ref()).map_or(0, |l| l.index),
+            index = rpc.entries.last().map_or(0, |e| e.log_id.index),
             "append sent"
         );
         let deadline = tokio::time::Instant::now() + timeout;
-        let sent = self
-            .peers
-            .raw
-            .append(
-                (target, &self.addr, self.group),
-                self.raw_tls.as_ref(),
-                &req,
-                deadline,
-            )
-            .await;
+        let frame = append_frame(self.header(), rpc, |entries, field, out| {
+            self.log.encode_entries(entries, field, out)
+        });
+        let sent = match frame {
+            Ok(frame) => {
+                self.peers
+                    .raw
+                    .append_frame(
+                        (target, &self.addr, self.group),
+                        self.raw_tls.as_ref(),
+                        &frame,
+                        rpc.entries.is_empty(),
+                        deadline,
+                    )
+                    .await
+            }
+            Err(e) => Err(e),
+        };
         let result = match sent {
             Ok(reply) => {
                 tracing::trace!(target: "holdfast::hop", from = target, "append reply");
@@ -350,6 +363,7 @@ impl PeerClient {
             }
             Err(RawError::NotServed(_)) => {
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let req = append_request_to_pb(self.header(), rpc);
                 return self
                     .call(left, |mut c| async move { c.append_entries(req).await })
                     .await;
@@ -456,12 +470,48 @@ fn append_request_to_pb(
     rpc: &AppendEntriesRequest<TypeConfig>,
 ) -> pb::AppendEntriesRequest {
     pb::AppendEntriesRequest {
+        entries: rpc.entries.iter().map(formats::entry_to_pb).collect(),
+        ..append_head_to_pb(header, rpc)
+    }
+}
+
+/// `rpc`'s fields but its entries.
+fn append_head_to_pb(
+    header: pb::PeerHeader,
+    rpc: &AppendEntriesRequest<TypeConfig>,
+) -> pb::AppendEntriesRequest {
+    pb::AppendEntriesRequest {
         header: Some(header),
         vote: Some(formats::vote_to_pb(&rpc.vote)),
         prev_log_id: formats::opt_log_id_to_pb(&rpc.prev_log_id),
-        entries: rpc.entries.iter().map(formats::entry_to_pb).collect(),
+        entries: Vec::new(),
         leader_commit: formats::opt_log_id_to_pb(&rpc.leader_commit),
     }
+}
+
+/// `rpc` framed for a connection of its own ([`crate::raw_append::finish_frame`]): the message
+/// [`append_request_to_pb`] makes, with its entries last. `encoded` appends the entries as the log
+/// encoded them when they were appended, if it still can ([`crate::log_store::GroupLog::encode_entries`]:
+/// the newest, so a batch is encoded once for all followers); else they are encoded here (older
+/// entries, which only a follower that lags gets).
+fn append_frame(
+    header: pb::PeerHeader,
+    rpc: &AppendEntriesRequest<TypeConfig>,
+    encoded: impl FnOnce(&[crate::raft_types::Entry], u32, &mut Vec<u8>) -> bool,
+) -> Result<Vec<u8>, crate::raw_append::RawError> {
+    const ENTRIES: u32 = 4;
+    use prost::Message;
+    let head = append_head_to_pb(header, rpc);
+    let mut frame = Vec::with_capacity(4 + head.encoded_len() + 128 * rpc.entries.len());
+    frame.extend_from_slice(&[0; 4]);
+    head.encode(&mut frame)
+        .expect("encoding to a Vec cannot fail");
+    if !rpc.entries.is_empty() && !encoded(&rpc.entries, ENTRIES, &mut frame) {
+        for e in &rpc.entries {
+            prost::encoding::message::encode(ENTRIES, &formats::entry_to_pb(e), &mut frame);
+        }
+    }
+    crate::raw_append::finish_frame(frame)
 }
 
 fn append_request_from_pb(
@@ -721,18 +771,18 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
-        let req = append_request_to_pb(self.header(), &rpc);
         // openraft gives replication the heartbeat interval as its deadline (37.5 ms of it with the
         // 50 ms default): less than a loaded follower's fsync, after which a give-up only resends the
         // same entries. Entries get at least APPEND_ENTRIES_MIN_TIMEOUT; heartbeats keep the short one.
-        let timeout = if req.entries.is_empty() {
+        let timeout = if rpc.entries.is_empty() {
             option.soft_ttl()
         } else {
             option.soft_ttl().max(APPEND_ENTRIES_MIN_TIMEOUT)
         };
         let reply = if self.peers.raw.serves(self.target) {
-            self.raw_append(req, timeout).await
+            self.raw_append(&rpc, timeout).await
         } else {
+            let req = append_request_to_pb(self.header(), &rpc);
             self.call(timeout, |mut c| async move { c.append_entries(req).await })
                 .await
         };
@@ -1358,6 +1408,78 @@ impl<L: RaftLookup> Peer for PeerService<L> {
 mod tests {
     use super::PeerFeatures;
     use crate::formats::FEATURE_EXPIRE_SESSIONS as F;
+
+    /// A frame for a connection of its own is its length and the message the gRPC calls send, whether
+    /// its entries are copied from the log or encoded on the spot; a heartbeat asks the log for nothing.
+    #[test]
+    fn an_append_frame_is_the_grpc_message_with_its_entries_from_the_log_or_encoded() {
+        use super::{append_frame, append_request_to_pb};
+        use crate::formats;
+        use crate::raft_types::{Entry, LogId, Request};
+        use holdfast_lock_table::{Command, LockName, RequestId, SessionId};
+        use holdfast_proto::v1 as pb;
+        use openraft::impls::leader_id_adv::LeaderId;
+        use prost::Message;
+        let log_id = |term, index| LogId::new(LeaderId { term, node_id: 2 }, index);
+        let entries = vec![
+            Entry {
+                log_id: log_id(3, 41),
+                payload: openraft::EntryPayload::Blank,
+            },
+            Entry {
+                log_id: log_id(3, 42),
+                payload: openraft::EntryPayload::Normal(Request(Command::Release {
+                    session: SessionId(7),
+                    request: RequestId(9),
+                    name: LockName::new("frames/a").unwrap(),
+                    token: holdfast_lock_table::FencingToken(12),
+                    now_ms: 5,
+                })),
+            },
+        ];
+        let header = pb::PeerHeader {
+            format: 1,
+            cluster_id: 77,
+            from_node: 2,
+            to_node: 4,
+            group: 1,
+        };
+        let rpc = |entries: Vec<Entry>| openraft::raft::AppendEntriesRequest {
+            vote: openraft::Vote::new_committed(3, 2),
+            prev_log_id: Some(log_id(2, 40)),
+            leader_commit: Some(log_id(2, 39)),
+            entries,
+        };
+        let body = |frame: &[u8]| {
+            let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
+            assert_eq!(len, frame.len() - 4, "the length prefix");
+            pb::AppendEntriesRequest::decode(&frame[4..]).unwrap()
+        };
+        let full = rpc(entries.clone());
+        let want = append_request_to_pb(header, &full);
+        // Encoded on the spot: the log did not have them.
+        let frame = append_frame(header, &full, |_, _, _| false).ok().unwrap();
+        assert_eq!(body(&frame), want);
+        // Copied from the log, as it encoded them.
+        let frame = append_frame(header, &full, |asked, field, out| {
+            assert_eq!(asked, &entries[..]);
+            for e in asked {
+                prost::encoding::message::encode(field, &formats::entry_to_pb(e), out);
+            }
+            true
+        })
+        .ok()
+        .unwrap();
+        assert_eq!(body(&frame), want);
+        // A heartbeat.
+        let empty = rpc(Vec::new());
+        let frame = append_frame(header, &empty, |_, _, _| {
+            panic!("a heartbeat has no entries")
+        })
+        .ok()
+        .unwrap();
+        assert_eq!(body(&frame), append_request_to_pb(header, &empty));
+    }
 
     /// A feature counts only for peers whose latest reply said so: not for one never heard from, one
     /// that said 0 (an older release), or one whose last call failed (it may come back as another).

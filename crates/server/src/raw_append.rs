@@ -315,30 +315,36 @@ impl RawPool {
         }
     }
 
-    /// Sends `req` to `target` at `addr` for `group` and reads its reply by `deadline`, on an idle
-    /// connection or a new one. A reused connection that fails before its reply (the peer closed it
-    /// while it was idle) is replaced by a new one once: an AppendEntries may be sent twice. `tls`:
-    /// the connector that checks the answering server is `target` (as the gRPC channel's does).
+    /// [`Self::append_frame`] with `req` framed ([`finish_frame`]).
     pub async fn append(
         &self,
-        (target, addr, group): (NodeId, &str, u32),
+        to: (NodeId, &str, u32),
         tls: Option<&holdfast_proto::tls::TlsConnector>,
         req: &pb::AppendEntriesRequest,
         deadline: tokio::time::Instant,
     ) -> Result<pb::AppendEntriesReply, RawError> {
-        let len = req.encoded_len();
-        if len > MAX_PEER_MESSAGE_BYTES {
-            // The follower would close the connection; gRPC refuses it the same way.
-            return Err(RawError::Refused(tonic::Status::out_of_range(format!(
-                "an append of {len} bytes (the limit is {MAX_PEER_MESSAGE_BYTES})"
-            ))));
-        }
-        let mut frame = Vec::with_capacity(4 + len);
-        frame.extend_from_slice(&(len as u32).to_le_bytes());
+        let mut frame = vec![0; 4];
         req.encode(&mut frame)
             .expect("encoding to a Vec cannot fail");
+        let frame = finish_frame(frame)?;
+        self.append_frame(to, tls, &frame, req.entries.is_empty(), deadline)
+            .await
+    }
+
+    /// Sends `frame` (an `AppendEntriesRequest` framed: [`finish_frame`]; a heartbeat if it carries
+    /// no entries) to `target` at `addr` for `group` and reads its reply by `deadline`, on an idle
+    /// connection or a new one. A reused connection that fails before its reply (the peer closed it
+    /// while it was idle) is replaced by a new one once: an AppendEntries may be sent twice. `tls`:
+    /// the connector that checks the answering server is `target` (as the gRPC channel's does).
+    pub async fn append_frame(
+        &self,
+        (target, addr, group): (NodeId, &str, u32),
+        tls: Option<&holdfast_proto::tls::TlsConnector>,
+        frame: &[u8],
+        heartbeat: bool,
+        deadline: tokio::time::Instant,
+    ) -> Result<pb::AppendEntriesReply, RawError> {
         let key = (target, addr.to_string(), group);
-        let heartbeat = req.entries.is_empty();
         let Some(conn) = self.take(&key, heartbeat, false) else {
             return Err(RawError::Busy(io::Error::new(
                 io::ErrorKind::WouldBlock,
@@ -349,7 +355,7 @@ impl RawPool {
             conn
         } else {
             let answered = conn.answered;
-            match self.exchange(conn, &frame, deadline).await {
+            match self.exchange(conn, frame, deadline).await {
                 Exchange::Replied(reply) => {
                     self.answered(target);
                     return reply;
@@ -364,7 +370,7 @@ impl RawPool {
             }
         };
         let conn = self.connect(conn, tls, deadline).await?;
-        match self.exchange(conn, &frame, deadline).await {
+        match self.exchange(conn, frame, deadline).await {
             Exchange::Replied(reply) => {
                 self.answered(target);
                 reply
@@ -469,6 +475,21 @@ impl RawPool {
             }
         }
     }
+}
+
+/// Writes the length of the message that follows `frame`'s first 4 bytes into them: the frame of an
+/// `AppendEntriesRequest` whose encoding was written after 4 bytes of room. Refused (as the unary call
+/// refuses it) when the message is over `MAX_PEER_MESSAGE_BYTES`: the follower would close the
+/// connection.
+pub fn finish_frame(mut frame: Vec<u8>) -> Result<Vec<u8>, RawError> {
+    let len = frame.len() - 4;
+    if len > MAX_PEER_MESSAGE_BYTES {
+        return Err(RawError::Refused(tonic::Status::out_of_range(format!(
+            "an append of {len} bytes (the limit is {MAX_PEER_MESSAGE_BYTES})"
+        ))));
+    }
+    frame[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(frame)
 }
 
 /// Closes the idle connections older than [`IDLE_KEEP`] (an idle connection counts in `open` until
