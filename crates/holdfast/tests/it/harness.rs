@@ -120,8 +120,10 @@ pub async fn open_in_groups(session: &holdfast_client::Session, groups: &[u32]) 
 /// this check and the server's bind; and claimed by a lock on a file named for it
 /// (`$TMPDIR/holdfast-it-ports/PORT`), which this process holds until it exits (the kernel lets go
 /// of it however the process ends), so that a test in another process cannot take it in that window
-/// either, nor while a killed server of this test is down. Each process starts its search at a
-/// place its id gives, so that processes seldom try the same files.
+/// either, nor while a killed server of this test is down. Processes exclude each other only with
+/// the same `TMPDIR`. Each claim keeps a file open: a few per test under nextest, which runs each
+/// test in a process of its own. Each process starts its search at a place its id gives, so that
+/// processes seldom try the same files.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Mutex;
@@ -140,9 +142,11 @@ pub fn free_port() -> u16 {
             .write(true)
             .open(dir.join(port.to_string()))
             .unwrap();
-        // Held by another test process (or its lock could not be taken): not ours to use.
-        if claim.try_lock().is_err() {
-            continue;
+        match claim.try_lock() {
+            Ok(()) => {}
+            // Held by another test process.
+            Err(std::fs::TryLockError::WouldBlock) => continue,
+            Err(std::fs::TryLockError::Error(e)) => panic!("cannot lock {}: {e}", dir.display()),
         }
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             CLAIMED.lock().unwrap().push(claim);
