@@ -315,8 +315,10 @@ impl RawPool {
         }
     }
 
-    /// [`Self::append_frame`] with `req` framed ([`finish_frame`]).
-    pub async fn append(
+    /// [`Self::append_frame`] with `req` framed ([`finish_frame`]): the tests' way in (a leader
+    /// frames its appends with `peer::append_frame`).
+    #[cfg(test)]
+    async fn append(
         &self,
         to: (NodeId, &str, u32),
         tls: Option<&holdfast_proto::tls::TlsConnector>,
