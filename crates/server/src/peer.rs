@@ -394,7 +394,8 @@ impl PeerClient {
     /// `stream_append_sequential`, except that the session ends once whether the peer takes appends
     /// on connections of their own changes (a request found it does not, here or in another session
     /// to it): openraft's next session then uses the `AppendStream` call instead of unary calls, or
-    /// those connections again.
+    /// those connections again; and a request that carries only a commit index waits a moment for the
+    /// next, which replaces it ([`COMMIT_ONLY_HOLD`]).
     fn append_sequential<'s, S>(
         &'s mut self,
         input: S,
@@ -407,11 +408,12 @@ impl PeerClient {
         // Whether the session began on appends' own connections: it ends once that changes (here,
         // or in another session to the same peer, such as the heartbeats').
         let raw = self.peers.raw.serves(self.target);
-        let results = futures::stream::unfold(Some((self, input)), move |state| {
+        let results = futures::stream::unfold(Some((self, input.fuse())), move |state| {
             let option = option.clone();
             async move {
                 let (network, mut input) = state?;
                 let req = input.next().await?;
+                let req = fold_commit_only(req, &mut input).await;
                 let prev = req.prev_log_id;
                 let last = req.entries.last().map(|e| e.log_id).or(prev);
                 let result = network.append_entries(req, option).await;
@@ -432,6 +434,59 @@ impl PeerClient {
             }
         });
         Box::pin(futures::future::ready(Ok(results.boxed())))
+    }
+}
+
+/// How long a request that carries no entries, only a newer commit index, waits for the next request
+/// of its replication session before it is sent. After every commit that leaves nothing else to send,
+/// openraft's pipeline sends each follower such a request, so that it learns the commit (and applies)
+/// at once; with one client, every entry cost each follower two round trips, one of them for this.
+/// The next request carries the latest commit index too (openraft reads it as it builds a request,
+/// and it only grows), and the same `prev_log_id` check, so it replaces the one held: one round trip
+/// per entry. The price is that an idle follower learns a commit up to this much later (its heartbeats,
+/// every `heartbeat_interval_ms`, carry the commit index as well). Nothing waits on that: the leader
+/// answers a client once the entry is committed and applied on the leader, and its lease counts only
+/// acknowledgements of what was sent, from when the request was built, so a request sent later is a
+/// shorter lease, never a longer one.
+pub(crate) const COMMIT_ONLY_HOLD: Duration = Duration::from_millis(2);
+
+/// The request to send next in a replication session: `req`, unless it carries no entries and the
+/// session yields another within [`COMMIT_ONLY_HOLD`]; then the first such with entries, or the last
+/// one without when the hold ends or the session's requests do. A request not sent is acknowledged by
+/// the reply to the one that replaced it (openraft drops every request in flight that a reply's
+/// matching log id covers, and the replacement's covers the held one's, which has the same).
+async fn fold_commit_only<S>(
+    mut req: AppendEntriesRequest<TypeConfig>,
+    input: &mut futures::stream::Fuse<S>,
+) -> AppendEntriesRequest<TypeConfig>
+where
+    S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Unpin,
+{
+    use futures::stream::{FusedStream, StreamExt};
+    if !req.entries.is_empty()
+        || input.is_terminated()
+        || futures::Stream::size_hint(input).1 == Some(0)
+    {
+        return req;
+    }
+    let hold = tokio::time::sleep(COMMIT_ONLY_HOLD);
+    tokio::pin!(hold);
+    loop {
+        tokio::select! {
+            biased;
+            next = input.next() => match next {
+                Some(next) => {
+                    debug_assert!(next.leader_commit >= req.leader_commit, "a commit index went back");
+                    debug_assert!(next.prev_log_id >= req.prev_log_id, "a session's requests went back");
+                    req = next;
+                    if !req.entries.is_empty() {
+                        return req;
+                    }
+                }
+                None => return req,
+            },
+            () = &mut hold => return req,
+        }
     }
 }
 
@@ -1479,6 +1534,102 @@ mod tests {
         .ok()
         .unwrap();
         assert_eq!(body(&frame), append_request_to_pb(header, &empty));
+    }
+
+    /// A request with no entries, only a commit index, waits up to `COMMIT_ONLY_HOLD` for the next
+    /// request of its session, which replaces it; one with entries, or a session's last, goes at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_with_only_a_commit_waits_a_moment_for_the_next_which_replaces_it() {
+        use super::{fold_commit_only, COMMIT_ONLY_HOLD};
+        use crate::raft_types::{Entry, LogId};
+        use futures::StreamExt;
+        use openraft::impls::leader_id_adv::LeaderId;
+        use tokio::time::{Duration, Instant};
+        let log_id = |index| {
+            Some(LogId::new(
+                LeaderId {
+                    term: 3,
+                    node_id: 2,
+                },
+                index,
+            ))
+        };
+        let rpc = move |prev, commit, entries: &[u64]| openraft::raft::AppendEntriesRequest {
+            vote: openraft::Vote::new_committed(3, 2),
+            prev_log_id: log_id(prev),
+            leader_commit: log_id(commit),
+            entries: entries
+                .iter()
+                .map(|&i| Entry {
+                    log_id: log_id(i).unwrap(),
+                    payload: openraft::EntryPayload::Blank,
+                })
+                .collect::<Vec<_>>(),
+        };
+        let indexes = |r: &openraft::raft::AppendEntriesRequest<crate::raft_types::TypeConfig>| {
+            let last = r.entries.last().map(|e| e.log_id.index);
+            (r.leader_commit.unwrap().index, last)
+        };
+        // Requests a session yields: a channel, so a test can leave the next one pending.
+        let session = |reqs: Vec<_>, end: bool| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            for r in reqs {
+                tx.send(r).unwrap();
+            }
+            let keep = (!end).then_some(tx);
+            (
+                keep,
+                tokio_stream::wrappers::UnboundedReceiverStream::new(rx).fuse(),
+            )
+        };
+
+        // With entries: sent as it is, the next one left where it is.
+        let (_tx, mut input) = session(vec![rpc(10, 9, &[12])], false);
+        let t = Instant::now();
+        let got = fold_commit_only(rpc(10, 9, &[11]), &mut input).await;
+        assert_eq!(
+            (indexes(&got), t.elapsed()),
+            ((9, Some(11)), Duration::ZERO)
+        );
+        assert_eq!(indexes(&input.next().await.unwrap()), (9, Some(12)));
+
+        // Only a commit, and the next request (with entries) already there: the next goes instead,
+        // at once, carrying the newer commit.
+        let (_tx, mut input) = session(vec![rpc(10, 11, &[]), rpc(10, 11, &[11])], false);
+        let got = fold_commit_only(rpc(10, 10, &[]), &mut input).await;
+        assert_eq!(
+            (indexes(&got), t.elapsed()),
+            ((11, Some(11)), Duration::ZERO)
+        );
+
+        // Only a commit, and nothing more within the hold: the latest commit-only request is sent
+        // when the hold ends.
+        let (tx, mut input) = session(vec![rpc(10, 10, &[])], false);
+        let t = Instant::now();
+        let got = fold_commit_only(rpc(10, 9, &[]), &mut input).await;
+        assert_eq!((indexes(&got), t.elapsed()), ((10, None), COMMIT_ONLY_HOLD));
+        // A request that comes during the hold ends it, whenever it comes.
+        let t = Instant::now();
+        let late = tokio::spawn(async move {
+            tokio::time::sleep(COMMIT_ONLY_HOLD / 2).await;
+            tx.unwrap().send(rpc(10, 10, &[11])).unwrap();
+        });
+        let got = fold_commit_only(rpc(10, 10, &[]), &mut input).await;
+        assert_eq!(
+            (indexes(&got), t.elapsed()),
+            ((10, Some(11)), COMMIT_ONLY_HOLD / 2)
+        );
+        late.await.unwrap();
+
+        // The session's last request (a heartbeat is a session of one): sent at once.
+        let (_, mut input) = session(vec![], true);
+        let t = Instant::now();
+        let got = fold_commit_only(rpc(10, 10, &[]), &mut input).await;
+        assert_eq!((indexes(&got), t.elapsed()), ((10, None), Duration::ZERO));
+        let mut once = Box::pin(futures::stream::once(async { rpc(10, 10, &[]) })).fuse();
+        let first = once.next().await.unwrap();
+        let got = fold_commit_only(first, &mut once).await;
+        assert_eq!((indexes(&got), t.elapsed()), ((10, None), Duration::ZERO));
     }
 
     /// A feature counts only for peers whose latest reply said so: not for one never heard from, one
