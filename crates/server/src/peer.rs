@@ -408,12 +408,19 @@ impl PeerClient {
         // Whether the session began on appends' own connections: it ends once that changes (here,
         // or in another session to the same peer, such as the heartbeats').
         let raw = self.peers.raw.serves(self.target);
-        let results = futures::stream::unfold(Some((self, input.fuse())), move |state| {
+        let results = futures::stream::unfold(Some((self, input.fuse(), false)), move |state| {
             let option = option.clone();
             async move {
-                let (network, mut input) = state?;
+                let (network, mut input, answered) = state?;
                 let req = input.next().await?;
-                let req = fold_commit_only(req, &mut input).await;
+                // Only after a reply in this session: openraft waits out its backoff (after an error)
+                // as it builds a request, and only a reply it has seen turns that off, so a request
+                // built during a hold before then would wait out a backoff (200 ms at first) that the
+                // held one's reply would have ended.
+                let req = match answered {
+                    true => fold_commit_only(req, &mut input).await,
+                    false => req,
+                };
                 let prev = req.prev_log_id;
                 let last = req.entries.last().map(|e| e.log_id).or(prev);
                 let result = network.append_entries(req, option).await;
@@ -427,7 +434,7 @@ impl PeerClient {
                         };
                         let result = resp.into_stream_result(prev, last);
                         let go_on = result.is_ok() && whole && raw == raw_after;
-                        Some((Ok(result), go_on.then_some((network, input))))
+                        Some((Ok(result), go_on.then_some((network, input, true))))
                     }
                     Err(e) => Some((Err(e), None)),
                 }
@@ -1584,7 +1591,7 @@ mod tests {
         };
 
         // With entries: sent as it is, the next one left where it is.
-        let (_tx, mut input) = session(vec![rpc(10, 9, &[12])], false);
+        let (_tx, mut input) = session(vec![rpc(11, 9, &[12])], false);
         let t = Instant::now();
         let got = fold_commit_only(rpc(10, 9, &[11]), &mut input).await;
         assert_eq!(
@@ -1620,6 +1627,21 @@ mod tests {
             ((10, Some(11)), COMMIT_ONLY_HOLD / 2)
         );
         late.await.unwrap();
+
+        // The session ends during the hold: the held request goes then.
+        let (tx, mut input) = session(vec![], false);
+        let t = Instant::now();
+        let end = tokio::spawn(async move {
+            tokio::time::sleep(COMMIT_ONLY_HOLD / 2).await;
+            drop(tx);
+        });
+        let got = fold_commit_only(rpc(10, 10, &[]), &mut input).await;
+        assert_eq!(
+            (indexes(&got), t.elapsed()),
+            ((10, None), COMMIT_ONLY_HOLD / 2)
+        );
+        end.await.unwrap();
+        assert!(input.next().await.is_none(), "ended, and fused");
 
         // The session's last request (a heartbeat is a session of one): sent at once.
         let (_, mut input) = session(vec![], true);
