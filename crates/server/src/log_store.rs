@@ -321,10 +321,9 @@ impl GroupLog {
         if self.hot.is_empty() || !entries.iter().all(held) {
             return false;
         }
-        let key = u64::from(field << 3 | 2);
         for e in entries {
             let bytes = self.bytes((e.log_id.index - self.first) as usize);
-            prost::encoding::encode_varint(key, out);
+            prost::encoding::encode_key(field, prost::encoding::WireType::LengthDelimited, out);
             prost::encoding::encode_varint(bytes.len() as u64, out);
             out.extend_from_slice(bytes);
         }

@@ -469,11 +469,9 @@ async fn fold_commit_only<S>(
 where
     S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Unpin,
 {
-    use futures::stream::{FusedStream, StreamExt};
-    if !req.entries.is_empty()
-        || input.is_terminated()
-        || futures::Stream::size_hint(input).1 == Some(0)
-    {
+    use futures::stream::StreamExt;
+    // A fused stream that ended says so here too.
+    if !req.entries.is_empty() || futures::Stream::size_hint(input).1 == Some(0) {
         return req;
     }
     let hold = tokio::time::sleep(COMMIT_ONLY_HOLD);
