@@ -194,6 +194,9 @@ pub struct Group {
     pub log_bytes: Arc<std::sync::atomic::AtomicU64>,
     /// When the snapshots openraft's policy asks for are built (`state_machine::SnapshotPacing`).
     pub pacing: Arc<crate::state_machine::SnapshotPacing>,
+    /// The group's replication targets as its leader sees them, and how many replies were late
+    /// (`peer::LATE_WAIT`).
+    pub acks: Arc<crate::peer::Acks>,
     pub id: u32,
     pub raft: Raft,
     pub state: Arc<RwLock<SmState>>,
@@ -284,6 +287,7 @@ impl Group {
         config: &ServerConfig,
         peer_features: crate::peer::PeerFeatures,
         unloader: crate::state_machine::Unloader,
+        acks: Arc<crate::peer::Acks>,
     ) -> Self {
         let metrics_rx = raft.metrics();
         // Followers refuse to vote for a new leader until election_timeout_max after they last heard the
@@ -305,6 +309,7 @@ impl Group {
             hand_over_ended: Default::default(),
             log_bytes,
             pacing,
+            acks,
             table_budget: config.group_table_budget(),
             peer_features: (!config.compat_no_expire_sessions).then_some(peer_features),
             expiring: tokio::sync::Mutex::new(()),

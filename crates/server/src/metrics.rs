@@ -409,6 +409,14 @@ impl Collector for NodeCollector {
         }
         counters(
             &mut e,
+            "holdfast_replication_late_acks",
+            "Replies of a follower that came after enough others had acknowledged the same entries to commit them, after which this leader waited 2 ms before it built that follower's next append, so that it would carry more entries.",
+            node.groups
+                .iter()
+                .map(|g| (group(g), g.acks.waits.load(Relaxed))),
+        )?;
+        counters(
+            &mut e,
             "holdfast_snapshots_deferred",
             "Snapshots due by snapshot_every_entries that waited because the log since the last one was under snapshot_log_percent of its size.",
             node.groups

@@ -364,10 +364,12 @@ impl Node {
             } else {
                 sm
             };
+            let acks = Arc::new(crate::peer::Acks::default());
             let network = PeerNetwork {
                 group: g,
                 peers: peers.clone(),
                 log: log_store.clone(),
+                acks: acks.clone(),
             };
             // openraft's tasks draw their randomness from this seed (see `raft_types::Runtime`).
             let seed = rng_seed
@@ -401,6 +403,7 @@ impl Node {
                 &config,
                 peers.features(),
                 unloader,
+                acks,
             )));
         }
         drop(recovered);

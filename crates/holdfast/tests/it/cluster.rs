@@ -960,6 +960,52 @@ async fn leaders_append_on_their_own_connections_and_fall_back_to_grpc_for_older
     }
 }
 
+/// Of a leader's two followers, the one whose acknowledgement of an entry comes second is late (the
+/// other's already committed it): its next append waits `peer::LATE_WAIT` to gather more entries, which
+/// the leader counts (`holdfast_replication_late_acks_total`). Both followers still get every entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_acknowledgements_come_after_a_quorum_waits_and_gets_every_entry() {
+    let c = Cluster::start(Options {
+        nodes: 3,
+        http: true,
+        ..Options::default()
+    })
+    .await;
+    let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+    let client = c.client().await;
+    let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+    let metric = |n: u64, name: &'static str| {
+        let c = &c;
+        async move { c.metrics(n).await.get(name).copied().unwrap_or(0) }
+    };
+    let late = "holdfast_replication_late_acks_total{group=\"0\"}";
+    // Appends wait only on connections of their own, which a leader may not use for its first
+    // `RAW_FALLBACK` (see the test above): until the count moves, or well past that.
+    let deadline =
+        Instant::now() + holdfast_server::raw_append::RAW_FALLBACK + Duration::from_secs(10);
+    let mut pairs = 0;
+    while metric(leader, late).await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no acknowledgement was late in {pairs} acquire and release pairs"
+        );
+        for _ in 0..20 {
+            let g = session.acquire(&format!("late/{pairs}")).await.unwrap();
+            g.release().await.unwrap();
+            pairs += 1;
+        }
+    }
+    let applied = "holdfast_applied_index{group=\"0\"}";
+    let target = metric(leader, applied).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for n in (1..=3u64).filter(|&n| n != leader) {
+        while metric(n, applied).await < target {
+            assert!(Instant::now() < deadline, "follower {n} did not catch up");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 /// A 3-server cluster whose follower's peer port a test talks to as group 0's leader would.
 struct AsTheLeader {
     c: Cluster,
