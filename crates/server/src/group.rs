@@ -741,6 +741,7 @@ impl Group {
         let mut rx = self.raft.server_metrics();
         let mut last_leader = None;
         let mut eligible_before = None;
+        let mut membership_before = None;
         loop {
             let (state, term, leader) = {
                 let m = rx.borrow_watched();
@@ -762,6 +763,17 @@ impl Group {
                 m.membership_config.membership().nodes().next().is_none()
                     || a_voter(m.id, &m.membership_config)
             };
+            {
+                // What replication counts as a late acknowledgement (`peer::LATE_WAIT`) follows the
+                // newest membership (compared by its log id, so this allocates only when it changes).
+                let m = rx.borrow_watched();
+                let at = Some(*m.membership_config.log_id());
+                if membership_before != at {
+                    self.acks
+                        .set_membership(m.id, m.membership_config.membership());
+                    membership_before = at;
+                }
+            }
             if eligible_before != Some(eligible) {
                 self.raft.runtime_config().elect(eligible);
                 if eligible_before.is_some() || !eligible {

@@ -418,7 +418,9 @@ impl PeerClient {
             async move {
                 // `answered`: when this session's last reply came, and whether it was late.
                 let (network, mut input, answered) = state?;
-                if let Some((at, true)) = answered {
+                // Not when the session has ended (nothing would be sent after the wait).
+                let ended = futures::Stream::size_hint(&input).1 == Some(0);
+                if let (Some((at, true)), false) = (answered, ended) {
                     network
                         .acks
                         .acks
@@ -437,6 +439,7 @@ impl PeerClient {
                 };
                 let prev = req.prev_log_id;
                 let last = req.entries.last().map(|e| e.log_id).or(prev);
+                let entries = !req.entries.is_empty();
                 let result = network.append_entries(req, option).await;
                 let raw_after = network.peers.raw.serves(network.target);
                 match result {
@@ -449,7 +452,7 @@ impl PeerClient {
                         let result = resp.into_stream_result(prev, last);
                         let go_on = result.is_ok() && whole && raw == raw_after;
                         let late = match last {
-                            Some(last) if go_on => network.acks.acknowledged(last.index),
+                            Some(last) if go_on && entries => network.acks.acknowledged(last.index),
                             _ => false,
                         };
                         let answered = Some((tokio::time::Instant::now(), late));
@@ -464,31 +467,42 @@ impl PeerClient {
 }
 
 /// How long a follower whose last acknowledgement was late waits after it before its session's next
-/// request is built: late means that enough other followers had already acknowledged that index to
-/// commit it with the leader ([`Acks::acknowledged`]), so its acknowledgements are not what commits
-/// wait for. Meanwhile the leader's new entries gather, and it gets them in one append. With five
-/// servers two followers commit each entry and two are late: those two take a batch of the entries of
-/// 2 ms instead of one append per round trip (about 1 ms under load), and each append costs a
-/// follower a wake-up, a turn of its Raft core, a WAL write and sync, and a reply, whatever its size.
-/// Measured on the development machine (docs/performance.md, "Late followers wait"): the servers'
-/// CPU per entry ~14% lower at 64 clients, ~25% at one. A follower whose acknowledgement a commit does
-/// need (another stalled, or went away) is not late, so it does not wait. Nothing about safety changes:
-/// what commits, and the leader's lease, depend on acknowledgements, not on when requests are sent;
-/// and a follower behind by more than [`LATE_MAX_LAG`] (catching up) never waits.
+/// request is built: late means that enough other voters had already acknowledged that index to commit
+/// it with the leader ([`Acks`]), so its acknowledgements are not what commits wait for. Meanwhile the
+/// leader's new entries gather, and it gets them in one append. With five servers two followers commit
+/// each entry and two are late: those two take a batch of the entries of 2 ms instead of one append per
+/// round trip (about 1 ms under load), and each append costs a follower a wake-up, a turn of its Raft
+/// core, a WAL write and sync, and a reply, whatever its size. Measured on the development machine
+/// (docs/performance.md, "Late followers wait"). A follower whose acknowledgement a commit does need
+/// (another stalled, or went away) is not late, so it does not wait; nor does one catching up
+/// ([`LATE_MAX_LAG`]), a learner, or any follower while the membership is joint. Only replies to
+/// requests with entries count: a heartbeat or a commit-only request is never followed by a wait (a
+/// heartbeat's session ends after its reply, and openraft reads that end before it counts the reply,
+/// which reads through the linearizable-read check wait on). Nothing about safety changes: what commits,
+/// and the leader's lease, depend on acknowledgements, not on when requests are sent.
 pub(crate) const LATE_WAIT: Duration = Duration::from_millis(2);
 
 /// A follower this many entries or more behind the one furthest ahead is catching up, not late.
 pub(crate) const LATE_MAX_LAG: u64 = 4096;
 
-/// At a group's leader: its replication targets (a target counts while openraft holds a network client
-/// for it, which it does for every voter and learner it replicates to, reachable or not) and the last
-/// index each acknowledged in a replication session. Shared by the group's sessions, so that each can
-/// tell whether its follower's acknowledgements are the ones commits wait for ([`LATE_WAIT`]).
+/// At a group's leader: the index each replication target acknowledged last in a replication session
+/// (a target counts while openraft holds a network client for it), and the voters of the newest
+/// membership. Shared by the group's sessions, so that each can tell whether its follower's
+/// acknowledgements are the ones commits wait for ([`LATE_WAIT`]).
 #[derive(Default)]
 pub struct Acks {
-    targets: Mutex<BTreeMap<NodeId, Target>>,
+    table: Mutex<AckTable>,
     /// Waits of [`LATE_WAIT`] before a request (`holdfast_replication_late_acks_total`).
     pub waits: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct AckTable {
+    targets: BTreeMap<NodeId, Target>,
+    /// The voters of the newest membership other than this server, and how many of them a commit needs
+    /// beside it. None before it is known and while the membership is joint (two majorities): then no
+    /// acknowledgement is late.
+    voters: Option<(std::collections::BTreeSet<NodeId>, usize)>,
 }
 
 #[derive(Default)]
@@ -507,28 +521,54 @@ struct Joined {
 
 impl Acks {
     fn joined(self: &Arc<Self>, target: NodeId) -> Joined {
-        let mut targets = self.targets.lock().expect("acks lock");
-        targets.entry(target).or_default().clients += 1;
+        let mut table = self.table.lock().expect("acks lock");
+        table.targets.entry(target).or_default().clients += 1;
         Joined {
             acks: self.clone(),
             target,
         }
     }
 
-    /// Records that `target` acknowledged `index`, and says whether that was late: as many other
-    /// targets had already acknowledged it as a commit needs beside the leader (half of the targets,
-    /// rounded up: two of four followers, one of two), and it is not catching up. Targets count as
-    /// voters: a learner among them makes fewer acknowledgements late, never more.
-    fn late(targets: &mut BTreeMap<NodeId, Target>, target: NodeId, index: u64) -> bool {
-        if let Some(t) = targets.get_mut(&target) {
+    /// The group's newest membership, as this server (`me`) sees it. Voters only: a learner's
+    /// acknowledgement commits nothing.
+    pub fn set_membership(
+        &self,
+        me: NodeId,
+        membership: &openraft::Membership<NodeId, MemberNode>,
+    ) {
+        let configs = membership.get_joint_config();
+        let voters = match configs.as_slice() {
+            [voters] => {
+                // A majority of the voters, less this server if it is one of them.
+                let needed = voters.len() / 2 + 1 - usize::from(voters.contains(&me));
+                let others = voters.iter().copied().filter(|&v| v != me).collect();
+                Some((others, needed))
+            }
+            _ => None,
+        };
+        self.table.lock().expect("acks lock").voters = voters;
+    }
+
+    /// Records that `target` acknowledged `index`, and says whether that was late: `target` is a voter,
+    /// as many other voters had already acknowledged `index` as a commit needs beside this server, and
+    /// `target` is not catching up.
+    fn late(table: &mut AckTable, target: NodeId, index: u64) -> bool {
+        if let Some(t) = table.targets.get_mut(&target) {
             t.acked = index;
         }
-        let ahead = targets
+        let Some((voters, needed)) = &table.voters else {
+            return false;
+        };
+        if !voters.contains(&target) {
+            return false;
+        }
+        let ahead = table
+            .targets
             .iter()
-            .filter(|&(&id, t)| id != target && t.acked >= index)
+            .filter(|&(&id, t)| id != target && voters.contains(&id) && t.acked >= index)
             .count();
-        let furthest = targets.values().map(|t| t.acked).max().unwrap_or(0);
-        ahead >= targets.len().div_ceil(2) && furthest.saturating_sub(index) < LATE_MAX_LAG
+        let furthest = table.targets.values().map(|t| t.acked).max().unwrap_or(0);
+        ahead >= *needed && furthest.saturating_sub(index) < LATE_MAX_LAG
     }
 }
 
@@ -536,7 +576,7 @@ impl Joined {
     /// [`Acks::late`] for this client's target.
     fn acknowledged(&self, index: u64) -> bool {
         Acks::late(
-            &mut self.acks.targets.lock().expect("acks lock"),
+            &mut self.acks.table.lock().expect("acks lock"),
             self.target,
             index,
         )
@@ -545,11 +585,11 @@ impl Joined {
 
 impl Drop for Joined {
     fn drop(&mut self) {
-        let mut targets = self.acks.targets.lock().expect("acks lock");
-        if let Some(t) = targets.get_mut(&self.target) {
+        let mut table = self.acks.table.lock().expect("acks lock");
+        if let Some(t) = table.targets.get_mut(&self.target) {
             t.clients -= 1;
             if t.clients == 0 {
-                targets.remove(&self.target);
+                table.targets.remove(&self.target);
             }
         }
     }
@@ -1780,26 +1820,44 @@ mod tests {
         assert!(f.all_have([2], F));
     }
 
-    /// A follower's acknowledgement is late once as many others have acknowledged that index as a
-    /// commit needs beside the leader (half of the targets, rounded up), unless it is catching up; a
-    /// target counts while a network client for it lives.
+    /// A follower's acknowledgement is late once as many other voters have acknowledged that index as
+    /// a commit needs beside the leader, unless it is catching up; never a learner's, nor while the
+    /// membership is joint or unknown; a target counts while a network client for it lives.
     #[test]
     fn an_acknowledgement_after_a_commit_quorum_is_late() {
         use super::{Acks, LATE_MAX_LAG};
+        use std::collections::{BTreeMap, BTreeSet};
+        let membership = |configs: Vec<Vec<u64>>, learners: Vec<u64>| {
+            let nodes: BTreeMap<u64, crate::raft_types::MemberNode> = configs
+                .iter()
+                .flatten()
+                .chain(&learners)
+                .map(|&n| (n, Default::default()))
+                .collect();
+            let configs: Vec<BTreeSet<u64>> = configs
+                .into_iter()
+                .map(|c| c.into_iter().collect())
+                .collect();
+            openraft::Membership::new(configs, nodes).unwrap()
+        };
+        const B: u64 = 100_000;
         let acks = std::sync::Arc::new(Acks::default());
-        // Four followers (five voters): a commit needs two of them.
         let f: Vec<_> = (2..=5).map(|t| acks.joined(t)).collect();
         let late = |i: usize, index: u64| f[i].acknowledged(index);
-        const B: u64 = 100_000;
-        assert_eq!(
-            [late(0, B + 10), late(1, B + 10), late(2, B + 10), late(3, B + 10)],
-            [false, false, true, true]
-        );
+        // No membership known yet: nothing is late.
+        assert_eq!([late(0, B), late(1, B), late(2, B), late(3, B)], [false; 4]);
+        // Four followers (five voters): a commit needs two of them.
+        acks.set_membership(1, &membership(vec![vec![1, 2, 3, 4, 5]], vec![]));
+        let first = [
+            late(0, B + 10),
+            late(1, B + 10),
+            late(2, B + 10),
+            late(3, B + 10),
+        ];
+        assert_eq!(first, [false, false, true, true]);
         // A late one that gets ahead is not late; the one that then comes third is.
-        assert_eq!(
-            [late(3, B + 11), late(2, B + 11), late(1, B + 11)],
-            [false, false, true]
-        );
+        let next = [late(3, B + 11), late(2, B + 11), late(1, B + 11)];
+        assert_eq!(next, [false, false, true]);
         // Two stopped acknowledging (stalled or gone, their clients still live): both others are
         // needed by every commit, so neither is ever late.
         assert_eq!([late(0, B + 20), late(1, B + 20)], [false, false]);
@@ -1807,17 +1865,44 @@ mod tests {
         // One `LATE_MAX_LAG` behind the one furthest ahead is catching up, not late; one closer is.
         assert!(!late(2, B + 21 - LATE_MAX_LAG));
         assert!(late(2, B + 22 - LATE_MAX_LAG));
+        // Three voters and two learners (4 and 5): a learner is never late, and a learner ahead does
+        // not make the one voter a commit needs late.
+        acks.set_membership(1, &membership(vec![vec![1, 2, 3]], vec![4, 5]));
+        let with_learners = [
+            late(2, B + 30),
+            late(3, B + 30),
+            late(0, B + 30),
+            late(1, B + 30),
+        ];
+        assert_eq!(with_learners, [false, false, false, true]);
+        // A joint membership (two majorities): nothing is late.
+        acks.set_membership(
+            1,
+            &membership(vec![vec![1, 2, 3], vec![1, 2, 3, 4, 5]], vec![]),
+        );
+        assert_eq!(
+            [late(0, B + 40), late(1, B + 40), late(2, B + 40)],
+            [false; 3]
+        );
+        // A leader outside its newest configuration (removing itself): a commit needs a majority of
+        // the others, two of three.
+        acks.set_membership(1, &membership(vec![vec![2, 3, 4]], vec![]));
+        assert_eq!(
+            [late(0, B + 50), late(1, B + 50), late(2, B + 50)],
+            [false, false, true]
+        );
 
         // A second client for a target (openraft's heartbeats, say) does not count it twice, and it
         // counts until its last client goes.
         let again = acks.joined(5);
-        assert_eq!(acks.targets.lock().unwrap().len(), 4);
+        assert_eq!(acks.table.lock().unwrap().targets.len(), 4);
         drop(f);
-        assert_eq!(acks.targets.lock().unwrap().len(), 1);
+        assert_eq!(acks.table.lock().unwrap().targets.len(), 1);
         drop(again);
-        assert!(acks.targets.lock().unwrap().is_empty());
+        assert!(acks.table.lock().unwrap().targets.is_empty());
 
         // Two followers (three voters): the second to acknowledge is late.
+        acks.set_membership(1, &membership(vec![vec![1, 2, 3]], vec![]));
         let f: Vec<_> = (2..=3).map(|t| acks.joined(t)).collect();
         assert_eq!([f[1].acknowledged(5), f[0].acknowledged(5)], [false, true]);
     }
