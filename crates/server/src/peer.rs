@@ -418,15 +418,13 @@ impl PeerClient {
             async move {
                 // `answered`: when this session's last reply came, and whether it was late.
                 let (network, mut input, answered) = state?;
-                // Not when the session has ended (nothing would be sent after the wait).
-                let ended = futures::Stream::size_hint(&input).1 == Some(0);
-                if let (Some((at, true)), false) = (answered, ended) {
+                if let Some((at, true)) = answered {
+                    tokio::time::sleep_until(at + LATE_WAIT).await;
                     network
                         .acks
                         .acks
                         .waits
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tokio::time::sleep_until(at + LATE_WAIT).await;
                 }
                 let req = input.next().await?;
                 // Only after a reply in this session: openraft waits out its backoff (after an error)
@@ -452,9 +450,9 @@ impl PeerClient {
                         let result = resp.into_stream_result(prev, last);
                         let go_on = result.is_ok() && whole && raw == raw_after;
                         let late = match last {
-                            Some(last) if go_on && (1..=LATE_MAX_ENTRIES).contains(&entries) => {
-                                network.acks.acknowledged(last.index)
-                            }
+                            Some(last) if go_on && entries > 0 => network
+                                .acks
+                                .acknowledged(last.index, entries <= LATE_MAX_ENTRIES),
                             _ => false,
                         };
                         let answered = Some((tokio::time::Instant::now(), late));
@@ -480,7 +478,8 @@ impl PeerClient {
 /// the membership is joint. Only replies to appends of a few entries count ([`LATE_MAX_ENTRIES`]): a
 /// heartbeat or a commit-only request is never followed by a wait (a heartbeat's session ends after
 /// its reply, and openraft reads that end before it counts the reply, which the linearizable-read
-/// check waits on). Nothing about safety changes: what commits, and the leader's lease, depend on
+/// check waits on). A session that ends after a late reply (a probe done, a new batch id) ends up to
+/// this much later. Nothing about safety changes: what commits, and the leader's lease, depend on
 /// acknowledgements, not on when requests are sent.
 pub(crate) const LATE_WAIT: Duration = Duration::from_millis(2);
 
@@ -518,7 +517,10 @@ struct AckTable {
 struct Target {
     /// Network clients openraft holds for it.
     clients: usize,
-    /// The last index it acknowledged in a replication session (0 before its first).
+    /// The last index it acknowledged in a reply to an append with entries on this server's
+    /// sequential sessions (0 before its first). One from an earlier leadership of this server, left by
+    /// a client that outlived it, can be wrong after the follower's log was cut back: then at most one
+    /// reply is taken for late that was not, a wait of [`LATE_WAIT`] once.
     acked: u64,
 }
 
@@ -558,13 +560,10 @@ impl Acks {
         self.table.lock().expect("acks lock").voters = voters;
     }
 
-    /// Records that `target` acknowledged `index`, and says whether that was late: `target` is a voter,
-    /// as many other voters had already acknowledged `index` as a commit needs beside this server, and
-    /// `target` is not catching up.
-    fn late(table: &mut AckTable, target: NodeId, index: u64) -> bool {
-        if let Some(t) = table.targets.get_mut(&target) {
-            t.acked = index;
-        }
+    /// Whether `target`'s acknowledgement of `index` was late: `target` is a voter, as many other
+    /// voters had already acknowledged `index` as a commit needs beside this server, and `target` is
+    /// not catching up.
+    fn late(table: &AckTable, target: NodeId, index: u64) -> bool {
         let Some((voters, needed)) = &table.voters else {
             return false;
         };
@@ -582,13 +581,14 @@ impl Acks {
 }
 
 impl Joined {
-    /// [`Acks::late`] for this client's target.
-    fn acknowledged(&self, index: u64) -> bool {
-        Acks::late(
-            &mut self.acks.table.lock().expect("acks lock"),
-            self.target,
-            index,
-        )
+    /// Records that this client's target acknowledged `index` (an append with entries); says whether
+    /// that was late ([`Acks::late`]) when it `may_be_late`.
+    fn acknowledged(&self, index: u64, may_be_late: bool) -> bool {
+        let mut table = self.acks.table.lock().expect("acks lock");
+        if let Some(t) = table.targets.get_mut(&self.target) {
+            t.acked = index;
+        }
+        may_be_late && Acks::late(&table, self.target, index)
     }
 }
 
@@ -1852,7 +1852,7 @@ mod tests {
         const B: u64 = 100_000;
         let acks = std::sync::Arc::new(Acks::default());
         let f: Vec<_> = (2..=5).map(|t| acks.joined(t)).collect();
-        let late = |i: usize, index: u64| f[i].acknowledged(index);
+        let late = |i: usize, index: u64| f[i].acknowledged(index, true);
         // No membership known yet: nothing is late.
         assert_eq!([late(0, B), late(1, B), late(2, B), late(3, B)], [false; 4]);
         // Four followers (five voters): a commit needs two of them.
@@ -1913,6 +1913,9 @@ mod tests {
         // Two followers (three voters): the second to acknowledge is late.
         acks.set_membership(1, &membership(vec![vec![1, 2, 3]], vec![]));
         let f: Vec<_> = (2..=3).map(|t| acks.joined(t)).collect();
-        assert_eq!([f[1].acknowledged(5), f[0].acknowledged(5)], [false, true]);
+        let late = |i: usize, index: u64, small: bool| f[i].acknowledged(index, small);
+        assert_eq!([late(1, 5, true), late(0, 5, true)], [false, true]);
+        // A reply to a large append is never late, but it is recorded: it can make another late.
+        assert_eq!([late(0, 9, false), late(1, 9, true)], [false, true]);
     }
 }

@@ -979,8 +979,9 @@ async fn a_follower_whose_acknowledgements_come_after_a_quorum_waits_and_gets_ev
         async move { c.metrics(n).await.get(name).copied().unwrap_or(0) }
     };
     let late = "holdfast_replication_late_acks_total{group=\"0\"}";
-    // Appends wait only on connections of their own, which a leader may not use for its first
-    // `RAW_FALLBACK` (see the test above): until the count moves, or well past that.
+    // Appends wait only on connections of their own (or unary calls), which a leader may not use for
+    // its first `RAW_FALLBACK` (it may use `AppendStream` then: see the test above): until the count
+    // moves, or well past that.
     let deadline =
         Instant::now() + holdfast_server::raw_append::RAW_FALLBACK + Duration::from_secs(10);
     let mut pairs = 0;
