@@ -194,8 +194,8 @@ pub struct Group {
     pub log_bytes: Arc<std::sync::atomic::AtomicU64>,
     /// When the snapshots openraft's policy asks for are built (`state_machine::SnapshotPacing`).
     pub pacing: Arc<crate::state_machine::SnapshotPacing>,
-    /// The group's replication targets as its leader sees them, and how many replies were late
-    /// (`peer::LATE_WAIT`).
+    /// The group's replication targets as its leader sees them, and how many waits followed a late
+    /// reply (`peer::LATE_WAIT`).
     pub acks: Arc<crate::peer::Acks>,
     pub id: u32,
     pub raft: Raft,

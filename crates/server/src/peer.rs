@@ -466,21 +466,22 @@ impl PeerClient {
     }
 }
 
-/// How long a follower whose last acknowledgement was late waits after it before its session's next
-/// request is built: late means that enough other voters had already acknowledged that index to commit
-/// it with the leader ([`Acks`]), so its acknowledgements are not what commits wait for. Meanwhile the
-/// leader's new entries gather, and it gets them in one append. With five servers and one client, two
-/// followers commit each entry and two are late: those two take the entries of 2 ms in one append
-/// instead of one append each, and an append costs a follower a wake-up, a turn of its Raft core, a
-/// WAL write and sync, and a reply, whatever its size (docs/performance.md, "Late followers wait").
-/// A follower whose acknowledgement a commit does need (another stalled, or went away) is not late,
-/// so it does not wait; nor does one catching up ([`LATE_MAX_LAG`]), a learner, or any follower while
-/// the membership is joint. Only replies to appends of a few entries count ([`LATE_MAX_ENTRIES`]): a
-/// heartbeat or a commit-only request is never followed by a wait (a heartbeat's session ends after
-/// its reply, and openraft reads that end before it counts the reply, which the linearizable-read
-/// check waits on). A session that ends after a late reply (a probe done, a new batch id) ends up to
-/// this much later. Nothing about safety changes: what commits, and the leader's lease, depend on
-/// acknowledgements, not on when requests are sent.
+/// How long the leader's replication session to a follower whose last acknowledgement was late waits
+/// after it before it takes (so openraft builds) its next request: late means that enough other voters
+/// had already acknowledged that index to commit it with the leader ([`Acks`]), so that follower's
+/// acknowledgements are not what commits wait for. Meanwhile the leader's new entries gather, and the
+/// follower gets them in one append. With five servers and one client, two followers commit each entry
+/// and two are late: those two take the entries of 2 ms in one append instead of one append each, and
+/// an append costs a follower a wake-up, a turn of its Raft core, a WAL write and sync, and a reply,
+/// whatever its size (docs/performance.md, "Late followers wait"). A follower whose acknowledgement a
+/// commit does need (another stalled, or went away) is not late, so it does not wait; nor does one
+/// catching up ([`LATE_MAX_LAG`]), a learner, or any follower while the membership is joint. Only
+/// replies to appends of a few entries count ([`LATE_MAX_ENTRIES`]): a heartbeat or a commit-only
+/// request is never followed by a wait (a heartbeat's session ends after its reply, and openraft reads
+/// that end before it counts the reply, which the linearizable-read check waits on). A session that
+/// ends after a late reply (a probe done, a new batch id) ends up to this much later. Nothing about
+/// safety changes: what commits, and the leader's lease, depend on acknowledgements, not on when
+/// requests are sent.
 pub(crate) const LATE_WAIT: Duration = Duration::from_millis(2);
 
 /// A follower this many entries or more behind the one furthest ahead is catching up, not late.
@@ -493,9 +494,8 @@ pub(crate) const LATE_MAX_LAG: u64 = 4096;
 /// 256-client p99 rose by ~15% and nothing at 64 clients gained (docs/performance.md).
 pub(crate) const LATE_MAX_ENTRIES: usize = 8;
 
-/// At a group's leader: the index each replication target acknowledged last in a replication session
-/// (a target counts while openraft holds a network client for it), and the voters of the newest
-/// membership. Shared by the group's sessions, so that each can tell whether its follower's
+/// At a group's leader: the index each replication target acknowledged last (`Target::acked`; a target
+/// counts while openraft holds a network client for it), and the voters of the newest membership. Shared by the group's sessions, so that each can tell whether its follower's
 /// acknowledgements are the ones commits wait for ([`LATE_WAIT`]).
 #[derive(Default)]
 pub struct Acks {
