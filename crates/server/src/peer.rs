@@ -420,11 +420,7 @@ impl PeerClient {
                 let (network, mut input, answered) = state?;
                 if let Some((at, true)) = answered {
                     tokio::time::sleep_until(at + LATE_WAIT).await;
-                    network
-                        .acks
-                        .acks
-                        .waits
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    network.acks.waited();
                 }
                 let req = input.next().await?;
                 // Only after a reply in this session: openraft waits out its backoff (after an error)
@@ -589,6 +585,13 @@ impl Joined {
             t.acked = index;
         }
         may_be_late && Acks::late(&table, self.target, index)
+    }
+
+    /// Counts a wait of [`LATE_WAIT`] that is over.
+    fn waited(&self) {
+        self.acks
+            .waits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
