@@ -164,6 +164,15 @@ pub struct ServerConfig {
     /// wakes with work, and a follower, whose client port is idle, then pays that on every append
     /// (docs/performance.md, "The client port on threads of its own"). Ignored in the simulation.
     pub client_workers: usize,
+    /// A follower writes and syncs the entries its leader sends on its own Raft thread, when the WAL
+    /// has no group commit under way, instead of handing them to the WAL's writer thread and waiting
+    /// to be woken: two thread wake-ups fewer per append (`holdfast_wal::Wal::append_inline`).
+    /// Only where the cluster has one group (`groups = 1`): with several, a server's Raft thread
+    /// also leads groups whose work would wait for each sync. The Raft thread is blocked for the
+    /// commit (a sync, now and then a segment rotation or deletion), so a disk that stalls stalls it
+    /// (its heartbeat replies too) rather than the WAL thread alone.
+    /// Ignored in the simulation. docs/performance.md, "Followers sync on their own thread".
+    pub follower_syncs_inline: bool,
     /// TLS on the client, peer and HTTP ports (the `[tls]` section; see `crate::tls`). None: plaintext.
     pub tls: Option<crate::tls::TlsConfig>,
     /// The access policy file (see `crate::access`). None: every caller may do everything.
@@ -229,6 +238,7 @@ impl Default for ServerConfig {
             max_client_connections: 4_096,
             max_streams_per_connection: 1_024,
             client_workers: 0,
+            follower_syncs_inline: true,
             tls: None,
             balance_leaders: false,
             policy: None,

@@ -395,6 +395,11 @@ fn wal_io(e: WalError) -> io::Error {
 #[derive(Clone)]
 pub struct LogStore {
     group: u32,
+    /// This server's node id: entries another node's leadership made are a follower's appends.
+    me: u64,
+    /// A follower's appends are written and synced on the calling (Raft) thread when the WAL is idle
+    /// ([`Wal::append_inline`]; `ServerConfig::follower_syncs_inline`).
+    inline: bool,
     log: Arc<Mutex<GroupLog>>,
     wal: Arc<Wal>,
     /// Bytes of entry records appended so far, from the size of the log replayed after the snapshot at
@@ -405,6 +410,8 @@ pub struct LogStore {
 impl LogStore {
     pub fn new(
         group: u32,
+        me: u64,
+        inline: bool,
         log: GroupLog,
         wal: Arc<Wal>,
         appended_bytes: Arc<std::sync::atomic::AtomicU64>,
@@ -415,6 +422,8 @@ impl LogStore {
         }
         LogStore {
             group,
+            me,
+            inline,
             log: Arc::new(Mutex::new(log)),
             wal,
             appended_bytes,
@@ -533,6 +542,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let mut records = Vec::new();
+        let mut follower = true;
         {
             let mut log = self.lock();
             // Appends continue the log with no gap (they may replace a suffix: openraft truncates a
@@ -547,6 +557,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                     next.saturating_sub(1)
                 );
                 next = index + 1;
+                follower &= entry.log_id.leader_id.node_id != self.me;
                 let pb = formats::entry_to_pb(&entry);
                 if crate::state_machine::EXPENSIVE_CHECKS {
                     // What goes to disk must read back as the entry (encode and decode are a pair).
@@ -564,13 +575,19 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let bytes: usize = records.iter().map(|r| r.payload.len()).sum();
         self.appended_bytes
             .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
-        self.wal.append(
-            records,
-            Box::new(move |r| {
-                tracing::trace!(target: "holdfast::hop", group, index = last, "log synced");
-                callback.io_completed(r.map_err(wal_io))
-            }),
-        );
+        let done: holdfast_wal::Done = Box::new(move |r| {
+            tracing::trace!(target: "holdfast::hop", group, index = last, "log synced");
+            callback.io_completed(r.map_err(wal_io))
+        });
+        // A follower's appends (entries its leader made): its Raft thread has nothing to do until
+        // they are durable (the leader's next request waits for this one's reply), so it writes and
+        // syncs them itself when no commit is under way, saving the WAL thread's wake-up and its own.
+        // A leader's go to the WAL thread: its Raft thread sends them to the followers meanwhile.
+        if self.inline && follower && !records.is_empty() {
+            self.wal.append_inline(records, done);
+        } else {
+            self.wal.append(records, done);
+        }
         Ok(())
     }
 

@@ -352,6 +352,16 @@ impl Collector for NodeCollector {
                 (label("segment", "created_inline"), created_inline),
             ],
         )?;
+        let (by_writer, inline) = node.wal.commits();
+        counters(
+            &mut e,
+            "holdfast_wal_commits",
+            "WAL group commits (one fdatasync each), by the thread that made them: the WAL's writer thread, or a follower's Raft thread writing its leader's entries itself (follower_syncs_inline).",
+            [
+                (label("thread", "writer"), by_writer),
+                (label("thread", "raft"), inline),
+            ],
+        )?;
         let group = |g: &crate::group::Group| label("group", &g.id.to_string());
         family(
             &mut e,

@@ -353,7 +353,17 @@ impl Node {
                 log.bytes_after(snapshot_index),
                 std::sync::atomic::Ordering::Relaxed,
             );
-            let log_store = LogStore::new(g, log, wal.clone(), log_bytes.clone());
+            // One group only: a server in several leads some while following others on the same
+            // Raft thread, and their leader work would wait for each inline sync.
+            let inline = config.follower_syncs_inline && config.groups == 1;
+            let log_store = LogStore::new(
+                g,
+                config.node_id,
+                inline,
+                log,
+                wal.clone(),
+                log_bytes.clone(),
+            );
             let unloader = sm.unloader();
             let sm = if let Some(sink) = &config.audit_sink {
                 sm.with_audit_writer((sink.0)(g))

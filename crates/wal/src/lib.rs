@@ -6,7 +6,9 @@
 //!
 //! - **Durability.** An append's completion callback runs only after the bytes are on disk
 //!   (`fdatasync`). One writer thread batches every append that is waiting into one frame, writes it, syncs
-//!   once, then completes them all (group commit).
+//!   once, then completes them all (group commit). [`Wal::append_inline`] lets a caller that has nothing
+//!   else to do meanwhile make that commit on its own thread when none is under way (no hand-off to the
+//!   writer thread and back); one commit at a time, whoever makes it, each taking the queue's front.
 //! - **Order.** Records come back from [`Wal::open`] in exactly the order they were appended.
 //! - **Detected corruption.** Every frame carries a CRC-32. On open, an invalid frame at the end of the last
 //!   segment is a torn write from a crash: it is cut off (a copy is kept beside the segment) and recovery
@@ -40,7 +42,7 @@ mod writer;
 
 pub use format::{Record, MAX_APPEND_BYTES, MAX_RECORD_BYTES};
 pub use recover::{scan_segment, Recovered, Scan, TornTail};
-pub use writer::{SyncFault, SyncObserver, SyncStats, Wal, WalOptions, ZERO_AHEAD_BYTES};
+pub use writer::{Done, SyncFault, SyncObserver, SyncStats, Wal, WalOptions, ZERO_AHEAD_BYTES};
 
 use std::path::PathBuf;
 

@@ -11,8 +11,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Called after every sync with what it covered; used for the fsync latency and batch size metrics.
@@ -21,7 +20,9 @@ pub type SyncObserver = Arc<dyn Fn(SyncStats) + Send + Sync>;
 /// A test hook run just before each `fdatasync`; an error is treated exactly like a failed sync.
 pub type SyncFault = Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>;
 
-/// A completion callback: runs on the writer thread once the append is durable (or has failed).
+/// A completion callback: runs once the append is durable (or has failed), on the thread that made
+/// the group commit: the writer thread, or a caller of [`Wal::append_inline`] (a follower's Raft
+/// thread, a tokio worker), holding the writer's lock. It must not block, nor wait for the log.
 pub type Done = Box<dyn FnOnce(Result<(), WalError>) + Send>;
 
 #[derive(Clone, Copy, Debug)]
@@ -89,11 +90,89 @@ enum Op {
 /// calls were made), or at close.
 type LazyQueue = Arc<Mutex<VecDeque<(u64, Vec<Record>)>>>;
 
-/// A handle to the log. Cheap to share behind an `Arc`; all writes go through one writer thread.
+/// What is waiting to be written, and who is writing.
+struct Queue {
+    ops: VecDeque<Op>,
+    /// Appends queued so far, counted under this lock (so in queue order): the stamp of a lazy record.
+    sent: u64,
+    /// A group commit is under way (the writer thread's, or an inline one's: [`Wal::append_inline`]).
+    /// Whoever set it takes the queue's front and commits it before anyone takes more, so frames are
+    /// written in queue order.
+    committing: bool,
+    /// The writer thread waits for work (so a new append must wake it).
+    idle: bool,
+    /// An inline commit left the writer without a pre-created segment: the thread makes one.
+    pre_create: bool,
+    closed: bool,
+}
+
+/// What the handle and the writer thread share.
+struct Shared {
+    queue: Mutex<Queue>,
+    /// Wakes the writer thread ([`Queue::idle`]).
+    work: Condvar,
+    /// Taken by whoever set [`Queue::committing`]; never waited for long by anyone else.
+    writer: Mutex<Writer>,
+    /// Group commits made by the writer thread, and inline ([`Wal::commits`]).
+    thread_commits: AtomicU64,
+    inline_commits: AtomicU64,
+}
+
+impl Shared {
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().expect("wal queue lock")
+    }
+
+    fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
+        self.writer.lock().expect("wal writer lock")
+    }
+}
+
+/// Held by whoever commits. Should the commit unwind (a callback or the observer panicked), it
+/// closes the log instead of leaving it committing for ever: what is queued is dropped, as the
+/// writer thread's queue was when that thread died before, later appends fail with
+/// [`WalError::Closed`], and the writer thread is woken to end (so [`Wal::close`] returns).
+struct Committing<'a>(&'a Shared);
+
+impl Drop for Committing<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let mut q = self.0.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.committing = false;
+        q.closed = true;
+        let dropped = std::mem::take(&mut q.ops);
+        drop(q);
+        self.0.work.notify_one();
+        drop(dropped);
+    }
+}
+
+/// The front of the queue for one group commit: at least one operation (appends up to
+/// `max_batch_bytes`, the first always taken however large).
+fn take(q: &mut Queue, max_batch_bytes: usize) -> Vec<Op> {
+    let size = |op: &Op| match op {
+        Op::Append(records, _) => append_bytes(records),
+        _ => 0,
+    };
+    let mut ops = Vec::new();
+    let mut bytes = 0;
+    while let Some(op) = q.ops.front() {
+        if !ops.is_empty() && bytes >= max_batch_bytes {
+            break;
+        }
+        bytes += size(op);
+        ops.push(q.ops.pop_front().expect("a front"));
+    }
+    ops
+}
+
+/// A handle to the log. Cheap to share behind an `Arc`; one writer thread writes what is queued
+/// (group commit), and [`Wal::append_inline`] lets a caller write its own append when nobody is.
 pub struct Wal {
-    tx: Mutex<Option<mpsc::Sender<Op>>>,
-    /// Appends sent, counted under the `tx` lock (so in queue order): the stamp of a lazy record.
-    sent: AtomicU64,
+    shared: Arc<Shared>,
+    max_batch_bytes: usize,
     lazy: LazyQueue,
     /// Groups whose unreleased records keep the oldest closed segment on disk (see [`Wal::pinning_groups`]).
     pinning: Arc<Mutex<Vec<u32>>>,
@@ -143,29 +222,46 @@ impl Wal {
         let pinning = writer.pinning.clone();
         let rotations = writer.rotations.clone();
         let lazy = writer.lazy.clone();
+        let max_batch_bytes = writer.options.max_batch_bytes;
         writer.rotate()?;
         // `rotate` made the first segment of this run durable (a reused standby: its pre-creation
         // synced it and its directory, and the rotation its cleared state and sticky records), so a
         // crash before the first commit still finds it in use and the segment before it complete.
         writer.pre_create()?;
-        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue {
+                ops: VecDeque::new(),
+                sent: 0,
+                committing: false,
+                idle: false,
+                pre_create: false,
+                closed: false,
+            }),
+            work: Condvar::new(),
+            writer: Mutex::new(writer),
+            thread_commits: AtomicU64::new(0),
+            inline_commits: AtomicU64::new(0),
+        });
         #[cfg(not(holdfast_sim))]
-        let thread = Some(
-            std::thread::Builder::new()
-                .name("holdfast-wal".into())
-                .spawn(move || writer.run(rx))
-                .map_err(io_err(dir))?,
-        );
+        let thread = {
+            let shared = shared.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("holdfast-wal".into())
+                    .spawn(move || run(shared, max_batch_bytes))
+                    .map_err(io_err(dir))?,
+            )
+        };
         #[cfg(holdfast_sim)]
         let (thread, wake) = {
             let wake = Arc::new(tokio::sync::Notify::new());
-            tokio::spawn(writer.run_sim(rx, wake.clone()));
+            tokio::spawn(run_sim(shared.clone(), max_batch_bytes, wake.clone()));
             (None, wake)
         };
         Ok((
             Wal {
-                tx: Mutex::new(Some(tx)),
-                sent: AtomicU64::new(0),
+                shared,
+                max_batch_bytes,
                 lazy,
                 pinning,
                 rotations,
@@ -192,19 +288,85 @@ impl Wal {
             done(Err(WalError::AppendTooLarge { len }));
             return;
         }
-        let tx = self.tx.lock().expect("wal sender lock");
-        match tx.as_ref() {
-            Some(tx) => match tx.send(Op::Append(records, done)) {
-                Ok(()) => {
-                    self.sent.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(mpsc::SendError(Op::Append(_, done))) => done(Err(WalError::Closed)),
-                Err(_) => {}
-            },
-            None => done(Err(WalError::Closed)),
+        if let Err(done) = self.queue(Op::Append(records, done), false) {
+            done(Err(WalError::Closed));
+        }
+    }
+
+    /// As [`Wal::append`], but when no group commit is under way the caller's thread makes one
+    /// itself: the queue's front up to `max_batch_bytes`, which holds its append and everything
+    /// queued before it unless that is more than the limit (then its own is left to the writer
+    /// thread), written, synced and completed before this returns. Otherwise the append is queued
+    /// for the commit under way to pass on. For a caller with nothing better to do meanwhile (a
+    /// follower's Raft thread, whose next message waits on this append): it saves the hand-off to
+    /// the writer thread and back, two thread wake-ups per append. It blocks the calling thread for
+    /// that commit: an `fdatasync`, and now and then more (the segment rotation that commit may
+    /// start, a queued release's segment deletions and directory sync), so not for a thread whose
+    /// other work must go on while the disk syncs. In the simulation it queues, as [`Wal::append`]
+    /// does.
+    pub fn append_inline(&self, records: Vec<Record>, done: Done) {
+        if let Some(r) = records.iter().find(|r| r.payload.len() > MAX_RECORD_BYTES) {
+            done(Err(WalError::RecordTooLarge {
+                len: r.payload.len(),
+            }));
+            return;
+        }
+        let len = append_bytes(&records);
+        if len > MAX_APPEND_BYTES {
+            done(Err(WalError::AppendTooLarge { len }));
+            return;
+        }
+        if let Err(done) = self.queue(Op::Append(records, done), cfg!(not(holdfast_sim))) {
+            done(Err(WalError::Closed));
+        }
+    }
+
+    /// Queues `op`, waking the writer thread if it waits; with `inline`, commits the queue on this
+    /// thread instead when nobody is committing. Err: the log is closed (the append's callback back).
+    fn queue(&self, op: Op, inline: bool) -> Result<(), Done> {
+        let mut q = self.shared.queue();
+        if q.closed {
+            return match op {
+                Op::Append(_, done) => Err(done),
+                Op::Release(..) => Ok(()),
+            };
+        }
+        if matches!(op, Op::Append(..)) {
+            q.sent += 1;
+        }
+        q.ops.push_back(op);
+        if inline && !q.committing {
+            q.committing = true;
+            let ops = take(&mut q, self.max_batch_bytes);
+            drop(q);
+            let _unwinding = Committing(&self.shared);
+            let mut writer = self.shared.writer();
+            if writer.commit(ops) {
+                self.shared.inline_commits.fetch_add(1, Ordering::Relaxed);
+            }
+            // Pre-creating a segment takes two syncs and a file: the thread's work, not this one's.
+            let pre_create = writer.wants_pre_create();
+            drop(writer);
+            let mut q = self.shared.queue();
+            q.committing = false;
+            q.pre_create |= pre_create;
+            // The thread waits while a commit is under way: for what was queued meanwhile, the
+            // segment to pre-create, or a close that came during this commit.
+            let wake = q.idle && (!q.ops.is_empty() || q.pre_create || q.closed);
+            drop(q);
+            if wake {
+                self.shared.work.notify_one();
+            }
+        } else {
+            let wake = q.idle && !q.committing;
+            drop(q);
+            if wake {
+                self.shared.work.notify_one();
+            }
         }
         #[cfg(holdfast_sim)]
         self.wake.notify_one();
+        Ok(())
     }
 
     /// Queues `records` to be written with the next append that is waited for (or when the log closes),
@@ -217,19 +379,18 @@ impl Wal {
         if records.iter().any(|r| r.payload.len() > MAX_RECORD_BYTES) {
             return;
         }
-        let tx = self.tx.lock().expect("wal sender lock");
-        if tx.is_some() {
-            let stamp = self.sent.load(Ordering::Relaxed);
+        let q = self.shared.queue();
+        if !q.closed {
             self.lazy
                 .lock()
                 .expect("wal lazy queue lock")
-                .push_back((stamp, records));
+                .push_back((q.sent, records));
         }
     }
 
     /// Appends and blocks until durable. For callers that are not latency-critical (votes, tests).
     pub fn append_blocking(&self, records: Vec<Record>) -> Result<(), WalError> {
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = std::sync::mpsc::channel();
         self.append(records, Box::new(move |r| drop(tx.send(r))));
         rx.recv().unwrap_or(Err(WalError::Closed))
     }
@@ -237,11 +398,7 @@ impl Wal {
     /// Says that records of `group` with `index <= index` are no longer needed (they are in a snapshot).
     /// Whole segments whose records are all released, oldest first, are deleted.
     pub fn release(&self, group: u32, index: u64) {
-        if let Some(tx) = self.tx.lock().expect("wal sender lock").as_ref() {
-            let _ = tx.send(Op::Release(group, index));
-        }
-        #[cfg(holdfast_sim)]
-        self.wake.notify_one();
+        let _ = self.queue(Op::Release(group, index), false);
     }
 
     /// The groups that keep the oldest closed segment from being deleted: each has a record in it that
@@ -262,9 +419,24 @@ impl Wal {
         )
     }
 
+    /// Group commits so far: made by the writer thread, and inline by callers of
+    /// [`Wal::append_inline`] (each one `fdatasync`, or none if its write failed).
+    pub fn commits(&self) -> (u64, u64) {
+        (
+            self.shared.thread_commits.load(Ordering::Relaxed),
+            self.shared.inline_commits.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Whether [`Wal::close`] has begun: appends from now on fail with [`WalError::Closed`].
+    pub fn closing(&self) -> bool {
+        self.shared.queue().closed
+    }
+
     /// Stops the writer after it has finished everything queued.
     pub fn close(&self) {
-        self.tx.lock().expect("wal sender lock").take();
+        self.shared.queue().closed = true;
+        self.shared.work.notify_one();
         #[cfg(holdfast_sim)]
         self.wake.notify_one();
         if let Some(thread) = self.thread.lock().expect("wal thread lock").take() {
@@ -412,72 +584,87 @@ struct Writer {
     rotations: Arc<Rotations>,
 }
 
-impl Writer {
-    #[cfg(not(holdfast_sim))]
-    fn run(mut self, rx: mpsc::Receiver<Op>) {
-        let mut next = None;
-        loop {
-            let first = match next.take() {
-                Some(op) => op,
-                None => match rx.recv() {
-                    Ok(op) => op,
-                    Err(_) => return self.close(),
-                },
-            };
-            let ops = self.gather(first, &rx);
-            self.commit(ops);
-            next = rx.try_recv().ok();
-            self.maybe_pre_create(next.is_none());
+/// The writer thread: commits whatever is queued while nobody else is committing (an inline commit,
+/// [`Wal::append_inline`], may be), pre-creates the next segment when it has nothing queued, and at
+/// close finishes the queue.
+#[cfg(not(holdfast_sim))]
+fn run(shared: Arc<Shared>, max_batch_bytes: usize) {
+    let mut q = shared.queue();
+    loop {
+        if q.committing || (q.ops.is_empty() && !q.pre_create) {
+            if q.closed && !q.committing && q.ops.is_empty() {
+                q.committing = true;
+                drop(q);
+                return shared.writer().close();
+            }
+            q.idle = true;
+            q = shared.work.wait(q).expect("wal queue lock");
+            q.idle = false;
+            continue;
         }
+        q.committing = true;
+        q.pre_create = false;
+        let ops = take(&mut q, max_batch_bytes);
+        drop(q);
+        let _unwinding = Committing(&shared);
+        let mut writer = shared.writer();
+        if writer.commit(ops) {
+            shared.thread_commits.fetch_add(1, Ordering::Relaxed);
+        }
+        let idle = shared.queue().ops.is_empty();
+        writer.maybe_pre_create(idle);
+        drop(writer);
+        q = shared.queue();
+        q.committing = false;
     }
+}
 
-    /// One group commit's operations: `first` and whatever else is queued, up to `max_batch_bytes` of
-    /// appends (the first is always taken, however large).
-    fn gather(&self, first: Op, rx: &mpsc::Receiver<Op>) -> Vec<Op> {
-        let size = |op: &Op| match op {
-            Op::Append(records, _) => append_bytes(records),
-            _ => 0,
+/// The simulation's writer: the same commit, as a task in simulated time (batches are whatever
+/// queued up, to `max_batch_bytes`, which the simulation draws per seed). Nothing commits inline there.
+#[cfg(holdfast_sim)]
+async fn run_sim(shared: Arc<Shared>, max_batch_bytes: usize, wake: Arc<tokio::sync::Notify>) {
+    loop {
+        let (ops, closed) = {
+            let mut q = shared.queue();
+            (take(&mut q, max_batch_bytes), q.closed)
         };
-        let mut bytes = size(&first);
-        let mut ops = vec![first];
-        while bytes < self.options.max_batch_bytes {
-            match rx.try_recv() {
-                Ok(op) => {
-                    bytes += size(&op);
-                    ops.push(op);
-                }
-                Err(_) => break,
+        if ops.is_empty() {
+            if closed {
+                return shared.writer().close();
             }
+            wake.notified().await;
+            continue;
         }
-        ops
-    }
-
-    /// The simulation's writer: the same commit, as a task in simulated time (batches are whatever
-    /// queued up, to `max_batch_bytes`, which the simulation draws per seed).
-    #[cfg(holdfast_sim)]
-    async fn run_sim(mut self, rx: mpsc::Receiver<Op>, wake: Arc<tokio::sync::Notify>) {
-        loop {
-            match rx.try_recv() {
-                Ok(first) => {
-                    let ops = self.gather(first, &rx);
-                    // Written, then synced after the simulated disk time: a crash in between finds the
-                    // frame pending, which turmoil's disk loses, keeps, or tears.
-                    let batch = self.write(ops);
-                    tokio::time::sleep(self.options.sim_sync_delay).await;
-                    self.sync(batch);
-                    // Pre-creating takes no simulated time, so the simulation always does it at once.
-                    self.maybe_pre_create(true);
-                }
-                Err(mpsc::TryRecvError::Empty) => wake.notified().await,
-                Err(mpsc::TryRecvError::Disconnected) => return self.close(),
-            }
+        // Written, then synced after the simulated disk time: a crash in between finds the frame
+        // pending, which turmoil's disk loses, keeps, or tears.
+        let (batch, delay) = {
+            let mut writer = shared.writer();
+            (writer.write(ops), writer.options.sim_sync_delay)
+        };
+        tokio::time::sleep(delay).await;
+        let mut writer = shared.writer();
+        if batch.written.is_some() {
+            shared.thread_commits.fetch_add(1, Ordering::Relaxed);
         }
+        writer.sync(batch);
+        // Pre-creating takes no simulated time, so the simulation always does it at once.
+        writer.maybe_pre_create(true);
     }
+}
 
-    #[cfg(not(holdfast_sim))]
-    fn commit(&mut self, ops: Vec<Op>) {
+impl Writer {
+    /// One group commit: writes `ops` as one frame and syncs it, then completes them. Whether it
+    /// had an append (a frame to write and sync; releases alone write nothing).
+    fn commit(&mut self, ops: Vec<Op>) -> bool {
         let batch = self.write(ops);
+        let frame = batch.written.is_some();
         self.sync(batch);
+        frame
+    }
+
+    /// Whether [`Writer::maybe_pre_create`] would create a segment now, were the writer idle.
+    fn wants_pre_create(&self) -> bool {
+        self.standby.is_none() && self.poisoned.is_none()
     }
 
     /// As the log closes: writes the lazy records still waiting (best effort: they are hints), and cuts

@@ -134,6 +134,11 @@ pub struct ServerArgs {
     /// `--workers 1 --client-workers 2`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=256))]
     client_workers: Option<u16>,
+    /// A follower writes and syncs its leader's entries on its Raft thread when the WAL is idle,
+    /// instead of waking the WAL thread (default true; only with one group). docs/operations.md,
+    /// "Threads".
+    #[arg(long, env = "HOLDFAST_FOLLOWER_SYNCS_INLINE", value_name = "BOOL")]
+    follower_syncs_inline: Option<bool>,
     /// How Linux schedules the server's threads: `batch` (SCHED_BATCH: a thread the server wakes does
     /// not preempt the one running on its core) or `normal` (SCHED_OTHER). Without it: batch, unless
     /// the server was started under another policy than SCHED_OTHER (`chrt`, systemd's
@@ -294,6 +299,7 @@ impl ServerArgs {
             max_ttl_ms,
             max_client_connections,
             max_streams_per_connection,
+            follower_syncs_inline,
             table_budget_mib
         );
         if let Some(n) = self.client_workers {

@@ -1000,6 +1000,76 @@ async fn a_follower_whose_acknowledgements_come_after_a_quorum_waits_and_gets_ev
     c.wait_converged(0, Duration::from_secs(10)).await;
 }
 
+/// With one group, a follower writes and syncs its leader's entries on its own Raft thread
+/// (`follower_syncs_inline`): its WAL commits are counted as the Raft thread's, the leader's as the
+/// writer thread's; every server still ends with the same entries. With two groups nobody does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_of_one_group_sync_their_appends_on_their_raft_thread() {
+    for groups in [1, 2] {
+        let c = Cluster::start(Options {
+            nodes: 3,
+            groups,
+            http: true,
+            ..Options::default()
+        })
+        .await;
+        let leader = c.wait_for_leader(0, Duration::from_secs(10)).await;
+        let commits = |n: u64| {
+            let c = &c;
+            async move {
+                let m = c.metrics(n).await;
+                let by = |thread: &str| {
+                    m.get(&format!(
+                        "holdfast_wal_commits_total{{thread=\"{thread}\"}}"
+                    ))
+                    .copied()
+                    .unwrap_or(0)
+                };
+                (by("raft"), by("writer"))
+            }
+        };
+        // Counted from here: a server that followed an earlier leader synced inline then.
+        let mut before = Vec::new();
+        for n in 1..=3u64 {
+            before.push(commits(n).await);
+        }
+        let client = c.client().await;
+        let session = client.open_session(Duration::from_secs(10)).await.unwrap();
+        for i in 0..100 {
+            let g = session.acquire(&format!("inline/{i}")).await.unwrap();
+            g.release().await.unwrap();
+        }
+        for g in 0..groups {
+            c.wait_converged(g, Duration::from_secs(10)).await;
+        }
+        assert_eq!(
+            c.wait_for_leader(0, Duration::from_secs(10)).await,
+            leader,
+            "leadership moved during the test: the counts below would mean nothing"
+        );
+        for n in 1..=3u64 {
+            let (raft, writer) = commits(n).await;
+            let (raft, writer) = (
+                raft - before[n as usize - 1].0,
+                writer - before[n as usize - 1].1,
+            );
+            if groups == 1 && n != leader {
+                // 100 pairs are at least 200 entries the follower got in appends of its own.
+                assert!(
+                    raft >= 20,
+                    "follower {n} synced {raft} times on its Raft thread, {writer} on the writer's"
+                );
+            } else {
+                assert_eq!(
+                    raft, 0,
+                    "server {n} (leader {leader}, {groups} groups) synced on its Raft thread"
+                );
+                assert!(writer > 0, "server {n} counted no commit at all");
+            }
+        }
+    }
+}
+
 /// A 3-server cluster whose follower's peer port a test talks to as group 0's leader would.
 struct AsTheLeader {
     c: Cluster,

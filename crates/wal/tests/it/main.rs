@@ -197,6 +197,227 @@ fn lazy_records_keep_their_place_among_appends_whatever_the_batches() {
     );
 }
 
+/// An inline append on a log nobody is writing is written, synced and completed on the caller's
+/// thread before the call returns: the writer thread takes no part (its hand-off is what inline saves).
+#[test]
+fn an_inline_append_on_an_idle_log_completes_before_it_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let syncs = Arc::new(AtomicUsize::new(0));
+    let s2 = syncs.clone();
+    let options = WalOptions {
+        observer: Some(Arc::new(move |_| {
+            s2.fetch_add(1, Ordering::Relaxed);
+        })),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    let caller = std::thread::current().id();
+    for i in 1..=50u64 {
+        let ran = Arc::new(std::sync::Mutex::new(None));
+        let r2 = ran.clone();
+        wal.append_inline(
+            vec![rec(0, i, &i.to_le_bytes())],
+            Box::new(move |r| {
+                r.unwrap();
+                *r2.lock().unwrap() = Some(std::thread::current().id());
+            }),
+        );
+        assert_eq!(
+            *ran.lock().unwrap(),
+            Some(caller),
+            "append {i} was not completed on the caller's thread before it returned"
+        );
+        assert_eq!(
+            syncs.load(Ordering::Relaxed),
+            i as usize,
+            "one sync per append"
+        );
+    }
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let indexes: Vec<u64> = recovered.records.iter().map(|r| r.index).collect();
+    assert_eq!(indexes, (1..=50).collect::<Vec<_>>());
+}
+
+/// Inline appends, queued appends and lazy records from several threads at once, with batches cut
+/// at a tiny byte limit: each thread's records come back in the order it made its calls (an inline
+/// append that finds a commit under way is queued behind it; one that finds none writes everything
+/// queued before it first), and every append completes once.
+#[test]
+fn inline_and_queued_appends_from_many_threads_keep_each_threads_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = || WalOptions {
+        max_batch_bytes: 64,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options()).unwrap();
+    let wal = Arc::new(wal);
+    let threads = 4u32;
+    let per_thread = 300u64;
+    let completed = Arc::new(AtomicUsize::new(0));
+    let appends = Arc::new(AtomicUsize::new(0));
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let (wal, completed, appends) = (wal.clone(), completed.clone(), appends.clone());
+            scope.spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(t));
+                let (tx, rx) = std::sync::mpsc::channel();
+                let mut mine = 0;
+                for i in 0..per_thread {
+                    let payload = format!("thread {t} record {i}").into_bytes();
+                    let tx = tx.clone();
+                    let completed = completed.clone();
+                    let done: holdfast_wal::Done = Box::new(move |r| {
+                        r.unwrap();
+                        completed.fetch_add(1, Ordering::Relaxed);
+                        let _ = tx.send(());
+                    });
+                    match rng.random_range(0..3) {
+                        0 => {
+                            wal.append_lazy(vec![rec(t, i, &payload)]);
+                            continue;
+                        }
+                        1 => wal.append(vec![rec(t, i, &payload)], done),
+                        _ => wal.append_inline(vec![rec(t, i, &payload)], done),
+                    }
+                    mine += 1;
+                }
+                appends.fetch_add(mine, Ordering::Relaxed);
+                for _ in 0..mine {
+                    rx.recv().unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(
+        completed.load(Ordering::Relaxed),
+        appends.load(Ordering::Relaxed),
+        "an append completed twice or not at all"
+    );
+    wal.close();
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), options()).unwrap();
+    for t in 0..threads {
+        let got: Vec<u64> = recovered
+            .records
+            .iter()
+            .filter(|r| r.group == t)
+            .map(|r| r.index)
+            .collect();
+        assert_eq!(
+            got,
+            (0..per_thread).collect::<Vec<_>>(),
+            "thread {t}'s records out of order or missing"
+        );
+    }
+}
+
+/// A failed sync in an inline commit stops the log as one on the writer thread does: that append
+/// fails, and every later one, inline or queued, fails without another sync.
+#[test]
+fn a_failed_inline_sync_stops_the_log_for_good() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = calls.clone();
+    let options = WalOptions {
+        sync_fault: Some(Arc::new(move || {
+            if c2.fetch_add(1, Ordering::Relaxed) >= 2 {
+                Err(std::io::Error::other("injected EIO"))
+            } else {
+                Ok(())
+            }
+        })),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    let inline = |i: u64| {
+        let result = Arc::new(std::sync::Mutex::new(None));
+        let r2 = result.clone();
+        wal.append_inline(
+            vec![rec(0, i, b"x")],
+            Box::new(move |r| *r2.lock().unwrap() = Some(r)),
+        );
+        let r = result.lock().unwrap().take();
+        r.expect("completed before returning")
+    };
+    inline(1).unwrap();
+    inline(2).unwrap();
+    let err = inline(3).unwrap_err();
+    assert!(err.to_string().contains("injected EIO"), "{err}");
+    assert!(matches!(inline(4).unwrap_err(), WalError::Poisoned(_)));
+    let err = wal.append_blocking(vec![rec(0, 5, b"after")]).unwrap_err();
+    assert!(matches!(err, WalError::Poisoned(_)), "{err}");
+    assert_eq!(calls.load(Ordering::Relaxed), 3, "a sync was retried");
+}
+
+/// A close that comes while an inline commit is syncing waits for it, and then ends: the writer
+/// thread, which waits while anyone commits, is woken when the inline commit is over.
+#[test]
+fn a_close_during_an_inline_commit_ends_once_the_commit_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let a2 = armed.clone();
+    let options = WalOptions {
+        sync_fault: Some(Arc::new(move || {
+            if a2.swap(false, Ordering::SeqCst) {
+                entered_tx.send(()).unwrap();
+                go_rx.lock().unwrap().recv().unwrap();
+            }
+            Ok(())
+        })),
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    let wal = Arc::new(wal);
+    armed.store(true, Ordering::SeqCst);
+    let w = wal.clone();
+    let appender = std::thread::spawn(move || {
+        w.append_inline(vec![rec(0, 1, b"synced inline")], Box::new(|r| r.unwrap()))
+    });
+    entered_rx.recv().unwrap();
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    let w = wal.clone();
+    std::thread::spawn(move || {
+        w.close();
+        closed_tx.send(()).unwrap();
+    });
+    while !wal.closing() {
+        std::thread::yield_now();
+    }
+    go_tx.send(()).unwrap();
+    appender.join().unwrap();
+    closed_rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("close never returned after the inline commit it waited for");
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    assert_eq!(recovered.records.len(), 1);
+}
+
+/// After close, an inline append fails as a queued one does, and is not written.
+#[test]
+fn an_inline_append_after_close_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    wal.append_inline(vec![rec(0, 1, b"before")], Box::new(|r| r.unwrap()));
+    wal.close();
+    let result = Arc::new(std::sync::Mutex::new(None));
+    let r2 = result.clone();
+    wal.append_inline(
+        vec![rec(0, 2, b"after")],
+        Box::new(move |r| *r2.lock().unwrap() = Some(r)),
+    );
+    let r = result.lock().unwrap().take().expect("completed at once");
+    assert!(matches!(r, Err(WalError::Closed)), "{r:?}");
+    drop(wal);
+    let (_wal, recovered) = Wal::open(dir.path(), WalOptions::default()).unwrap();
+    let indexes: Vec<u64> = recovered.records.iter().map(|r| r.index).collect();
+    assert_eq!(indexes, [1]);
+}
+
 /// Writes `batches` frames, one per batch, closes the log and returns the file offset where each frame
 /// ends (the file's length: a log closed cleanly cuts the zeros ahead of its frames).
 fn write_batches(dir: &Path, batches: usize) -> (Vec<u64>, Vec<Vec<Record>>) {
@@ -522,6 +743,45 @@ fn rotation_starts_the_pre_created_segment() {
     let in_use = Wal::segment_paths(dir.path()).unwrap();
     let standby = standby_of(dir.path(), &in_use);
     assert_eq!(std::fs::metadata(&standby).unwrap().len(), 16);
+}
+
+/// An inline commit that starts the pre-created segment leaves making the next one to the writer
+/// thread (two syncs and a file are not the caller's to wait for): it is there before the segment
+/// in use fills, so no rotation has to create its segment inside a commit.
+#[test]
+fn after_an_inline_rotation_the_writer_thread_pre_creates_the_next_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4096,
+        ..WalOptions::default()
+    };
+    let (wal, _) = Wal::open(dir.path(), options).unwrap();
+    let mut seen = 0;
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for i in 1..=200u64 {
+        // Inline unless the writer thread is still syncing the segment it pre-created (then it
+        // is queued, and waited for here, so that each frame holds one append).
+        let tx = done_tx.clone();
+        wal.append_inline(
+            vec![rec(0, i, &[7u8; 100])],
+            Box::new(move |r| drop(tx.send(r))),
+        );
+        done_rx.recv().unwrap().unwrap();
+        let (pre_created, _) = wal.rotations();
+        if pre_created > seen {
+            seen = pre_created;
+            wait_for_standby(dir.path());
+        }
+    }
+    let (pre_created, inline) = wal.rotations();
+    assert!(
+        pre_created > 3,
+        "expected rotations, got {pre_created} ({inline} created inline)"
+    );
+    assert_eq!(
+        inline, 0,
+        "a rotation had to create its segment ({pre_created} did not)"
+    );
 }
 
 fn file_len(path: &Path) -> u64 {
