@@ -131,7 +131,8 @@ impl Shared {
 /// Held by whoever commits. Should the commit unwind (a callback or the observer panicked), it
 /// closes the log instead of leaving it committing for ever: what is queued is dropped, as the
 /// writer thread's queue was when that thread died before, later appends fail with
-/// [`WalError::Closed`], and the writer thread is woken to end (so [`Wal::close`] returns).
+/// [`WalError::Closed`], and the writer thread is woken to end (so [`Wal::close`] returns) without
+/// touching the writer's state, which the panic may have left half changed.
 struct Committing<'a>(&'a Shared);
 
 impl Drop for Committing<'_> {
@@ -142,6 +143,7 @@ impl Drop for Committing<'_> {
         let mut q = self.0.queue.lock().unwrap_or_else(|e| e.into_inner());
         q.committing = false;
         q.closed = true;
+        q.pre_create = false;
         let dropped = std::mem::take(&mut q.ops);
         drop(q);
         self.0.work.notify_one();
@@ -595,7 +597,11 @@ fn run(shared: Arc<Shared>, max_batch_bytes: usize) {
             if q.closed && !q.committing && q.ops.is_empty() {
                 q.committing = true;
                 drop(q);
-                return shared.writer().close();
+                // Poisoned: a commit panicked ([`Committing`]); its half-done state is left alone.
+                if let Ok(mut writer) = shared.writer.lock() {
+                    writer.close();
+                }
+                return;
             }
             q.idle = true;
             q = shared.work.wait(q).expect("wal queue lock");
@@ -630,11 +636,15 @@ async fn run_sim(shared: Arc<Shared>, max_batch_bytes: usize, wake: Arc<tokio::s
         };
         if ops.is_empty() {
             if closed {
-                return shared.writer().close();
+                if let Ok(mut writer) = shared.writer.lock() {
+                    writer.close();
+                }
+                return;
             }
             wake.notified().await;
             continue;
         }
+        let _unwinding = Committing(&shared);
         // Written, then synced after the simulated disk time: a crash in between finds the frame
         // pending, which turmoil's disk loses, keeps, or tears.
         let (batch, delay) = {

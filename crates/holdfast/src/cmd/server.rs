@@ -136,7 +136,7 @@ pub struct ServerArgs {
     client_workers: Option<u16>,
     /// A follower writes and syncs its leader's entries on its Raft thread when the WAL is idle,
     /// instead of waking the WAL thread (default true; only with one group). docs/operations.md,
-    /// "Threads".
+    /// "Follower syncs".
     #[arg(long, env = "HOLDFAST_FOLLOWER_SYNCS_INLINE", value_name = "BOOL")]
     follower_syncs_inline: Option<bool>,
     /// How Linux schedules the server's threads: `batch` (SCHED_BATCH: a thread the server wakes does

@@ -294,6 +294,11 @@ fn inline_and_queued_appends_from_many_threads_keep_each_threads_order() {
         appends.load(Ordering::Relaxed),
         "an append completed twice or not at all"
     );
+    let (by_writer, inline) = wal.commits();
+    assert!(
+        inline > 0,
+        "no commit was made inline ({by_writer} by the writer thread)"
+    );
     wal.close();
     drop(wal);
     let (_wal, recovered) = Wal::open(dir.path(), options()).unwrap();
@@ -773,6 +778,7 @@ fn after_an_inline_rotation_the_writer_thread_pre_creates_the_next_segment() {
             wait_for_standby(dir.path());
         }
     }
+    assert!(wal.commits().1 > 100, "few appends were made inline");
     let (pre_created, inline) = wal.rotations();
     assert!(
         pre_created > 3,
