@@ -356,7 +356,7 @@ impl Collector for NodeCollector {
         counters(
             &mut e,
             "holdfast_wal_commits",
-            "WAL group commits (one fdatasync each), by the thread that made them: the WAL's writer thread, or a follower's Raft thread writing its leader's entries itself (follower_syncs_inline).",
+            "WAL group commits (each writes a frame and syncs it), by the thread that made them: the WAL's writer thread, or a follower's Raft thread writing its leader's entries itself (follower_syncs_inline).",
             [
                 (label("thread", "writer"), by_writer),
                 (label("thread", "raft"), inline),

@@ -421,8 +421,9 @@ impl Wal {
         )
     }
 
-    /// Group commits so far: made by the writer thread, and inline by callers of
-    /// [`Wal::append_inline`] (each one `fdatasync`, or none if its write failed).
+    /// Group commits so far that had an append to write: made by the writer thread, and inline by
+    /// callers of [`Wal::append_inline`] (each writes a frame and syncs it, unless the log has
+    /// stopped; a commit that rotates the segment syncs more).
     pub fn commits(&self) -> (u64, u64) {
         (
             self.shared.thread_commits.load(Ordering::Relaxed),
