@@ -491,8 +491,9 @@ pub(crate) const LATE_MAX_LAG: u64 = 4096;
 pub(crate) const LATE_MAX_ENTRIES: usize = 8;
 
 /// At a group's leader: the index each replication target acknowledged last (`Target::acked`; a target
-/// counts while openraft holds a network client for it), and the voters of the newest membership. Shared by the group's sessions, so that each can tell whether its follower's
-/// acknowledgements are the ones commits wait for ([`LATE_WAIT`]).
+/// counts while openraft holds a network client for it), and the voters of the newest membership.
+/// Shared by the group's sessions, so that each can tell whether its follower's acknowledgements are
+/// the ones commits wait for ([`LATE_WAIT`]).
 #[derive(Default)]
 pub struct Acks {
     table: Mutex<AckTable>,

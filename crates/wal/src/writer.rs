@@ -279,20 +279,7 @@ impl Wal {
     /// durable. Records over [`MAX_RECORD_BYTES`], or more than [`MAX_APPEND_BYTES`] in all, fail the
     /// whole append without writing any of it.
     pub fn append(&self, records: Vec<Record>, done: Done) {
-        if let Some(r) = records.iter().find(|r| r.payload.len() > MAX_RECORD_BYTES) {
-            done(Err(WalError::RecordTooLarge {
-                len: r.payload.len(),
-            }));
-            return;
-        }
-        let len = append_bytes(&records);
-        if len > MAX_APPEND_BYTES {
-            done(Err(WalError::AppendTooLarge { len }));
-            return;
-        }
-        if let Err(done) = self.queue(Op::Append(records, done), false) {
-            done(Err(WalError::Closed));
-        }
+        self.submit(records, done, false);
     }
 
     /// As [`Wal::append`], but when no group commit is under way the caller's thread makes one
@@ -307,6 +294,12 @@ impl Wal {
     /// other work must go on while the disk syncs. In the simulation it queues, as [`Wal::append`]
     /// does.
     pub fn append_inline(&self, records: Vec<Record>, done: Done) {
+        self.submit(records, done, cfg!(not(holdfast_sim)));
+    }
+
+    /// [`Wal::append`] and [`Wal::append_inline`]: refuses what recovery could not read back, else
+    /// queues (and with `inline` may commit) the append.
+    fn submit(&self, records: Vec<Record>, done: Done, inline: bool) {
         if let Some(r) = records.iter().find(|r| r.payload.len() > MAX_RECORD_BYTES) {
             done(Err(WalError::RecordTooLarge {
                 len: r.payload.len(),
@@ -318,7 +311,7 @@ impl Wal {
             done(Err(WalError::AppendTooLarge { len }));
             return;
         }
-        if let Err(done) = self.queue(Op::Append(records, done), cfg!(not(holdfast_sim))) {
+        if let Err(done) = self.queue(Op::Append(records, done), inline) {
             done(Err(WalError::Closed));
         }
     }
