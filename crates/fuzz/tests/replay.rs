@@ -254,9 +254,9 @@ fn write_corpus() {
             },
             6,
         ),
-        payload: openraft::EntryPayload::Normal(holdfast_server::raft_types::Request(acquire(
-            1, 2, "c",
-        ))),
+        payload: openraft::EntryPayload::Normal(holdfast_server::raft_types::Request::new(
+            acquire(1, 2, "c"),
+        )),
     };
     let append = holdfast_proto::v1::AppendEntriesRequest {
         header: Some(header),

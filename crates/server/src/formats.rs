@@ -150,7 +150,11 @@ pub fn entry_to_pb(e: &Entry) -> pb::Entry {
         log_id: Some(log_id_to_pb(&e.log_id)),
         payload: Some(match &e.payload {
             EntryPayload::Blank => Payload::Blank(pb::Blank {}),
-            EntryPayload::Normal(Request(c)) => Payload::Command(encode_command(c)),
+            // Exactly its length, so that the `Bytes` takes the allocation over (from a `Vec` with
+            // room to spare it allocates a header besides).
+            EntryPayload::Normal(Request(c)) => {
+                Payload::Command(encode_command(c).into_boxed_slice().into())
+            }
             EntryPayload::Membership(m) => Payload::Membership(membership_to_pb(m)),
         }),
     }
@@ -161,7 +165,7 @@ pub fn entry_from_pb(e: &pb::Entry) -> Result<Entry, String> {
     let log_id = log_id_from_pb(required(&e.log_id, "entry log id")?);
     let payload = match required(&e.payload, "entry payload")? {
         Payload::Blank(_) => EntryPayload::Blank,
-        Payload::Command(bytes) => EntryPayload::Normal(Request(decode_command(bytes)?)),
+        Payload::Command(bytes) => EntryPayload::Normal(Request::new(decode_command(bytes)?)),
         Payload::Membership(m) => EntryPayload::Membership(membership_from_pb(m)?),
     };
     Ok(Entry { log_id, payload })
@@ -298,7 +302,7 @@ pub mod legacy {
         let e: EntryV0 = postcard(bytes, "wal entry")?;
         let payload = match e.payload {
             PayloadV0::Blank => EntryPayload::Blank,
-            PayloadV0::Normal(c) => EntryPayload::Normal(Request(c)),
+            PayloadV0::Normal(c) => EntryPayload::Normal(Request::new(c)),
             PayloadV0::Membership(m) => EntryPayload::Membership(membership(m)?),
         };
         Ok(Entry {
@@ -380,7 +384,7 @@ mod tests {
     fn command_entry() -> Entry {
         Entry {
             log_id: lid(7, 2, 300),
-            payload: EntryPayload::Normal(Request(Command::Release {
+            payload: EntryPayload::Normal(Request::new(Command::Release {
                 session: SessionId(5),
                 request: RequestId(9),
                 name: LockName::new("jobs/a").unwrap(),
@@ -574,7 +578,7 @@ mod tests {
             .contains("entry payload is missing"));
         let bad_command = pb::Entry {
             log_id: Some(log_id_to_pb(&lid(1, 1, 1))),
-            payload: Some(pb::entry::Payload::Command(vec![0xff; 3])),
+            payload: Some(pb::entry::Payload::Command(vec![0xff; 3].into())),
         };
         assert!(entry_from_pb(&bad_command).is_err());
         // A voter that is not among the nodes is not a membership.

@@ -485,14 +485,13 @@ impl Group {
 
     async fn propose_for_response(&self, command: Command) -> Result<Response, ProposeError> {
         let give_up = Instant::now() + NEW_LEADER_RETRY;
+        let request = Request::new(command);
         loop {
             let started = Instant::now();
             self.metrics.proposals.inc();
             tracing::trace!(target: "holdfast::hop", group = self.id, "propose");
-            let write = tokio::time::timeout(
-                PROPOSE_TIMEOUT,
-                self.raft.client_write(Request(command.clone())),
-            );
+            let write =
+                tokio::time::timeout(PROPOSE_TIMEOUT, self.raft.client_write(request.clone()));
             let written = write.await;
             tracing::trace!(target: "holdfast::hop", group = self.id, "proposed");
             let Ok(written) = written else {

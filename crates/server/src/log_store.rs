@@ -788,7 +788,7 @@ mod model {
         let payload = if value.is_multiple_of(7) {
             openraft::EntryPayload::Blank
         } else {
-            openraft::EntryPayload::Normal(crate::raft_types::Request(Command::Acquire {
+            openraft::EntryPayload::Normal(crate::raft_types::Request::new(Command::Acquire {
                 session: SessionId(index),
                 request: RequestId(1),
                 name: LockName::new(format!("lock-{index}")).unwrap(),

@@ -1652,7 +1652,7 @@ mod tests {
             },
             Entry {
                 log_id: log_id(3, 42),
-                payload: openraft::EntryPayload::Normal(Request(Command::Release {
+                payload: openraft::EntryPayload::Normal(Request::new(Command::Release {
                     session: SessionId(7),
                     request: RequestId(9),
                     name: LockName::new("frames/a").unwrap(),

@@ -3,10 +3,20 @@
 use holdfast_lock_table::{Command, Outcome};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::sync::Arc;
 
-/// The payload of a normal log entry: one lock table command.
+/// The payload of a normal log entry: one lock table command. Shared, not copied: openraft clones each
+/// entry it reads from the log (a leader once for each follower it sends it to, every server once to
+/// apply it), and a command that carries a session secret boxes the command it authorizes, so a deep
+/// copy was an allocation and a free each time. Compared, printed and serialized as the command.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Request(pub Command);
+pub struct Request(pub Arc<Command>);
+
+impl Request {
+    pub fn new(command: Command) -> Request {
+        Request(Arc::new(command))
+    }
+}
 
 /// openraft prints entries (at debug level) through these: never with a session secret in them.
 impl fmt::Display for Request {
@@ -126,7 +136,7 @@ mod tests {
                 now_ms: 1,
             },
         ] {
-            let request = Request(command);
+            let request = Request::new(command);
             for printed in [format!("{request}"), format!("{request:?}")] {
                 assert!(!printed.contains(&secret.to_string()), "{printed}");
                 assert!(!printed.contains(&format!("{secret:x}")), "{printed}");

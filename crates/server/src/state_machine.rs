@@ -656,7 +656,7 @@ fn apply_one(s: &mut SmState, entry: Entry) -> Response {
             // crashed at the end of the step (see `holdfast_wal::failpoint`).
             let _ = holdfast_wal::failpoint::hit("apply");
             let outcome = s.table.apply(log_id.index, &command);
-            let opened = match &command {
+            let opened = match &*command {
                 holdfast_lock_table::Command::Quota { command, .. } => &**command,
                 other => other,
             };
