@@ -151,13 +151,46 @@ pub fn entry_to_pb(e: &Entry) -> pb::Entry {
         payload: Some(match &e.payload {
             EntryPayload::Blank => Payload::Blank(pb::Blank {}),
             // Exactly its length, so that the `Bytes` takes the allocation over (from a `Vec` with
-            // room to spare it allocates a header besides).
+            // room to spare it allocates a header besides; encoding the message clones the `Bytes`,
+            // which allocates one anyway: the log encodes its entries with `encode_entry`).
             EntryPayload::Normal(Request(c)) => {
                 Payload::Command(encode_command(c).into_boxed_slice().into())
             }
             EntryPayload::Membership(m) => Payload::Membership(membership_to_pb(m)),
         }),
     }
+}
+
+/// `e` encoded as a `pb::Entry`: the bytes of `to_bytes(&entry_to_pb(e))`, written straight into one
+/// buffer for a command, without building the message (its command's `Bytes`, which prost clones to
+/// encode, and the separate buffer of the command's encoding). Every server encodes every entry it
+/// appends to its log this way.
+pub fn encode_entry(e: &Entry) -> Vec<u8> {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, message, WireType};
+    // The fields of `pb::Entry`: its log id, and the payload's `command`.
+    const LOG_ID: u32 = 1;
+    const COMMAND: u32 = 3;
+    let EntryPayload::Normal(Request(c)) = &e.payload else {
+        return to_bytes(&entry_to_pb(e));
+    };
+    let log_id = log_id_to_pb(&e.log_id);
+    let mut out = Vec::with_capacity(128);
+    message::encode(LOG_ID, &log_id, &mut out);
+    encode_key(COMMAND, WireType::LengthDelimited, &mut out);
+    // The command's length goes before it but is known only after it: one byte is kept for it, and
+    // a longer length (a command of 128 bytes or more) moves the command up.
+    let at = out.len();
+    out.push(0);
+    let mut out = postcard::to_extend(&**c, out).expect("encoding to a Vec cannot fail");
+    let n = (out.len() - at - 1) as u64;
+    if encoded_len_varint(n) == 1 {
+        out[at] = n as u8;
+    } else {
+        let mut len = Vec::with_capacity(10);
+        encode_varint(n, &mut len);
+        out.splice(at..at + 1, len);
+    }
+    out
 }
 
 pub fn entry_from_pb(e: &pb::Entry) -> Result<Entry, String> {
@@ -392,6 +425,54 @@ mod tests {
                 now_ms: 1_000,
             })),
         }
+    }
+
+    /// `encode_entry` writes the bytes of the message `entry_to_pb` builds, for commands whose
+    /// encoding takes one byte of length and several, and for the payloads it leaves to the message.
+    #[test]
+    fn an_entry_encoded_directly_is_the_message_s_bytes() {
+        let expire = |n: u64| Entry {
+            log_id: lid(3, 1, 1 << 40),
+            payload: EntryPayload::Normal(Request::new(Command::ExpireSessions {
+                sessions: (0..n).map(|i| SessionId(i << 20)).collect(),
+                now_ms: 7,
+            })),
+        };
+        let entries = [
+            command_entry(),
+            expire(0),
+            // Commands of 126, 127, 128 and 129 bytes and more: the length's varint grows at 128.
+            expire(31),
+            expire(32),
+            expire(33),
+            expire(5_000),
+            Entry {
+                log_id: lid(1, 1, 0),
+                payload: EntryPayload::Blank,
+            },
+            Entry {
+                log_id: lid(2, 1, 5),
+                payload: EntryPayload::Membership(membership()),
+            },
+        ];
+        let mut lengths = BTreeSet::new();
+        for e in &entries {
+            let direct = encode_entry(e);
+            assert_eq!(hex(&direct), hex(&to_bytes(&entry_to_pb(e))), "{e:?}");
+            let back = entry_from_pb(&from_bytes(&direct, "entry").unwrap()).unwrap();
+            assert_eq!(&back, e);
+            if let EntryPayload::Normal(Request(c)) = &e.payload {
+                lengths.insert(postcard::to_allocvec(&**c).unwrap().len());
+            }
+        }
+        assert!(
+            lengths.iter().any(|&n| n < 128) && lengths.iter().any(|&n| (128..16_384).contains(&n)),
+            "the commands do not cover both lengths' sizes: {lengths:?}"
+        );
+        assert!(
+            lengths.contains(&127) || lengths.contains(&128),
+            "{lengths:?}"
+        );
     }
 
     /// (value, format-1 bytes) for every WAL payload shape.

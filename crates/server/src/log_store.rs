@@ -107,7 +107,7 @@ impl GroupLog {
                         (entry, Cow::Borrowed(&r.payload[..]))
                     } else {
                         let entry = formats::legacy::entry(&r.payload)?;
-                        let bytes = formats::to_bytes(&formats::entry_to_pb(&entry));
+                        let bytes = formats::encode_entry(&entry);
                         (entry, Cow::Owned(bytes))
                     };
                     if entry.log_id.index != r.index {
@@ -558,13 +558,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 );
                 next = index + 1;
                 follower &= entry.log_id.leader_id.node_id != self.me;
-                let pb = formats::entry_to_pb(&entry);
+                let bytes = formats::encode_entry(&entry);
                 if crate::state_machine::EXPENSIVE_CHECKS {
                     // What goes to disk must read back as the entry (encode and decode are a pair).
-                    let back = formats::entry_from_pb(&pb).expect("an entry just encoded decodes");
+                    let back = formats::from_bytes(&bytes, "log entry")
+                        .and_then(|pb| formats::entry_from_pb(&pb))
+                        .expect("an entry just encoded decodes");
                     assert!(back == entry, "entry {index} reads back differently");
                 }
-                let bytes = formats::to_bytes(&pb);
                 log.truncate_from(index);
                 log.push(index, &bytes, Some(entry));
                 records.push(self.record(kind::ENTRY, false, index, bytes));

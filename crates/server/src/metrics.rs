@@ -298,7 +298,7 @@ impl Collector for NodeCollector {
         counters(
             &mut e,
             "holdfast_connections_refused",
-            "Connections closed as soon as they were accepted, because max_client_connections (port=\"client\"), MAX_PEER_CONNECTIONS, 256 (port=\"peer\"), or http::MAX_CONNECTIONS, 64 (port=\"http\"), were open.",
+            "Connections closed as soon as they were accepted, because max_client_connections (port=\"client\"), MAX_PEER_CONNECTIONS, 1,024 (port=\"peer\"), or http::MAX_CONNECTIONS, 64 (port=\"http\"), were open.",
             [
                 (label("port", "client"), m.client_connections_refused.load(Relaxed)),
                 (label("port", "peer"), m.peer_connections_refused.load(Relaxed)),
