@@ -150,12 +150,9 @@ pub fn entry_to_pb(e: &Entry) -> pb::Entry {
         log_id: Some(log_id_to_pb(&e.log_id)),
         payload: Some(match &e.payload {
             EntryPayload::Blank => Payload::Blank(pb::Blank {}),
-            // Exactly its length, so that the `Bytes` takes the allocation over (from a `Vec` with
-            // room to spare it allocates a header besides; encoding the message clones the `Bytes`,
-            // which allocates one anyway: the log encodes its entries with `encode_entry`).
-            EntryPayload::Normal(Request(c)) => {
-                Payload::Command(encode_command(c).into_boxed_slice().into())
-            }
+            // A `Bytes` of the encoding's own buffer (encoding the message then costs a header for
+            // it: the log and the append connections encode entries with `encode_entry`).
+            EntryPayload::Normal(Request(c)) => Payload::Command(encode_command(c).into()),
             EntryPayload::Membership(m) => Payload::Membership(membership_to_pb(m)),
         }),
     }
