@@ -190,6 +190,14 @@ pub fn encode_entry(e: &Entry) -> Vec<u8> {
     out
 }
 
+/// Appends `bytes` to `out` as field `field` of a protobuf message: its key, its length, the bytes (an
+/// entry's encoding, as a message's repeated `Entry` field carries it).
+pub fn put_bytes_field(field: u32, bytes: &[u8], out: &mut Vec<u8>) {
+    prost::encoding::encode_key(field, prost::encoding::WireType::LengthDelimited, out);
+    prost::encoding::encode_varint(bytes.len() as u64, out);
+    out.extend_from_slice(bytes);
+}
+
 pub fn entry_from_pb(e: &pb::Entry) -> Result<Entry, String> {
     use pb::entry::Payload;
     let log_id = log_id_from_pb(required(&e.log_id, "entry log id")?);

@@ -323,9 +323,7 @@ impl GroupLog {
         }
         for e in entries {
             let bytes = self.bytes((e.log_id.index - self.first) as usize);
-            prost::encoding::encode_key(field, prost::encoding::WireType::LengthDelimited, out);
-            prost::encoding::encode_varint(bytes.len() as u64, out);
-            out.extend_from_slice(bytes);
+            formats::put_bytes_field(field, bytes, out);
         }
         true
     }

@@ -732,14 +732,7 @@ fn append_frame(
         .expect("encoding to a Vec cannot fail");
     if !rpc.entries.is_empty() && !encoded(&rpc.entries, ENTRIES, &mut frame) {
         for e in &rpc.entries {
-            let bytes = formats::encode_entry(e);
-            prost::encoding::encode_key(
-                ENTRIES,
-                prost::encoding::WireType::LengthDelimited,
-                &mut frame,
-            );
-            prost::encoding::encode_varint(bytes.len() as u64, &mut frame);
-            frame.extend_from_slice(&bytes);
+            formats::put_bytes_field(ENTRIES, &formats::encode_entry(e), &mut frame);
         }
     }
     crate::raw_append::finish_frame(frame)

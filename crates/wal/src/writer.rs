@@ -126,6 +126,14 @@ impl Shared {
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
         self.writer.lock().expect("wal writer lock")
     }
+
+    /// The writer's last act: closes its segment. Not if a commit panicked ([`Committing`]): the
+    /// lock is poisoned then, and the half-done state is left alone.
+    fn close_writer(&self) {
+        if let Ok(mut writer) = self.writer.lock() {
+            writer.close();
+        }
+    }
 }
 
 /// Held by whoever commits. Should the commit unwind (a callback or the observer panicked), it
@@ -591,11 +599,7 @@ fn run(shared: Arc<Shared>, max_batch_bytes: usize) {
             if q.closed && !q.committing && q.ops.is_empty() {
                 q.committing = true;
                 drop(q);
-                // Poisoned: a commit panicked ([`Committing`]); its half-done state is left alone.
-                if let Ok(mut writer) = shared.writer.lock() {
-                    writer.close();
-                }
-                return;
+                return shared.close_writer();
             }
             q.idle = true;
             q = shared.work.wait(q).expect("wal queue lock");
@@ -630,10 +634,7 @@ async fn run_sim(shared: Arc<Shared>, max_batch_bytes: usize, wake: Arc<tokio::s
         };
         if ops.is_empty() {
             if closed {
-                if let Ok(mut writer) = shared.writer.lock() {
-                    writer.close();
-                }
-                return;
+                return shared.close_writer();
             }
             wake.notified().await;
             continue;
