@@ -352,16 +352,19 @@ impl GroupLog {
         }
         .min(after_last);
         let hot_from = after_last - self.hot.len() as u64;
-        (start..end)
-            .map(|index| {
+        // At most the log's length (`start` and `end` are within it).
+        let len = end.saturating_sub(start) as usize;
+        crate::formats::collect_sized(
+            len,
+            (start..end).map(|index| {
                 if index >= hot_from {
                     Ok(self.hot[(index - hot_from) as usize].clone())
                 } else {
                     self.decode((index - self.first) as usize)
                         .map_err(|e| format!("log entry {index}: {e}"))
                 }
-            })
-            .collect()
+            }),
+        )
     }
 
     #[cfg(test)]

@@ -744,11 +744,10 @@ fn append_request_from_pb(
     Ok(AppendEntriesRequest {
         vote: formats::vote_from_pb(required(&m.vote, "vote")?),
         prev_log_id: formats::opt_log_id_from_pb(&m.prev_log_id),
-        entries: m
-            .entries
-            .iter()
-            .map(formats::entry_from_pb)
-            .collect::<Result<Vec<_>, _>>()?,
+        entries: formats::collect_sized(
+            m.entries.len(),
+            m.entries.iter().map(formats::entry_from_pb),
+        )?,
         leader_commit: formats::opt_log_id_from_pb(&m.leader_commit),
     })
 }

@@ -136,10 +136,21 @@ pub fn frame_crc(place: Place, body: &[u8]) -> u32 {
 
 /// Appends a frame holding `body`, to be written at `place`, to `out`.
 pub(crate) fn encode_frame(out: &mut Vec<u8>, place: Place, body: &[u8]) {
-    out.extend_from_slice(&FRAME_MAGIC.to_le_bytes());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&frame_crc(place, body).to_le_bytes());
+    let at = out.len();
+    out.resize(at + FRAME_HEADER_BYTES, 0);
     out.extend_from_slice(body);
+    seal_frame(&mut out[at..], place);
+}
+
+/// Writes the header of `frame` (its first [`FRAME_HEADER_BYTES`]) for the body after it, to be
+/// written at `place`: a batch's records are encoded after room left for the header, which is written
+/// once the frame's place is known (a rotation may change it), so the body is not copied into a
+/// second buffer.
+pub(crate) fn seal_frame(frame: &mut [u8], place: Place) {
+    let (header, body) = frame.split_at_mut(FRAME_HEADER_BYTES);
+    header[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+    header[4..8].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    header[8..12].copy_from_slice(&frame_crc(place, body).to_le_bytes());
 }
 
 /// What a frame at some offset of a file looks like.
