@@ -352,7 +352,8 @@ impl GroupLog {
         }
         .min(after_last);
         let hot_from = after_last - self.hot.len() as u64;
-        // At most the log's length (`start` and `end` are within it).
+        // At most the log's length: `end` is within it and `start` at or past its first entry (0
+        // when `start` is past `end`).
         let len = end.saturating_sub(start) as usize;
         crate::formats::collect_sized(
             len,
