@@ -592,7 +592,8 @@ async fn read_frame_into<R: AsyncRead + Unpin>(
 
 /// `buf`'s bytes as a `Bytes` that holds its buffer, for decoding an append from: prost decodes a
 /// `Bytes` field (an entry's command) from a `Bytes` as a slice of it, where from a `&[u8]` it copied
-/// each into an allocation of its own (one `malloc` per entry on every follower, ~15% of their calls). [`reclaim`] gives the buffer back once nothing points into it.
+/// each into an allocation of its own (one `malloc` per entry on every follower, ~15% of their
+/// calls). [`reclaim`] gives the buffer back once nothing points into it.
 fn share(buf: &mut Vec<u8>) -> Bytes {
     Bytes::from(std::mem::take(buf))
 }
