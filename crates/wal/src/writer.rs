@@ -725,11 +725,7 @@ impl Writer {
         // The frame in one buffer of its size: room for its header, then the records. (Before
         // a64aa7b a body grown from empty was reallocated ~8 times for a batch of a few KiB, then
         // copied into a second buffer behind the header.)
-        let body_len: usize = records
-            .iter()
-            .map(|r| RECORD_HEADER_BYTES + r.payload.len())
-            .sum();
-        let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + body_len);
+        let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + append_bytes(&records));
         frame.resize(FRAME_HEADER_BYTES, 0);
         for r in &records {
             encode_record(&mut frame, r);
