@@ -159,10 +159,11 @@ pub struct ServerConfig {
     pub max_streams_per_connection: u32,
     /// Serve the client port (gRPC and `Calls` connections) on a runtime of its own with this many
     /// worker threads, apart from Raft, the peer port and HTTP; 0: on the server's runtime (the
-    /// default). For servers that share a machine's cores (`holdfast dev` gives each 2 with 1 worker
+    /// default). For servers that share a machine's cores (`holdfast dev` gives each 1 with 1 worker
     /// for the rest): a tokio runtime with several workers wakes a second one each time the first
     /// wakes with work, and a follower, whose client port is idle, then pays that on every append
-    /// (docs/performance.md, "The client port on threads of its own"). Ignored in the simulation.
+    /// (docs/performance.md, "The client port on threads of its own", "One client-port thread").
+    /// Ignored in the simulation.
     pub client_workers: usize,
     /// A follower writes and syncs the entries its leader sends on its own Raft thread, when the WAL
     /// has no group commit under way, instead of handing them to the WAL's writer thread and waiting

@@ -45,13 +45,17 @@ pub struct DevArgs {
     tls: bool,
     /// Worker threads of each server's runtime (`holdfast server --workers`; 0: the server's default,
     /// one per core unless HOLDFAST_WORKERS or TOKIO_WORKER_THREADS is set). The
-    /// servers share this machine's cores, so each gets one for Raft and two for its client port
-    /// (--client-workers): measured in docs/performance.md, "The client port on threads of its own".
+    /// servers share this machine's cores, so each gets one for Raft and one for its client port
+    /// (--client-workers): measured in docs/performance.md, "The client port on threads of its own"
+    /// and "One client-port thread".
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=256))]
     workers: u16,
     /// Worker threads of each server's client port, on a runtime of its own (`holdfast server
-    /// --client-workers`; 0: on the server's runtime, with everything else).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(0..=256))]
+    /// --client-workers`; 0: on the server's runtime, with everything else). One: with two, the
+    /// second is woken to look for work each time the first wakes with some, which cost the servers
+    /// ~10% more CPU per entry at one client; two did more on one connection shared by 64 clients,
+    /// and 64 or 256 clients on connections of their own came out either way.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=256))]
     client_workers: u16,
 }
 

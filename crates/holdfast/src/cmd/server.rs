@@ -131,7 +131,7 @@ pub struct ServerArgs {
     pub workers: Option<u16>,
     /// Serve the client port on a runtime of its own with this many worker threads (default 0: on the
     /// server's runtime). For servers sharing a machine's cores: `holdfast dev` gives each
-    /// `--workers 1 --client-workers 2`.
+    /// `--workers 1 --client-workers 1`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=256))]
     client_workers: Option<u16>,
     /// A follower writes and syncs its leader's entries on its Raft thread when the WAL is idle,

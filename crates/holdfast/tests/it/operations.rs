@@ -398,7 +398,8 @@ async fn a_server_takes_the_scheduling_policy_it_is_given_or_keeps_the_one_it_wa
     }
 }
 
-/// `--workers 1 --client-workers 2` (what `holdfast dev` gives each server): the client port runs on two
+/// `--workers 1 --client-workers 2` (what `holdfast dev` gave each server until 2026-12-07; it now
+/// gives the client port one thread): the client port runs on two
 /// threads of its own and the rest on one; calls are served on the `Calls` connection, keepalives over
 /// gRPC; a stopping leader still hands over and exits cleanly, its client port's runtime shut down from
 /// inside the server's.
