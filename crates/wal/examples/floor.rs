@@ -1,7 +1,8 @@
 //! The floor: what a replicated, synced log entry costs on this machine when nothing but its messages
 //! and syncs is done, measured, to hold Holdfast's figures against (docs/performance.md, "The floor").
 //!
-//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3] [--dir DIR] [--pipelined]`
+//! `scripts/floor-figures [--clients "1 64 256"] [--duration 10] [--runs 3] [--dir DIR] [--pipelined]
+//! [--over-zeros]`
 //! (which builds this example in release and runs it as `floor run ...`) starts five server processes
 //! and a load generator, all of them this program in other roles, on loopback TCP and files in the
 //! temporary directory (`--dir DIR` for another; it must be on a disk, not tmpfs, where `fdatasync`
@@ -25,10 +26,12 @@
 //!
 //! No Raft (no terms, votes or log matching), no lock table, no encoding, no async runtime: each
 //! follower is one thread, and the leader one (two when pipelined), blocking in `poll`, `read` or
-//! `fdatasync`, so they sleep and wake only where the pattern must. Other shapes (a log preallocated
-//! and overwritten in place, `RWF_DSYNC` writes) are not measured. What these figures spend is the
-//! machine's (the kernel's loopback TCP, its wake-ups and the disk) for this shape; what Holdfast
-//! spends beyond them is its own.
+//! `fdatasync`, so they sleep and wake only where the pattern must. Each role appends to its log, so
+//! that each sync also makes the file's new length durable; with `--over-zeros` each writes its log in
+//! place over zeros written and synced before the run, as Holdfast's WAL does (no sync then changes
+//! the file's size or its blocks). Other shapes (`RWF_DSYNC` writes) are not measured. What these
+//! figures spend is the machine's (the kernel's loopback TCP, its wake-ups and the disk) for this
+//! shape; what Holdfast spends beyond them is its own.
 //!
 //! It prints, per client count, the medians of RUNS runs of DURATION seconds (after a 1 s warm-up):
 //! pairs/s, the pair's p50 and p99, the five servers' CPU time per log entry and the leader's part of
@@ -99,10 +102,11 @@ fn listen() -> io::Result<TcpListener> {
 }
 
 fn follower(dir: &Path) -> io::Result<()> {
+    // Before the port is said, so that writing the zeros (`--over-zeros`) is not counted.
+    let mut file = open_log(dir, &format!("follower-{}", std::process::id()))?;
     let listener = listen()?;
     let (socket, _) = listener.accept()?;
     socket.set_nodelay(true)?;
-    let mut file = open_log(dir, &format!("follower-{}", std::process::id()))?;
     let mut writer = socket.try_clone()?;
     // Reads ahead, so a batch that arrived whole is one `recv`.
     let mut reader = BufReader::with_capacity(64 << 10, socket);
@@ -188,6 +192,8 @@ fn leader(args: &[String]) -> io::Result<()> {
         "pipelined" => true,
         other => return Err(io::Error::other(format!("unknown leader mode {other}"))),
     };
+    // Before the port is said, so that writing the zeros (`--over-zeros`) is not counted.
+    let file = open_log(dir, "leader")?;
     let mut peers = Vec::new();
     for port in &args[3..3 + FOLLOWERS] {
         let socket =
@@ -210,7 +216,6 @@ fn leader(args: &[String]) -> io::Result<()> {
             open: true,
         });
     }
-    let file = open_log(dir, "leader")?;
     let (syncs, entries) = if pipelined {
         pipelined_leader(file, peers, callers)?
     } else {
@@ -305,7 +310,7 @@ fn acked_by_quorum(peers: &[Peer]) -> u64 {
 /// Lock-step: takes the requests that have arrived, sends them, syncs them, waits for the quorum,
 /// answers them, and only then takes more. Returns its syncs and entries.
 fn lock_step_leader(
-    mut file: File,
+    mut file: LogFile,
     mut peers: Vec<Peer>,
     mut callers: Vec<Caller>,
 ) -> io::Result<(u64, u64)> {
@@ -353,7 +358,7 @@ fn lock_step_leader(
 /// polls, while the leader goes on taking requests and sending them. A request is answered once its
 /// entry is synced here and by two followers. Returns its syncs and entries.
 fn pipelined_leader(
-    mut file: File,
+    mut file: LogFile,
     mut peers: Vec<Peer>,
     mut callers: Vec<Caller>,
 ) -> io::Result<(u64, u64)> {
@@ -468,11 +473,68 @@ fn poll(fds: &mut [libc::pollfd]) -> io::Result<()> {
     }
 }
 
-fn open_log(dir: &Path, name: &str) -> io::Result<File> {
-    OpenOptions::new()
+/// The bytes of zeros a log is written over with `run --over-zeros`: more than the largest run writes
+/// at one client; a log that reaches its end goes on from its start.
+const ZEROS_BYTES: u64 = 64 << 20;
+
+/// A role's log: appended to, so that each sync also makes the file's new length durable, or with
+/// `run --over-zeros` (which sets `FLOOR_OVER_ZEROS` for the roles) written in place over zeros that
+/// were written and synced before the role said its port, so that no sync changes the file's size or
+/// its blocks, as Holdfast's WAL writes (docs/performance.md, "Syncs that do not grow the file").
+struct LogFile {
+    file: File,
+    /// Where the next write goes when written over zeros.
+    over_zeros_at: Option<u64>,
+}
+
+impl Write for LogFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let Some(at) = &mut self.over_zeros_at else {
+            return self.file.write(buf);
+        };
+        if *at >= ZEROS_BYTES {
+            *at = 0;
+        }
+        let len = buf.len().min((ZEROS_BYTES - *at) as usize);
+        let written = std::os::unix::fs::FileExt::write_at(&self.file, &buf[..len], *at)?;
+        *at += written as u64;
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl LogFile {
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+}
+
+fn open_log(dir: &Path, name: &str) -> io::Result<LogFile> {
+    let path = dir.join(format!("{name}.log"));
+    if std::env::var_os("FLOOR_OVER_ZEROS").is_none() {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        return Ok(LogFile {
+            file,
+            over_zeros_at: None,
+        });
+    }
+    let mut file = OpenOptions::new()
         .create(true)
-        .append(true)
-        .open(dir.join(format!("{name}.log")))
+        .write(true)
+        .truncate(true)
+        .open(path)?;
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..ZEROS_BYTES / zeros.len() as u64 {
+        file.write_all(&zeros)?;
+    }
+    file.sync_all()?;
+    Ok(LogFile {
+        file,
+        over_zeros_at: Some(0),
+    })
 }
 
 /// `client PORT CLIENTS DURATION_MS`: says `measuring` when the warm-up ends and `done` when the
@@ -804,7 +866,7 @@ where
         .map_err(|e| io::Error::other(format!("{flag} {value}: {e}")))
 }
 
-/// `run [--clients "1 64 256"] [--duration SECS] [--runs N] [--dir DIR] [--pipelined]`.
+/// `run [--clients "1 64 256"] [--duration SECS] [--runs N] [--dir DIR] [--pipelined] [--over-zeros]`.
 fn run(args: &[String]) -> io::Result<()> {
     let mut clients = vec![1usize, 64, 256];
     let mut duration = Duration::from_secs(10);
@@ -815,12 +877,18 @@ fn run(args: &[String]) -> io::Result<()> {
     while let Some(flag) = args.next() {
         if matches!(flag.as_str(), "--help" | "-h") {
             println!(
-                "floor run [--clients \"1 64 256\"] [--duration SECS] [--runs N] [--dir DIR] [--pipelined] (docs/performance.md, \"The floor\")"
+                "floor run [--clients \"1 64 256\"] [--duration SECS] [--runs N] [--dir DIR] [--pipelined] [--over-zeros] (docs/performance.md, \"The floor\")"
             );
             return Ok(());
         }
         if flag == "--pipelined" {
             mode = "pipelined";
+            continue;
+        }
+        if flag == "--over-zeros" {
+            // Read by the roles' `open_log`; set before any of them starts (and before this
+            // process has a second thread).
+            std::env::set_var("FLOOR_OVER_ZEROS", "1");
             continue;
         }
         let value = args
@@ -848,7 +916,12 @@ fn run(args: &[String]) -> io::Result<()> {
         ));
     }
     on_a_disk(&dir)?;
-    println!("the floor, leader {mode}:");
+    let shape = if std::env::var_os("FLOOR_OVER_ZEROS").is_some() {
+        "logs written over zeros"
+    } else {
+        "logs appended to"
+    };
+    println!("the floor, leader {mode}, {shape}:");
     println!(
         "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry (the leader's) | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
     );
