@@ -10,9 +10,10 @@
 //! client, each with a connection of its own, each sending one 64-byte request at a time, two per pair
 //! (as an acquire and its release). Each server does only the messages and syncs the design asks of
 //! every log entry:
-//! - a follower reads a batch, appends it to its file, `fdatasync`s, and answers with its last index;
+//! - a follower reads a batch, writes it to its file (appended, or over zeros: below), `fdatasync`s,
+//!   and answers with its last index;
 //! - the leader sends each follower whose previous batch is answered (one batch in flight per
-//!   follower, as Holdfast replicates) every entry it has not had, appends the entries to its own file
+//!   follower, as Holdfast replicates) every entry it has not had, writes the entries to its own file
 //!   and `fdatasync`s them, and answers a request once its entry is synced there and by two followers
 //!   (it keeps in memory the entries some follower has not been sent, and drops the rest in steps of
 //!   [`TRIM_ENTRIES`]).
