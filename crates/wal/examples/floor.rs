@@ -874,6 +874,7 @@ fn run(args: &[String]) -> io::Result<()> {
     let mut runs = 3;
     let mut dir = std::env::temp_dir();
     let mut mode = "lock-step";
+    let mut shape = "logs appended to";
     let mut args = args.iter();
     while let Some(flag) = args.next() {
         if matches!(flag.as_str(), "--help" | "-h") {
@@ -890,6 +891,7 @@ fn run(args: &[String]) -> io::Result<()> {
             // Read by the roles' `open_log`; set before any of them starts (and before this
             // process has a second thread).
             std::env::set_var("FLOOR_OVER_ZEROS", "1");
+            shape = "logs written over zeros";
             continue;
         }
         let value = args
@@ -917,11 +919,6 @@ fn run(args: &[String]) -> io::Result<()> {
         ));
     }
     on_a_disk(&dir)?;
-    let shape = if std::env::var_os("FLOOR_OVER_ZEROS").is_some() {
-        "logs written over zeros"
-    } else {
-        "logs appended to"
-    };
     println!("the floor, leader {mode}, {shape}:");
     println!(
         "| clients | pairs/s | pair p50 / p99 ms | servers' CPU ms per entry (the leader's) | switches per entry | load generator's CPU ms per entry | entries per leader sync |"
